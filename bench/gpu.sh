@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU benchmark and parity, for a lent CUDA machine, in one call of at most 8 minutes:
+#   1. parity with speculators on the flex-attention paths, float32 (bench/gpu_parity.py);
+#   2. training-step throughput, bf16, ours (flex BlockMask + compiled flex_attention) against speculators
+#      (simple_flex_attention, its compiled forward) in the same process: tokens/s, peak memory, model FLOPs
+#      utilisation against the bf16 dense peak (989 TFLOPS on H100/H200; --peak-tflops otherwise).
+# The machine reaches no network: PYTHON must already have torch (CUDA), transformers and, for the
+# comparison, speculators 0.9.0 (pip install speculators==0.9.0 where a network exists). Without
+# speculators, step 1 is skipped and step 2 times ours alone.
+#   bash bench/gpu.sh                       # writes bench-gpu/*.json|txt (or $OUT if set)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+RESULTS="${OUT:-bench-gpu}"
+mkdir -p "$RESULTS"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+deadline() { timeout --signal=INT "$@"; }
+
+{
+    date -u
+    nvidia-smi -L || true
+    "$PYTHON" - <<'PY'
+import importlib.metadata as md, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+for name in ("transformers", "speculators"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "NOT INSTALLED")
+PY
+} 2>&1 | tee "$RESULTS/env.txt"
+
+HAVE_SPECULATORS=0
+"$PYTHON" -c "import speculators.models.dflash.core" 2>/dev/null && HAVE_SPECULATORS=1
+
+if [ "$HAVE_SPECULATORS" = 1 ]; then
+    echo "== parity on CUDA (flex paths, float32)"
+    deadline 150 "$PYTHON" bench/gpu_parity.py 2>&1 | grep -v Warning | tee "$RESULTS/gpu_parity.txt"
+else
+    echo "== speculators not importable: parity skipped, throughput times ours alone" | tee "$RESULTS/gpu_parity.txt"
+fi
+
+echo "== training step, bf16 (medium, then large)"
+deadline 140 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --sizes medium --repeats 20 --warmup 3 \
+    --json "$RESULTS/train_step_medium.json" 2>&1 | grep -v Warning | tee "$RESULTS/train_step_medium.txt"
+deadline 170 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --sizes large --repeats 20 --warmup 3 \
+    --json "$RESULTS/train_step_large.json" 2>&1 | grep -v Warning | tee "$RESULTS/train_step_large.txt"
+date -u | tee -a "$RESULTS/env.txt"

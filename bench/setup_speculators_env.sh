@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Creates the reference environment for the parity tests and the benchmarks against speculators:
+# vllm-project/speculators 0.9.0 on CPU, in its own virtual environment (it pins transformers <= 5.19,
+# which our main .venv does not). Idempotent: a finished environment is reused.
+#
+#   bash bench/setup_speculators_env.sh                 # -> .venv-speculators
+#   SPECULATORS_VENV=/tmp/specvenv bash bench/setup_speculators_env.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${SPECULATORS_VENV:-.venv-speculators}"
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="${TORCH_CPU_VERSION:-2.13.0}"
+TORCH_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+SPECULATORS_VERSION="${SPECULATORS_VERSION:-0.9.0}"
+PIP="$VENV/bin/python -m pip"
+
+if [ -f "$VENV/.installed" ]; then
+    echo "speculators environment ready: $VENV"
+    exit 0
+fi
+
+"$PYTHON" -m venv "$VENV"
+$PIP install -q --upgrade pip
+# torch first and the CPU build: a plain `torch` from PyPI is a multi-GB CUDA build. A complete local
+# wheelhouse when there is one; else PyTorch's CPU index as an EXTRA index, so pip still finds torch's
+# dependencies (and a configured local mirror) and prefers 2.13.0+cpu, which sorts above PyPI's 2.13.0.
+$PIP install -q --no-index "torch==$TORCH_VERSION" 2>/dev/null \
+    || $PIP install -q --retries 1 --timeout 20 "torch==$TORCH_VERSION" --extra-index-url "$TORCH_INDEX"
+"$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" \
+    || echo "warning: $VENV got a CUDA build of torch; the parity tests still run on CPU" >&2
+$PIP install -q "torch==$TORCH_VERSION" "speculators==$SPECULATORS_VERSION"
+# speculators pulls torchvision/torchaudio from PyPI as CUDA builds; their import breaks speculators'
+# import on a CPU machine, and nothing we run needs them.
+$PIP uninstall -y -q torchvision torchaudio
+# What our trainer package and the parity tests import besides torch and transformers (speculators
+# brings transformers, safetensors, pydantic, pyyaml, rich, typer, tokenizers, httpx already).
+$PIP install -q pytest platformdirs
+
+# Fail here, not in CI, if the environment cannot import what the parity tests need.
+PYTHONPATH=. "$VENV/bin/python" - <<'PY'
+import speculators, torch, transformers
+from speculators.models.dflash.core import DFlashDraftModel  # noqa: F401
+from speculators.losses import resolve_loss_config
+resolve_loss_config("ce", "eager")
+import trainer.run.step  # noqa: F401  (our side of the comparison)
+from importlib.metadata import version
+print(f"speculators {version('speculators')}, torch {torch.__version__}, transformers {transformers.__version__}")
+PY
+touch "$VENV/.installed"
+echo "speculators environment ready: $VENV"

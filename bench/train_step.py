@@ -1,0 +1,359 @@
+"""Training-step throughput and peak memory: our DFlash step against speculators' DFlashDraftModel.
+
+Both run in the SAME process on the same inputs and the same starting weights, alternating step by step
+(the order flips every repeat), so machine load hits both alike and the ratio is measured, not assembled
+from two runs. One step = forward, loss, backward, AdamW step, for both:
+  * ours: trainer.run.step.dflash_step (anchors, mask, drafter, target lm_head, loss) + backward + AdamW;
+  * speculators: DFlashDraftModel.forward (anchors, mask, drafter, verifier lm_head, loss) + the same.
+Inputs are what each side consumes: the selected-layer features and the verifier's last hidden state.
+Our step also computes the target logits lm_head(norm(h_last)) over all S positions inside the timed
+step (the frozen target's forward does that in the trainer); speculators computes them only at the A*B
+block positions. Both draw the same anchors: speculators' sampler seeded through the global generator
+picks exactly what ours picks with the same seed (tests/parity checks this), so losses can be compared
+step by step: the "loss rel diff" column is the largest relative difference over all timed steps while
+both models train side by side.
+
+Memory (CPU): peak resident memory of one step above the resident memory just before it, read from
+/proc/self/status VmHWM after resetting the high-water mark (/proc/self/clear_refs "5"). glibc would
+otherwise keep freed blocks resident and hide later peaks, so the script runs with a fixed mmap threshold
+(MALLOC_MMAP_THRESHOLD_=65536: every tensor above 64 KiB is its own mapping, returned on free). It also
+reports the bytes autograd saves for backward (saved_tensors_hooks), an allocator-independent number.
+Memory (CUDA): torch.cuda.max_memory_allocated above the allocation before the step.
+
+    PYTHONPATH=. .venv-speculators/bin/python bench/train_step.py                  # CPU, all sizes
+    PYTHONPATH=. python bench/train_step.py --device cuda --dtype bfloat16 --sizes large   # bench/gpu.sh
+Without speculators importable it times ours alone and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform.startswith("linux"):
+    # Must be set before the allocator starts: re-exec once with it (see the module docstring).
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "parity")]
+
+import torch  # noqa: E402
+from parity_harness import (  # noqa: E402
+    ModelDims,
+    ParityCase,
+    StandInTarget,
+    build_our_drafter,
+    make_inputs,
+)
+
+from trainer.model.attention_mask import sdpa_mask  # noqa: E402
+from trainer.model.anchors import sample_anchors  # noqa: E402
+from trainer.run.step import StepPlan, anchor_generator, dflash_step  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    dims: ModelDims
+    seq_len: int
+    max_anchors: int
+    block_size: int
+    docs: int
+
+
+SIZES = {
+    "tiny": Size("tiny", ModelDims(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, draft_layers=2,
+                                   vocab=128, num_features=5), seq_len=256, max_anchors=32, block_size=8, docs=3),
+    "small": Size("small", ModelDims(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=768, draft_layers=2,
+                                     vocab=2048, num_features=5), seq_len=512, max_anchors=64, block_size=8, docs=3),
+    "medium": Size("medium", ModelDims(hidden=512, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
+                                       draft_layers=3, vocab=4096, num_features=5),
+                   seq_len=1024, max_anchors=64, block_size=16, docs=3),
+    # GPU only: a Qwen3-1.7B-shaped drafter (H 2048, 16/8 heads, 5 layers), 4k context, 512 anchors x 16.
+    "large": Size("large", ModelDims(hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=6144,
+                                     draft_layers=5, vocab=32768, num_features=5),
+                  seq_len=4096, max_anchors=512, block_size=16, docs=4),
+}
+
+
+def peak_rss_probe() -> tuple[Callable[[], None], Callable[[], int]]:
+    """(reset, read): reset the resident high-water mark; read the peak above the RSS at reset, in bytes."""
+    baseline = [0]
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{key} not in /proc/self/status")
+
+    def reset() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        baseline[0] = status("VmRSS:")
+
+    def read() -> int:
+        return status("VmHWM:") - baseline[0]
+
+    return reset, read
+
+
+class SavedBytes:
+    """Bytes autograd keeps for backward during the wrapped forward (each storage counted once)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return t
+
+    def context(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def drafter_train_flops(size: Size, inputs, anchors, anchor_valid) -> float:
+    """Model FLOPs of one training step of the drafter (the same count for both implementations).
+
+    2*m*n*k per matmul; backward is twice the forward for trainable weights and once for the frozen draft
+    lm_head (input gradient only). Attention counts only the query/key pairs the DFlash mask lets through.
+    The target's logits are the frozen target's work, not the drafter's, and are left out.
+    """
+    d = size.dims
+    n_rows, s = inputs.input_ids.shape
+    q = size.max_anchors * size.block_size
+    kv = s + q
+    visible = int(sdpa_mask(anchors, anchor_valid, inputs.doc_ids, size.block_size, False).sum())
+    per_layer = (
+        2 * q * d.hidden * d.heads * d.head_dim  # q_proj
+        + 2 * 2 * kv * d.hidden * d.kv_heads * d.head_dim  # k_proj, v_proj over context and block
+        + 2 * q * d.heads * d.head_dim * d.hidden  # o_proj
+        + 3 * 2 * q * d.hidden * d.intermediate  # gate, up, down
+    ) * n_rows + 2 * 2 * d.heads * d.head_dim * visible  # scores and weighted values
+    trainable = 2 * s * d.num_features * d.hidden * d.hidden * n_rows + d.draft_layers * per_layer
+    draft_head = 2 * q * d.hidden * d.vocab * n_rows
+    return 3.0 * trainable + 2.0 * draft_head
+
+
+def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    case = ParityCase(size.name, size.block_size, size.max_anchors, (size.docs,), size.seq_len, 4.0, args.loss,
+                      speculators_attn or "sdpa", seed=7, dims=size.dims)
+    inputs = make_inputs(case)
+    drafter = build_our_drafter(case)
+    model = None
+    if speculators_attn is not None:
+        from parity_harness import build_speculators_model, speculators_loss_config
+
+        model = build_speculators_model(case, drafter, inputs)
+        loss_config = speculators_loss_config(case.loss_kind)
+    # Move everything to the device and dtype after the weights are shared (the harness builds on CPU).
+    for name in ("features", "last_hidden", "embed_weight", "lm_head_weight", "verifier_norm_weight"):
+        setattr(inputs, name, getattr(inputs, name).to(device=device, dtype=dtype))
+    for name in ("input_ids", "position_ids", "doc_ids", "loss_mask"):
+        setattr(inputs, name, getattr(inputs, name).to(device))
+    drafter.to(device=device, dtype=dtype)
+    if model is not None:
+        model.to(device=device, dtype=dtype)
+
+    target = StandInTarget(inputs, size.dims.rms_eps)
+    plan = StepPlan(feature_layer_ids=list(range(1, size.dims.num_features + 1)), logits_source="final",
+                    block_size=size.block_size, max_anchors=size.max_anchors, gamma=4.0, loss_kind=args.loss,
+                    context_includes_anchor=False, mask_token_id=case.mask_token_id)
+    batch = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "doc_ids": inputs.doc_ids,
+             "loss_mask": inputs.loss_mask}
+    tokens = int((inputs.doc_ids >= 0).sum())
+    seed = 0
+
+    def ours(step: int, saved: SavedBytes | None = None) -> float:
+        with saved.context() if saved else _null():
+            loss, _ = dflash_step(target, drafter, batch, plan, anchor_generator(seed, step, device))
+        loss.backward()
+        our_opt.step()
+        our_opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def theirs(step: int, saved: SavedBytes | None = None) -> float:
+        torch.manual_seed(seed * 1_000_003 + step)  # the anchors ours draws for this step (same sampler)
+        with saved.context() if saved else _null():
+            _, loss, _ = model(
+                hidden_states=inputs.features, input_ids=inputs.input_ids, loss_mask=inputs.loss_mask,
+                verifier_last_hidden_states=inputs.last_hidden, document_ids=inputs.doc_ids,
+                position_ids=inputs.position_ids, loss_config=loss_config, gamma=4.0,
+                max_anchors=size.max_anchors, per_position_loss_weight="fixed-exp-decay",
+            )
+        loss.backward()
+        their_opt.step()
+        their_opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    our_opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    runners = {"ours": ours}
+    if model is not None:
+        their_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        runners["speculators"] = theirs
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times = {k: [] for k in runners}
+    cpu_times = {k: [] for k in runners}
+    peaks = {k: [] for k in runners}
+    losses = {k: [] for k in runners}
+    saved_bytes = {}
+    reset, read = peak_rss_probe() if device.type == "cpu" else (None, None)
+    for step in range(1, args.warmup + args.repeats + 1):
+        order = list(runners) if step % 2 else list(reversed(runners))
+        for name in order:
+            saved = SavedBytes() if step == 1 else None
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            else:
+                reset()
+            sync()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            loss = runners[name](step, saved)
+            sync()
+            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
+            peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else read()
+            if saved is not None:
+                saved_bytes[name] = saved.bytes
+            losses[name].append(loss)
+            if step > args.warmup:
+                times[name].append(elapsed)
+                cpu_times[name].append(cpu_elapsed)
+                peaks[name].append(peak)
+
+    anchors, valid = sample_anchors(inputs.loss_mask.cpu(), inputs.doc_ids.cpu(), size.block_size,
+                                    size.max_anchors, anchor_generator(seed, 1, device))
+    flops = drafter_train_flops(size, _cpu(inputs), anchors, valid)
+    result = {
+        "size": size.name, "dims": asdict(size.dims), "seq_len": size.seq_len, "max_anchors": size.max_anchors,
+        "block_size": size.block_size, "tokens_per_step": tokens, "device": str(device), "dtype": args.dtype,
+        "loss": args.loss, "speculators_attn": speculators_attn, "repeats": args.repeats, "warmup": args.warmup,
+        "threads": torch.get_num_threads(), "drafter_train_flops": flops,
+    }
+    for name in runners:
+        median = statistics.median(times[name])
+        result[name] = {
+            "median_step_s": median,
+            "tokens_per_s": tokens / median,
+            "step_s": times[name],
+            "median_cpu_s": statistics.median(cpu_times[name]),
+            "peak_mem_median_bytes": statistics.median(peaks[name]),
+            "autograd_saved_bytes": saved_bytes.get(name),
+            "tflops": flops / median / 1e12,
+            "first_loss": losses[name][0],
+            "last_loss": losses[name][-1],
+        }
+    if model is not None:
+        result["throughput_ratio_ours_over_speculators"] = (
+            result["speculators"]["median_step_s"] / result["ours"]["median_step_s"]
+        )
+        result["cpu_time_ratio_speculators_over_ours"] = (
+            result["speculators"]["median_cpu_s"] / result["ours"]["median_cpu_s"]
+        )
+        result["peak_mem_ratio_ours_over_speculators"] = (
+            result["ours"]["peak_mem_median_bytes"] / max(result["speculators"]["peak_mem_median_bytes"], 1)
+        )
+        result["loss_max_rel_diff"] = max(
+            abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["speculators"])
+        )
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cpu(inputs):
+    class View:
+        input_ids = inputs.input_ids.cpu()
+        doc_ids = inputs.doc_ids.cpu()
+
+    return View
+
+
+def speculators_available() -> bool:
+    try:
+        import speculators.models.dflash.core  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: time ours alone
+        print(f"speculators is not importable ({exc!r}): timing ours alone", file=sys.stderr)
+        return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="tiny,small,medium", help=f"comma list of {', '.join(SIZES)}")
+    parser.add_argument("--repeats", type=int, default=9, help="timed steps per implementation (median reported)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--loss", default="ce", choices=["ce", "kl"])
+    parser.add_argument("--speculators-attn", default=None,
+                        help="speculators' attention: sdpa | eager | simple_flex_attention "
+                             "(default: sdpa on CPU, simple_flex_attention on CUDA)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="accelerator peak for MFU (default: 989 for H100/H200 bf16 dense)")
+    parser.add_argument("--json", type=Path, default=None, help="also write all results here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    attn = args.speculators_attn or ("simple_flex_attention" if args.device.startswith("cuda") else "sdpa")
+    have_speculators = speculators_available()
+    peak = args.peak_tflops
+    if peak is None and args.device.startswith("cuda") and args.dtype == "bfloat16":
+        name = torch.cuda.get_device_name()
+        peak = 989.0 if ("H100" in name or "H200" in name) else None
+
+    results = []
+    for size_name in args.sizes.split(","):
+        r = bench_size(SIZES[size_name], args, attn if have_speculators else None)
+        results.append(r)
+        line = (f"{r['size']:>6}  S={r['seq_len']} A={r['max_anchors']} B={r['block_size']} H={r['dims']['hidden']} "
+                f"V={r['dims']['vocab']} L={r['dims']['draft_layers']}  tokens/step={r['tokens_per_step']}\n"
+                f"        ours:        {r['ours']['tokens_per_s']:10.1f} tok/s  median {r['ours']['median_step_s']*1e3:8.2f} ms"
+                f"  peak {r['ours']['peak_mem_median_bytes']/2**20:8.1f} MiB"
+                f"  saved-for-backward {(r['ours']['autograd_saved_bytes'] or 0)/2**20:7.1f} MiB")
+        if peak:
+            line += f"  MFU {r['ours']['tflops']/peak:.1%}"
+        if "speculators" in r:
+            s = r["speculators"]
+            line += (f"\n        speculators: {s['tokens_per_s']:10.1f} tok/s  median {s['median_step_s']*1e3:8.2f} ms"
+                     f"  peak {s['peak_mem_median_bytes']/2**20:8.1f} MiB"
+                     f"  saved-for-backward {(s['autograd_saved_bytes'] or 0)/2**20:7.1f} MiB")
+            if peak:
+                line += f"  MFU {s['tflops']/peak:.1%}"
+            line += (f"\n        ratio ours/speculators: throughput x{r['throughput_ratio_ours_over_speculators']:.3f}"
+                     f" (by process CPU time x{r['cpu_time_ratio_speculators_over_ours']:.3f})"
+                     f", peak memory x{r['peak_mem_ratio_ours_over_speculators']:.3f}"
+                     f"; loss max rel diff over {args.warmup + args.repeats} side-by-side steps "
+                     f"{r['loss_max_rel_diff']:.1e}")
+        print(line, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""`sleuth diagnose`: find what is wrong with a DFlash drafter run (or any DFlash implementation's code).
+
+Exit 0: no mismatch; 1: mismatches; 2: error (one line on stderr, never a traceback for a user's mistake).
+The report files are always written; --format picks what goes to stdout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+EXIT_CLEAN, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
+# Set to see the traceback of an unexpected failure (a bug in sleuth, not a user's mistake).
+DEBUG_ENV = "SLEUTH_DEBUG"
+
+
+class OutputFormat(str, Enum):
+    text = "text"
+    md = "md"
+    json = "json"
+    sarif = "sarif"
+
+
+def diagnose_command(
+    run: Annotated[
+        str | None,
+        typer.Option("--run", metavar="NAME|PATH", help="Run name (in --runs-dir) or path of a run directory."),
+    ] = None,
+    runs_dir: Annotated[
+        Path | None,
+        typer.Option("--runs-dir", metavar="DIR", help="Where runs live (default ./runs, or the run path's parent)."),
+    ] = None,
+    baseline: Annotated[
+        str | None,
+        typer.Option("--baseline", metavar="RUN", help="Compare with this run instead of the best earlier one."),
+    ] = None,
+    reference: Annotated[
+        str | None,
+        typer.Option("--reference", metavar="NAME", help="Reference implementation (default: the playbook's)."),
+    ] = None,
+    reference_path: Annotated[
+        Path | None,
+        typer.Option("--reference-path", metavar="CHECKOUT", help="A local git checkout of the reference."),
+    ] = None,
+    code: Annotated[
+        Path | None,
+        typer.Option("--code", metavar="PATH", help="Diagnose this DFlash implementation (file or source tree)."),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", metavar="FILE", help="The run configuration (JSON/YAML) that goes with --code."),
+    ] = None,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Resolve the reference from local checkouts and the cache only.")
+    ] = False,
+    output_format: Annotated[
+        OutputFormat, typer.Option("--format", help="What to print on stdout; the files are always written.")
+    ] = OutputFormat.text,
+    out: Annotated[
+        Path | None, typer.Option("--out", metavar="DIR", help="Report directory (default: <run>/diagnosis/).")
+    ] = None,
+) -> None:
+    """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl."""
+    from rich.console import Console
+
+    from sleuth.diagnose import DiagnoseError, DiagnoseRequest, diagnose, live_listener
+
+    errors = Console(stderr=True, highlight=False)
+    request = DiagnoseRequest(
+        run=run,
+        runs_dir=runs_dir,
+        baseline=baseline,
+        reference=reference,
+        reference_path=reference_path,
+        code=code,
+        config=config,
+        offline=offline,
+        out=out,
+    )
+    listener = live_listener(errors) if sys.stderr.isatty() else None
+    try:
+        result = diagnose(request, listener=listener)
+    except DiagnoseError as exc:
+        _error(errors, str(exc))
+        raise typer.Exit(EXIT_ERROR) from None
+    except KeyboardInterrupt:
+        _error(errors, "interrupted")
+        raise typer.Exit(EXIT_ERROR) from None
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        _error(
+            errors,
+            f"internal error ({type(exc).__name__}{': ' + first if first else ''}); "
+            f"rerun with {DEBUG_ENV}=1 for the traceback",
+        )
+        raise typer.Exit(EXIT_ERROR) from None
+
+    _print(result, output_format)
+    if result.exit_code != EXIT_CLEAN:
+        raise typer.Exit(result.exit_code)
+
+
+def _error(console, message: str) -> None:  # noqa: ANN001 - rich Console, imported lazily
+    from rich.text import Text
+
+    # One line whatever the terminal width; the message is plain text, never rich markup.
+    console.print(Text("error: ", style="red") + Text(message), soft_wrap=True)
+
+
+def _print(result, output_format: OutputFormat) -> None:  # noqa: ANN001 - Diagnosis, imported lazily
+    if output_format is OutputFormat.text:
+        from rich.console import Console
+
+        from sleuth.report.text import print_text
+
+        print_text(result.report, Console(highlight=False), result.files)
+    elif output_format is OutputFormat.json:
+        sys.stdout.write(result.files["report.json"].read_text())
+    elif output_format is OutputFormat.md:
+        sys.stdout.write(result.files["report.md"].read_text())
+    else:
+        sys.stdout.write(result.files["report.sarif"].read_text())
+    sys.stdout.flush()
+
+
+# A one-command app, for tests and for running this command alone (`python -m sleuth.commands.diagnose`).
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command()(diagnose_command)
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,210 @@
+"""Config evidence: what a run's resolved config says it ran with, key by key.
+
+The resolved config is the strongest observed source for switches: it is what actually ran. Readers
+turn raw keys into the canonical values the playbook compares (e.g. fc_layers null -> "all").
+Keys may sit at the top level or nested (other trainers' YAML): a key is found by its leaf name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass
+class ConfigReading:
+    value: Any  # canonical value, as the playbook's expected values are written
+    key: str  # the config key it was read from (dotted when nested)
+    raw: Any  # the raw value there
+    confidence: float = 0.95
+    detail: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunMeta:
+    """Facts from the run directory beside the config (run.json): the target's depth, where it came from."""
+
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    source: str | None = None  # path of the run.json read
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        out[dotted] = value
+        if isinstance(value, dict):
+            out.update(flatten(value, dotted + "."))
+    return out
+
+
+def lookup(config: dict[str, Any] | None, keys: list[str]) -> tuple[str, Any] | None:
+    """The first of `keys` present (top level first, then as the leaf of a nested key)."""
+    if not config:
+        return None
+    flat = flatten(config)
+    for key in keys:
+        if key in config:
+            return key, config[key]
+    for key in keys:
+        for dotted, value in flat.items():
+            if dotted.rsplit(".", 1)[-1] == key:
+                return dotted, value
+    return None
+
+
+def find_run_meta(config_source: str | None, checkpoint: Path | None) -> RunMeta:
+    """run.json beside config.json, or two levels above checkpoints/step-*/drafter.safetensors."""
+    candidates: list[Path] = []
+    if config_source:
+        candidates.append(Path(config_source).parent / "run.json")
+    if checkpoint is not None:
+        ckpt = Path(checkpoint)
+        candidates += [ckpt.parent / "run.json", ckpt.parent.parent / "run.json", ckpt.parent.parent.parent / "run.json"]
+    for path in candidates:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        target = data.get("target") if isinstance(data, dict) else None
+        if isinstance(target, dict):
+            layers, hidden = target.get("num_layers"), target.get("hidden_size")
+            return RunMeta(
+                num_layers=layers if isinstance(layers, int) else None,
+                hidden_size=hidden if isinstance(hidden, int) else None,
+                source=str(path),
+            )
+    return RunMeta()
+
+
+def zlab_layer_ids(num_layers: int, k: int) -> list[int]:
+    """The reference selection (z-lab build_target_layer_ids): k layers evenly from 1 to L-3; one: [L//2]."""
+    if k == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+
+
+def vllm_default_layer_ids(num_layers: int) -> list[int]:
+    """speculators' own default, in vLLM's convention (id i = HF hidden_states[i])."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+# --- readers: (config, keys, meta) -> ConfigReading | None -----------------------------------------------
+
+
+def _read_target_layer_ids(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    found = lookup(config, keys)
+    if found is None or not isinstance(found[1], list) or not found[1]:
+        return None
+    key, ids = found
+    if meta.num_layers is None:
+        return ConfigReading(None, key, ids, detail=f"{ids}; the target's depth is unknown (no run.json)")
+    formula = zlab_layer_ids(meta.num_layers, len(ids))
+    if ids == formula:
+        return ConfigReading("evenly-1-to-L-3", key, ids, detail=f"{ids} for an L={meta.num_layers} target")
+    reading = ConfigReading(f"custom {ids}", key, ids, detail=f"{ids}; the rule gives {formula} for L={meta.num_layers}")
+    if len(ids) == 3 and ids == vllm_default_layer_ids(meta.num_layers):
+        reading.notes.append(
+            "these are speculators' default ids [2, L//2, L-3], in vLLM's convention (id i = HF hidden_states[i]); "
+            "read in z-lab's convention they are one layer off"
+        )
+    return reading
+
+
+def _read_fc_layers(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    found = lookup(config, keys)
+    if found is None:
+        return None
+    key, value = found
+    ids = lookup(config, ["target_layer_ids"])
+    k = len(ids[1]) if ids and isinstance(ids[1], list) else None
+    if value is None:
+        return ConfigReading("all", key, value, detail=f"fc_layers null: all {k or 'k'} selected layers")
+    if isinstance(value, list):
+        if k is not None and sorted(value) == list(range(k)):
+            return ConfigReading("all", key, value, detail=f"fc_layers {value} = all {k} selected layers")
+        detail = f"fc_layers {value}: {len(value)} of {k if k is not None else '?'} selected layers"
+        if k is None:
+            return ConfigReading("subset?", key, value, confidence=0.5, detail=detail + " (target_layer_ids unknown)")
+        return ConfigReading("subset", key, value, detail=detail)
+    return None
+
+
+def _read_logits_source(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    found = lookup(config, keys)
+    if found is None:
+        return None
+    key, value = found
+    if value == "final":
+        return ConfigReading("final", key, value, detail="the target model's output logits")
+    if isinstance(value, int) and not isinstance(value, bool):
+        reading = ConfigReading("intermediate", key, value, detail=f"lm_head(norm(h_{value})) of target layer {value}")
+        if meta.num_layers is not None and value >= meta.num_layers - 1:
+            reading.notes.append(f"layer {value} is the target's last layer; HF's last hidden state is already normed")
+        return reading
+    if value == "last_selected":
+        return ConfigReading("intermediate", key, value, detail="the last selected target layer")
+    return None
+
+
+def _read_context_includes_anchor(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    found = lookup(config, keys)
+    if found is None or not isinstance(found[1], bool):
+        return None
+    key, value = found
+    if value:
+        return ConfigReading("kv <= anchor", key, value, detail="context includes the anchor position")
+    return ConfigReading("kv < anchor", key, value, detail="context strictly before the anchor")
+
+
+def _read_number(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    found = lookup(config, keys)
+    if found is None:
+        return None
+    key, value = found
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return ConfigReading(None if value is None else float(value), key, value)
+    return None
+
+
+def _read_loss_kind(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    found = lookup(config, keys)
+    if found is None or not isinstance(found[1], str):
+        return None
+    key, value = found
+    canonical = {"ce": "ce", "cross_entropy": "ce", "kl": "kl", "kl_div": "kl", "kld": "kl"}.get(value.lower())
+    return ConfigReading(canonical or f"other:{value}", key, value)
+
+
+def _read_max_anchors(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    found = lookup(config, keys)
+    if found is None:
+        return None
+    key, value = found
+    # The count is a budget, not the sampling rule: it never decides the status on its own.
+    reading = ConfigReading(None, key, value, confidence=0.0, detail=f"max_anchors {value}")
+    if isinstance(value, int) and value != 512:
+        reading.notes.append(f"max_anchors {value} (speculators' default is 512): fewer blocks per sequence, same rule")
+    return reading
+
+
+CONFIG_READERS: dict[str, Callable[[dict, list[str], RunMeta], ConfigReading | None]] = {
+    "target_layer_ids": _read_target_layer_ids,
+    "fc_layers": _read_fc_layers,
+    "logits_source": _read_logits_source,
+    "context_includes_anchor": _read_context_includes_anchor,
+    "number": _read_number,
+    "loss_kind": _read_loss_kind,
+    "max_anchors": _read_max_anchors,
+}
+
+
+def read_config(reader: str, config: dict | None, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    if not config:
+        return None
+    return CONFIG_READERS[reader](config, keys, meta)

@@ -1,0 +1,338 @@
+"""The attention mask: the anchor cut (context_excludes_anchor), block isolation and bidirectionality."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from sleuth.evidence.source import (
+    Analyzer,
+    BLOCKED_TOKENS,
+    CONTEXT_TOKENS,
+    CodeReading,
+    LOGITS_TOKENS,
+    Mode,
+    PRESERVING_METHODS,
+    _in_draft_class,
+    _mentions_window,
+    _reading,
+    _scope_mentions_block,
+    _walk_all,
+    call_name,
+    const_number,
+    is_blocksize_name,
+    is_neg_inf,
+    kwarg,
+    leaf_name,
+    tokens,
+)
+
+
+# --- the anchor comparison: context_excludes_anchor ---------------------------------------------------
+
+
+def _polarity(an: Analyzer, node: ast.AST) -> str:
+    """'allowed' when the comparison says where attention may look, 'blocked' when it says where it may not."""
+    flips = 0
+    child, current = node, an.parents.get(node)
+    while current is not None and not isinstance(current, ast.stmt):
+        if isinstance(current, ast.UnaryOp) and isinstance(current.op, (ast.Invert, ast.Not)):
+            flips += 1
+        if isinstance(current, ast.Call):
+            name = call_name(current)
+            if name == "logical_not":
+                flips += 1
+            verdict = _call_polarity(current, child)
+            if verdict is not None:
+                return _flip(verdict, flips)
+        child, current = current, an.parents.get(current)
+    # assigned to a name: look where that name (or a name built from it) is used
+    if isinstance(current, (ast.Assign, ast.AnnAssign)):
+        targets = current.targets if isinstance(current, ast.Assign) else [current.target]
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+        for name in names:
+            if set(tokens(name)) & BLOCKED_TOKENS:
+                return _flip("blocked", flips)
+            verdict = _name_polarity(an, current, name, 0)
+            if verdict is not None:
+                return _flip(verdict, flips)
+    return _flip("allowed", flips)
+
+
+def _flip(verdict: str, flips: int) -> str:
+    if flips % 2:
+        return "blocked" if verdict == "allowed" else "allowed"
+    return verdict
+
+
+def _call_polarity(call: ast.Call, child: ast.AST) -> str | None:
+    name = call_name(call)
+    if name in {"masked_fill", "masked_fill_"}:
+        args = call.args
+        if len(args) >= 2 and args[0] is child:
+            # masked_fill(cond, True) marks where attention is allowed; -inf / False / 0 where it is not
+            fill = args[1]
+            return "allowed" if isinstance(fill, ast.Constant) and fill.value is True else "blocked"
+    if name == "where" and len(call.args) >= 3 and call.args[0] is child:
+        if is_neg_inf(call.args[1]):
+            return "blocked"
+        if is_neg_inf(call.args[2]):
+            return "allowed"
+    return None
+
+
+def _name_polarity(an: Analyzer, stmt: ast.AST, name: str, depth: int) -> str | None:
+    if depth > 3:
+        return None
+    func = an.enclosing_function(stmt) or an.unit(stmt).tree
+    for node in ast.walk(func):
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load):
+            flips = 0
+            child, current = node, an.parents.get(node)
+            while current is not None and not isinstance(current, ast.stmt):
+                if isinstance(current, ast.UnaryOp) and isinstance(current.op, (ast.Invert, ast.Not)):
+                    flips += 1
+                if isinstance(current, ast.Call):
+                    if call_name(current) == "logical_not":
+                        flips += 1
+                    verdict = _call_polarity(current, child)
+                    if verdict is not None:
+                        return _flip(verdict, flips)
+                child, current = current, an.parents.get(current)
+            if isinstance(current, ast.Assign) and current is not stmt:
+                for target in current.targets:
+                    if isinstance(target, ast.Name) and target.id != name:
+                        if set(tokens(target.id)) & BLOCKED_TOKENS:
+                            return _flip("blocked", flips)
+                        verdict = _name_polarity(an, current, target.id, depth + 1)
+                        if verdict is not None:
+                            return _flip(verdict, flips)
+    return None
+
+
+_FLIP_OP = {ast.Lt: ast.Gt, ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE}
+
+
+def _anchor_comparisons(an: Analyzer) -> Iterator[tuple[ast.AST, str, int, ast.expr | None, str, float]]:
+    """(node, op as 'kv OP anchor' with op in < <= > >=, constant offset on the anchor side, non-constant
+    term, polarity, confidence) for every comparison of a key position against an anchor."""
+    for node in _walk_all(an, ast.Compare):
+        if len(node.ops) != 1 or type(node.ops[0]) not in _FLIP_OP:
+            continue
+        left, right, op = node.left, node.comparators[0], type(node.ops[0])
+        lt, rt = an.tags(left), an.tags(right)
+        if "blockid" in lt or "blockid" in rt:
+            continue
+        if "anchor" in rt and "anchor" not in lt:
+            kv_side, anchor_side = left, right
+        elif "anchor" in lt and "anchor" not in rt:
+            kv_side, anchor_side, op = right, left, _FLIP_OP[op]
+        else:
+            continue
+        kv_tags = an.tags(kv_side)
+        if "kv" in kv_tags:
+            confidence = 0.9
+        elif "arange" in kv_tags or isinstance(kv_side, (ast.Name, ast.Subscript)) and _scope_mentions_mask(an, node):
+            confidence = 0.65
+        else:
+            continue
+        if "q" in kv_tags and "kv" not in kv_tags:
+            continue
+        # a slice bound like seq_len - block_size is about sampling, not visibility
+        if any(is_blocksize_name(leaf_name(n)) for n in ast.walk(kv_side) if isinstance(n, (ast.Name, ast.Attribute))):
+            continue
+        symbol = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}[op]
+        yield node, symbol, an.const_offset(anchor_side), an.nonconst_offset(anchor_side), _polarity(an, node), confidence
+
+
+def _scope_mentions_mask(an: Analyzer, node: ast.AST) -> bool:
+    func = an.outermost_function(node)
+    if func is None:
+        return False
+    name = getattr(func, "name", "").lower()
+    return any(word in name for word in ("mask", "attn", "attention", "visible", "bias"))
+
+
+def _visible_upper_bound(symbol: str, offset: int, polarity: str) -> str | None:
+    """Reduce a comparison to the visible region's upper bound: 'strict' (kv < anchor) or 'inclusive'."""
+    if polarity == "blocked":
+        # kv >= a + c blocked  ->  visible kv < a + c ;  kv > a + c blocked -> visible kv <= a + c
+        symbol = {">=": "<", ">": "<="}.get(symbol)
+        if symbol is None:
+            return None
+    if symbol == "<":
+        last_visible = offset - 1
+    elif symbol == "<=":
+        last_visible = offset
+    else:
+        return None  # a lower bound (sliding window), not the anchor cut
+    return "kv < anchor" if last_visible <= -1 else "kv <= anchor" if last_visible == 0 else f"kv <= anchor{last_visible:+d}"
+
+
+def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
+    readings: list[CodeReading] = []
+    by_function: dict[int, list[CodeReading]] = {}
+    for node, symbol, offset, nonconst, polarity, confidence in _anchor_comparisons(an):
+        value = _visible_upper_bound(symbol, offset, polarity)
+        if value is None:
+            continue
+        switch = an.switch_of(node)
+        mode: Mode = "hardcoded"
+        detail = f"visible context: {value} ({polarity} region written as kv {symbol} anchor{offset:+d})"
+        if nonconst is not None:
+            mode, switch = "switch", ast.unparse(nonconst)
+        elif switch is not None and not re.search(r"window|sliding", switch):
+            mode = "switch"
+        elif switch is not None:
+            continue
+        reading = _reading(an, "dflash.context_excludes_anchor", value, node, confidence, mode=mode, switch=switch, detail=detail)
+        readings.append(reading)
+        by_function.setdefault(id(an.outermost_function(node)), []).append(reading)
+    # both cuts in one function: the choice is a runtime switch even if the if/else was not recognised
+    for group in by_function.values():
+        if len({r.value for r in group}) > 1:
+            for r in group:
+                if r.mode == "hardcoded":
+                    r.mode, r.switch = "switch", r.switch or "two cuts in one function"
+    # mask filled by slices: mask[rows, :anchor] = True (strict) / [:anchor + 1]; bias[rows, anchor:] = -inf
+    for node in _walk_all(an, ast.Assign):
+        if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Subscript):
+            continue
+        target = node.targets[0]
+        value = node.value
+        if not set(tokens(leaf_name(target.value))) & {"mask", "allowed", "visible", "attend", "bias", "attn", "vis", "can", "see", "seen", "visibility"}:
+            continue
+        if is_neg_inf(value):
+            polarity = "blocked"
+        elif (isinstance(value, ast.Constant) and value.value is True) or const_number(value) in (0, 1):
+            polarity = "allowed" if not (const_number(value) == 0 and set(tokens(leaf_name(target.value))) & {"mask", "allowed", "visible", "can", "attend"}) else "blocked"
+        else:
+            continue
+        parts = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
+        for part in parts:
+            if not isinstance(part, ast.Slice):
+                continue
+            if polarity == "allowed" and part.upper is not None and (part.lower is None or const_number(part.lower) == 0) and "anchor" in an.tags(part.upper):
+                offset = an.const_offset(part.upper)
+            elif polarity == "blocked" and part.lower is not None and "anchor" in an.tags(part.lower) and part.upper is None:
+                offset = an.const_offset(part.lower)
+            else:
+                continue
+            value_text = "kv < anchor" if offset <= 0 else "kv <= anchor" if offset == 1 else f"kv <= anchor{offset - 1:+d}"
+            switch = an.switch_of(node)
+            nonconst = an.nonconst_offset(part.upper if polarity == "allowed" else part.lower)
+            mode = "switch" if (switch or nonconst is not None) else "hardcoded"
+            readings.append(_reading(an, "dflash.context_excludes_anchor", value_text, node, 0.75, mode=mode,
+                                     switch=switch or (ast.unparse(nonconst) if nonconst is not None else None),
+                                     detail=f"mask filled by slice ({polarity}): {ast.unparse(target)[:60]}"))
+    # slicing the context up to the anchor: ctx[:, :anchor] (strict) vs ctx[:, :anchor + 1]
+    for node in _walk_all(an, ast.Slice):
+        if node.upper is None or (node.lower is not None and const_number(node.lower) != 0):
+            continue
+        if "anchor" not in an.tags(node.upper) or not _scope_mentions_block(an, node):
+            continue
+        sub = an.parents.get(node)
+        while sub is not None and not isinstance(sub, ast.Subscript):
+            sub = an.parents.get(sub)
+        sub_tokens = set(tokens(leaf_name(sub.value))) if sub is not None else set()
+        if sub is None or not (sub_tokens & (CONTEXT_TOKENS | {"hidden", "hiddens", "states"})) or sub_tokens & (LOGITS_TOKENS - {"hidden", "hiddens"}) - {"teacher", "verifier"} or sub_tokens & {"logits", "logit", "labels", "ids"}:
+            continue
+        offset = an.const_offset(node.upper)
+        value = "kv < anchor" if offset <= 0 else "kv <= anchor" if offset == 1 else f"kv <= anchor{offset - 1:+d}"
+        nonconst = an.nonconst_offset(node.upper)
+        mode = "switch" if nonconst is not None else "hardcoded"
+        readings.append(_reading(an, "dflash.context_excludes_anchor", value, node, 0.7, mode=mode,
+                                 switch=ast.unparse(nonconst) if nonconst is not None else None,
+                                 detail=f"context sliced up to {ast.unparse(node.upper)}"))
+    return readings
+
+
+# --- block structure: bidirectional, isolated ---------------------------------------------------------
+
+
+def _floordiv_divisors(an: Analyzer, node: ast.AST, depth: int = 0) -> set[str]:
+    """Divisors X of `... // X` that an expression is built from (through subscripts, methods, names)."""
+    if depth > 5:
+        return set()
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+        return {ast.unparse(node.right)}
+    if isinstance(node, ast.Subscript):
+        return _floordiv_divisors(an, node.value, depth + 1)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and call_name(node) in PRESERVING_METHODS:
+        return _floordiv_divisors(an, node.func.value, depth + 1)
+    if isinstance(node, ast.Name):
+        found = an.defs_of(node)
+        if found and len(found[0]) == 1:
+            return _floordiv_divisors(an, found[0][0], depth + 1)
+    return set()
+
+
+def _block_comparisons(an: Analyzer) -> Iterator[tuple[ast.Compare, str]]:
+    for node in _walk_all(an, ast.Compare):
+        if len(node.ops) != 1:
+            continue
+        lt, rt = an.tags(node.left), an.tags(node.comparators[0])
+        if "blockid" in lt and "blockid" in rt:
+            yield node, type(node.ops[0]).__name__
+        elif _floordiv_divisors(an, node.left) & _floordiv_divisors(an, node.comparators[0]) and _scope_mentions_block(an, node):
+            # both sides divided by the same quantity: block indices, whatever the block size is called
+            yield node, type(node.ops[0]).__name__
+
+
+def detect_blocks_isolated(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node, op in _block_comparisons(an):
+        switch = an.switch_of(node)
+        if op == "Eq":
+            value, detail = "isolated", "a block's keys are restricted to its own block (same block id)"
+        elif op in {"Lt", "LtE", "Gt", "GtE"}:
+            value, detail = "cross-block", "block tokens see other blocks (block ids compared with an order, not ==)"
+        elif op == "NotEq" and _polarity(an, node) == "blocked":
+            value, detail = "isolated", "keys of other blocks are masked out"
+        else:
+            continue
+        mode = "switch" if switch and not re.search(r"window|sliding", switch) else "hardcoded"
+        readings.append(_reading(an, "dflash.blocks_isolated", value, node, 0.8, mode=mode, switch=switch, detail=detail))
+    return readings
+
+
+def detect_block_bidirectional(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node in _walk_all(an, ast.Compare):
+        if len(node.ops) != 1 or type(node.ops[0]) not in _FLIP_OP:
+            continue
+        left, right = node.left, node.comparators[0]
+        lt, rt = an.tags(left), an.tags(right)
+        if "anchor" in lt or "anchor" in rt or "blockid" in lt or "blockid" in rt:
+            continue
+        q_kv = ("q" in lt and "kv" in rt and "kv" not in lt) or ("kv" in lt and "q" in rt and "q" not in lt)
+        if not q_kv or not _scope_mentions_block(an, node):
+            continue
+        switch = an.switch_of(node)
+        if switch and _mentions_window(an, node, switch):
+            readings.append(_reading(an, "dflash.block_bidirectional", "bidirectional", node, 0.5, mode="hardcoded",
+                                     detail=f"causal only for sliding-window layers (under `{switch}`)"))
+            continue
+        mode = "switch" if switch else "hardcoded"
+        readings.append(_reading(an, "dflash.block_bidirectional", "causal", node, 0.75, mode=mode, switch=switch,
+                                 detail="queries of a block see only earlier block tokens (query/key order compared)"))
+    for node in _walk_all(an, ast.Call):
+        name = call_name(node)
+        causal = kwarg(node, "is_causal")
+        scope_ok = _scope_mentions_block(an, node) or _in_draft_class(an, node)
+        is_attention_call = bool(re.search(r"attention|attn|sdpa", name, re.I))
+        if causal is not None and isinstance(causal, ast.Constant) and scope_ok and (is_attention_call or causal.value is False):
+            value = "causal" if causal.value is True else "bidirectional"
+            readings.append(_reading(an, "dflash.block_bidirectional", value, node, 0.6,
+                                     detail=f"attention call with is_causal={causal.value}"))
+        if name in {"tril", "tril_"} and scope_ok and _scope_mentions_mask(an, node):
+            readings.append(_reading(an, "dflash.block_bidirectional", "causal", node, 0.55,
+                                     detail="a lower-triangular (causal) mask in the block attention"))
+    # same-block equality with no causal restriction is bidirectional within the block
+    if not any(r.value == "causal" for r in readings):
+        for node, op in _block_comparisons(an):
+            if op == "Eq" and not an.switch_of(node):
+                readings.append(_reading(an, "dflash.block_bidirectional", "bidirectional", node, 0.7,
+                                         detail="block tokens see every token of their block (no order restriction)"))
+    return readings

@@ -1,0 +1,169 @@
+"""Target layer selection, read by evaluating the selection function with a tiny interpreter (never exec)."""
+
+from __future__ import annotations
+
+import ast
+import math
+
+from sleuth.evidence.source import (
+    Analyzer,
+    CodeReading,
+    _reading,
+)
+
+
+# --- target layer ids: a tiny interpreter for the selection function ----------------------------------
+
+
+class _EvalError(Exception):
+    pass
+
+
+def _interpret(func: ast.FunctionDef, args: dict[str, object]) -> object:
+    """Evaluate a small pure function (arithmetic, if/return, comprehensions, round/int/len/range)."""
+    env = dict(args)
+    budget = [2000]
+
+    def ev(node: ast.AST) -> object:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _EvalError("budget")
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool, type(None))):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id in env:
+                return env[node.id]
+            raise _EvalError(node.id)
+        if isinstance(node, ast.BinOp):
+            a, b = ev(node.left), ev(node.right)
+            ops = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b, ast.Div: lambda: a / b,
+                   ast.FloorDiv: lambda: a // b, ast.Mod: lambda: a % b}
+            if type(node.op) not in ops:
+                raise _EvalError("op")
+            try:
+                return ops[type(node.op)]()
+            except (TypeError, ZeroDivisionError) as exc:
+                raise _EvalError(str(exc)) from None
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            a, b = ev(node.left), ev(node.comparators[0])
+            table = {ast.Eq: a == b, ast.NotEq: a != b, ast.Lt: a < b, ast.LtE: a <= b, ast.Gt: a > b, ast.GtE: a >= b}
+            return table[type(node.ops[0])] if type(node.ops[0]) in table else _raise()
+        if isinstance(node, ast.IfExp):
+            return ev(node.body) if ev(node.test) else ev(node.orelse)
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            fn = {"round": round, "int": int, "len": len, "range": range, "list": list, "min": min, "max": max,
+                  "float": float, "abs": abs, "sorted": sorted}.get(node.func.id)
+            if fn is None:
+                raise _EvalError(node.func.id)
+            return fn(*[ev(a) for a in node.args])
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in {"floor", "ceil"} and isinstance(node.func.value, ast.Name) and node.func.value.id == "math":
+            return getattr(math, node.func.attr)(ev(node.args[0]))
+        if isinstance(node, ast.ListComp) and len(node.generators) == 1 and isinstance(node.generators[0].target, ast.Name):
+            gen = node.generators[0]
+            out = []
+            for item in list(ev(gen.iter)):
+                env[gen.target.id] = item
+                if all(ev(c) for c in gen.ifs):
+                    out.append(ev(node.elt))
+            return out
+        if isinstance(node, ast.Subscript):
+            seq = ev(node.value)
+            if isinstance(node.slice, ast.Slice):
+                s = node.slice
+                return seq[slice(ev(s.lower) if s.lower else None, ev(s.upper) if s.upper else None)]
+            return seq[ev(node.slice)]
+        raise _EvalError(type(node).__name__)
+
+    def run(body: list[ast.stmt]) -> tuple[bool, object]:
+        for stmt in body:
+            if isinstance(stmt, ast.Return):
+                return True, ev(stmt.value) if stmt.value is not None else None
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+                env[stmt.targets[0].id] = ev(stmt.value)
+            elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple):
+                values = ev(stmt.value)
+                names = stmt.targets[0].elts
+                if not isinstance(values, list) or len(values) != len(names) or not all(isinstance(n, ast.Name) for n in names):
+                    raise _EvalError("unpack")
+                for n, v in zip(names, values):
+                    env[n.id] = v
+            elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+                env[stmt.target.id] = ev(stmt.value)
+            elif isinstance(stmt, ast.If):
+                done, value = run(stmt.body if ev(stmt.test) else stmt.orelse)
+                if done:
+                    return done, value
+            elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+                continue  # docstring
+            elif isinstance(stmt, ast.Raise):
+                raise _EvalError("raise")
+            else:
+                raise _EvalError(type(stmt).__name__)
+        return False, None
+
+    _, value = run(func.body)
+    return value
+
+
+def _raise() -> object:
+    raise _EvalError("compare")
+
+
+def detect_target_layer_ids(an: Analyzer) -> list[CodeReading]:
+    from sleuth.evidence.config import vllm_default_layer_ids, zlab_layer_ids
+
+    readings = []
+    for func_list in an.functions.values():
+        for func, scope in func_list:
+            params = [a.arg for a in func.args.args if a.arg not in {"self", "cls"}]
+            if "layer" not in func.name.lower() or not 1 <= len(params) <= 3:
+                continue
+            results = []
+            orders = [params[:2], params[:2][::-1]] if len(params) >= 2 else [params]
+            for order in orders:
+                ok = True
+                produced = []
+                for depth, k in ((36, 5), (64, 5), (28, 3), (36, 1)):
+                    values = dict(zip(order, (depth, k)))
+                    for extra in params[len(order):]:
+                        default = scope.params.get(extra)
+                        if default is None:
+                            ok = False
+                            break
+                        values[extra] = an.literal(default)
+                    if not ok:
+                        break
+                    try:
+                        result = _interpret(func, values)
+                    except (_EvalError, TypeError, IndexError, KeyError, ValueError, RecursionError):
+                        ok = False
+                        break
+                    if not isinstance(result, list) or not all(isinstance(x, int) for x in result):
+                        ok = False
+                        break
+                    produced.append((depth, k, result))
+                if ok:
+                    results.append(produced)
+            if not results:
+                continue
+            best = None
+            for produced in results:
+                if all(r == zlab_layer_ids(d, k) for d, k, r in produced):
+                    best = ("evenly-1-to-L-3", produced)
+                    break
+            if best is None:
+                produced = results[0]
+                if all(r == vllm_default_layer_ids(d) for d, k, r in produced if k != 1):
+                    best = ("[2, L//2, L-3] (vLLM convention)", produced)
+                else:
+                    sample = produced[0]
+                    best = (f"other: L={sample[0]}, k={sample[1]} -> {sample[2]}", produced)
+            value, produced = best
+            sample = produced[0]
+            readings.append(_reading(an, "dflash.target_layer_ids", value, func, 0.7, mode="default",
+                                     detail=f"{func.name}: L={sample[0]}, k={sample[1]} -> {sample[2]} (evaluated statically)"))
+    return readings

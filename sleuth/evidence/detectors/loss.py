@@ -1,0 +1,391 @@
+"""The loss: decay gamma, the anchor slot's weight, loss kind, frozen embeddings/head, anchor sampling."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from sleuth.evidence.source import (
+    ANCHOR_TOKENS,
+    Analyzer,
+    CodeReading,
+    LOGITS_TOKENS,
+    WEIGHTISH_TOKENS,
+    _MISSING,
+    _in_draft_class,
+    _is_module,
+    _reading,
+    _walk_all,
+    call_name,
+    const_number,
+    is_blocksize_name,
+    kwarg,
+    leaf_name,
+    name_tags,
+    tokens,
+)
+
+
+# --- loss: decay, slot 0, kind -----------------------------------------------------------------------
+
+
+def _decay_exponentials(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr, ast.expr]]:
+    """exp(-X / G) (or exp(-(X) / G), exp(X / -G)): (call, numerator X, divisor G)."""
+    for node in _walk_all(an, ast.Call):
+        if call_name(node) != "exp":
+            continue
+        if node.args:
+            arg = node.args[0]
+        elif isinstance(node.func, ast.Attribute) and not _is_module(node.func.value):
+            arg = node.func.value  # (-(k - 1) / gamma).exp()
+        else:
+            continue
+        numerator = divisor = None
+        if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Div):
+            numerator, divisor = arg.left, arg.right
+            if isinstance(numerator, ast.UnaryOp) and isinstance(numerator.op, ast.USub):
+                numerator = numerator.operand
+            elif isinstance(divisor, ast.UnaryOp) and isinstance(divisor.op, ast.USub):
+                divisor = divisor.operand
+            else:
+                continue
+        elif isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub) and isinstance(arg.operand, ast.BinOp) and isinstance(arg.operand.op, ast.Div):
+            numerator, divisor = arg.operand.left, arg.operand.right
+        if numerator is None or divisor is None:
+            continue
+        yield node, numerator, divisor
+
+
+def detect_gamma(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node, numerator, divisor in _decay_exponentials(an):
+        number = const_number(divisor)
+        if number is not None:
+            readings.append(_reading(an, "dflash.loss_decay_gamma", float(number), node, 0.85,
+                                     detail=f"the decay divisor (gamma) is hard-coded to {number}"))
+            continue
+        if not isinstance(divisor, (ast.Name, ast.Attribute)):
+            continue
+        name = leaf_name(divisor)
+        defaults = _defaults_for(an, divisor, name)
+        if defaults:
+            for value, where, how in defaults:
+                detail = f"default of `{how}` = {value!r} (the divisor of the decay exp(-(k-1)/{name}))"
+                readings.append(_reading(an, "dflash.loss_decay_gamma", value, where, 0.6, mode="default", detail=detail))
+        else:
+            readings.append(_reading(an, "dflash.loss_decay_gamma", None, node, 0.3, mode="switch", switch=name,
+                                     detail=f"gamma `{name}` is passed in at run time, no default in the code"))
+    return readings
+
+
+def _defaults_for(an: Analyzer, divisor: ast.expr, name: str) -> list[tuple[object, ast.AST, str]]:
+    """Defaults that reach the decay's divisor: the value resolved in place, parameter defaults of the same
+    name, dataclass/pydantic fields and `.get("..name..", d)` calls whose key contains the name."""
+    out: list[tuple[object, ast.AST, str]] = []
+    direct = an.literal(divisor)
+    if direct is not _MISSING and (direct is None or isinstance(direct, (int, float))):
+        out.append((None if direct is None else float(direct), divisor, ast.unparse(divisor)))
+        return out
+    lname = name.lower()
+    for func_list in an.functions.values():
+        for func, scope in func_list:
+            for param, default in scope.params.items():
+                if default is None or not (param.lower() == lname or lname in param.lower()):
+                    continue
+                value = an.literal(default)
+                if value is _MISSING or not (value is None or isinstance(value, (int, float))):
+                    continue
+                out.append((None if value is None else float(value), default, f"{func.name}({param}=...)"))
+    for field_name, entries in an.field_defaults.items():
+        if field_name.lower() == lname or lname in field_name.lower():
+            for value_node, _unit, stmt in entries:
+                value = an.literal(value_node)
+                if value is not _MISSING and (value is None or isinstance(value, (int, float))):
+                    out.append((None if value is None else float(value), stmt, field_name))
+    for node in _walk_all(an, ast.Call):
+        if call_name(node) in {"get", "pop"} and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant):
+            key = str(node.args[0].value).lower()
+            if key == lname or lname in key:
+                value = an.literal(node.args[1])
+                if value is not _MISSING and (value is None or isinstance(value, (int, float))):
+                    out.append((None if value is None else float(value), node, f"get({node.args[0].value!r})"))
+    return out
+
+
+def detect_block_size_defaults(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for func_list in an.functions.values():
+        for func, scope in func_list:
+            for param, default in scope.params.items():
+                if default is not None and (is_blocksize_name(param) or param in {"block", "block_tokens"}):
+                    value = an.literal(default)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
+                        readings.append(_reading(an, "block_size", int(value), default, 0.5, mode="default",
+                                                 detail=f"{func.name}({param}={int(value)})"))
+    for field_name, entries in an.field_defaults.items():
+        if is_blocksize_name(field_name) or field_name in {"block", "block_tokens"}:
+            for value_node, _unit, stmt in entries:
+                value = an.literal(value_node)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
+                    readings.insert(0, _reading(an, "block_size", int(value), stmt, 0.6, mode="default", detail=f"{field_name} = {int(value)}"))
+    return readings
+
+
+def _is_slot_index(an: Analyzer, node: ast.AST) -> bool:
+    """An expression over the slot position within a block: arange(B), x % B, names like pos_in_block."""
+    tags = an.tags(node)
+    if "slot" in tags:
+        return True
+    if "arange" in tags and "anchor" not in tags:
+        return True
+    names = [leaf_name(n).lower() for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))]
+    return any(re.search(r"(slot|pos_in_block|pos_idx|position_in_block|block_pos|in_block)", n) for n in names)
+
+
+def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node in _walk_all(an, (ast.Assign, ast.Compare, ast.Subscript)):
+            # w[..., 0] = 0  /  mask[:, ::B] = 0
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Subscript):
+                target = node.targets[0]
+                if const_number(node.value) != 0 and not (isinstance(node.value, ast.Constant) and node.value.value is False):
+                    continue
+                toks = set(tokens(leaf_name(target.value))) | ({"weight"} if set(tokens(leaf_name(target.value))) & {"valid", "keep", "supervised", "supervise"} else set())
+                index = target.slice
+                parts = index.elts if isinstance(index, ast.Tuple) else [index]
+                last = parts[-1]
+                # every B-th entry from 0 is slot 0 of each block, whatever the tensor is called
+                strided = isinstance(last, ast.Slice) and last.step is not None and an.is_blocksize(last.step) and last.lower is None
+                if not strided and not toks & (WEIGHTISH_TOKENS | LOGITS_TOKENS | {"target", "targets", "gathered", "labels"}):
+                    continue
+                zero_slot = const_number(last) == 0 and (len(parts) > 1 or toks & WEIGHTISH_TOKENS)
+                if zero_slot or strided:
+                    switch = an.switch_of(node)
+                    readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.8,
+                                             mode="switch" if switch else "hardcoded", switch=switch,
+                                             detail=f"slot 0 zeroed in `{leaf_name(target.value)}`"))
+            # w * (pos != 0) / (pos > 0) / (pos >= 1); torch.where(pos == 0, 0, w)
+            elif isinstance(node, ast.Compare) and len(node.ops) == 1:
+                op, right = node.ops[0], node.comparators[0]
+                c = const_number(right)
+                is_zero_excl = (isinstance(op, (ast.NotEq, ast.Gt)) and c == 0) or (isinstance(op, ast.GtE) and c == 1)
+                is_zero_sel = isinstance(op, ast.Eq) and c == 0
+                if not (is_zero_excl or is_zero_sel) or not _is_slot_index(an, node.left):
+                    continue
+                if is_zero_sel:
+                    parent = an.parents.get(node)
+                    if not (isinstance(parent, ast.Call) and call_name(parent) in {"where", "masked_fill"} and
+                            len(parent.args) >= 2 and (_is_zero(parent.args[1]) or call_name(parent) == "masked_fill")):
+                        continue
+                if not _in_loss_context(an, node) or not _in_weight_expression(an, node):
+                    continue
+                switch = an.switch_of(node)
+                readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.75,
+                                         mode="switch" if switch else "hardcoded", switch=switch,
+                                         detail=f"slot 0 excluded by `{ast.unparse(node)}`"))
+            # loss over slots 1..B-1 only: logits[..., 1:, :] / weights[:, 1:]
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Tuple):
+                toks = set(tokens(leaf_name(node.value)))
+                if not toks & (LOGITS_TOKENS | {"target", "targets", "labels", "weights", "loss", "losses"}):
+                    continue
+                slices = [p for p in node.slice.elts if isinstance(p, ast.Slice) and const_number(p.lower) == 1 and p.upper is None and p.step is None]
+                func = an.enclosing_function(node)
+                in_loss_function = func is not None and re.search(r"loss|objective|criterion|weight|train|step", func.name, re.I)
+                if slices and in_loss_function and isinstance(an.parents.get(node), (ast.Call, ast.Assign, ast.BinOp)):
+                    readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.55,
+                                             detail=f"only slots 1.. enter the loss (`{ast.unparse(node)[:60]}`)"))
+    # a decay applied from slot 0 with nothing excluding slot 0 anywhere: by that formula slot 0 weighs
+    # exp(1/gamma) > 0, so slot 0 is trained. Any 1-D slice from slot 1 on a loss-side tensor makes it undecided.
+    sliced_from_one = any(
+        isinstance(n.slice, ast.Slice) and const_number(n.slice.lower) == 1 and n.slice.upper is None
+        and set(tokens(leaf_name(n.value))) & (WEIGHTISH_TOKENS | LOGITS_TOKENS | {"ce", "nll", "kl", "losses", "target", "targets", "labels"})
+        for n in _walk_all(an, ast.Subscript)
+    )
+    if not readings and not sliced_from_one:
+        for node, numerator, _divisor in _decay_exponentials(an):
+            if _is_slot_index(an, numerator) and _in_loss_context(an, node):
+                start = _slot_start(an, numerator)
+                if start == 0:
+                    readings.append(_reading(an, "dflash.anchor_slot_untrained", "trained", node, 0.6,
+                                             detail="decay weights cover slot 0 and nothing zeroes the anchor slot"))
+    return readings
+
+
+def _is_zero(node: ast.AST) -> bool:
+    if const_number(node) == 0:
+        return True
+    return isinstance(node, ast.Call) and call_name(node) in {"zeros", "zeros_like", "new_zeros"}
+
+
+def _in_weight_expression(an: Analyzer, node: ast.AST) -> bool:
+    """The comparison scales or selects loss weights: inside a product / where, or assigned to a weight-ish name."""
+    current = an.parents.get(node)
+    while current is not None and not isinstance(current, ast.stmt):
+        if isinstance(current, ast.BinOp) and isinstance(current.op, (ast.Mult, ast.BitAnd)):
+            return True
+        if isinstance(current, ast.Call) and call_name(current) in {"where", "masked_fill", "mul", "logical_and"}:
+            return True
+        current = an.parents.get(current)
+    if isinstance(current, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        targets = current.targets if isinstance(current, ast.Assign) else [current.target]
+        return any(set(tokens(leaf_name(t))) & WEIGHTISH_TOKENS for t in targets)
+    return False
+
+
+def _arange_or_range_start(an: Analyzer, call: ast.Call) -> int | None:
+    if hasattr(call, "range_start"):  # a loop variable over range(start, stop)
+        start = call.range_start  # type: ignore[attr-defined]
+        value = const_number(start) if start is not None else 0
+        return int(value) if value is not None else None
+    return an.arange_start(call)
+
+
+def _slot_start(an: Analyzer, node: ast.AST) -> int | None:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call) and call_name(sub) == "arange":
+            return _arange_or_range_start(an, sub)
+        if isinstance(sub, ast.Name):
+            found = an.defs_of(sub)
+            if found and found[0]:
+                for d in found[0]:
+                    for inner in ast.walk(d):
+                        if isinstance(inner, ast.Call) and call_name(inner) == "arange":
+                            return _arange_or_range_start(an, inner)
+                        if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Mod):
+                            return 0
+        if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mod):
+            return 0
+    return None
+
+
+def _in_loss_context(an: Analyzer, node: ast.AST) -> bool:
+    func = an.outermost_function(node)
+    if func is None:
+        return True
+    key = ("loss", id(func))
+    if key not in an._cache:
+        text = ast.get_source_segment(an.unit(node).text, func) or ""
+        cls = an.enclosing(func, (ast.ClassDef,))
+        if cls is not None:  # e.g. weights built in __init__ and used by the class's loss method
+            text += ast.get_source_segment(an.unit(node).text, cls) or ""
+        an._cache[key] = bool(re.search(r"loss|weight|decay|gamma|objective|label|target", text, re.I))
+    return an._cache[key]
+
+
+def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node in _walk_all(an, ast.Call):
+        name = call_name(node)
+        value = None
+        if name in {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}:
+            value = "ce"
+            target = node.args[1] if len(node.args) >= 2 else kwarg(node, "target")
+            if target is not None and any(isinstance(n, ast.Call) and call_name(n) == "argmax" for n in ast.walk(target)):
+                value = "ce"
+            elif target is not None and set(tokens(leaf_name(target))) & {"ids", "tokens", "labels", "input"}:
+                value = "ce (data tokens)"
+                found = an.defs_of(target) if isinstance(target, (ast.Name, ast.Attribute)) else None
+                if found and any(isinstance(n, ast.Call) and call_name(n) == "argmax" for d in found[0] for n in ast.walk(d)):
+                    value = "ce"
+        elif name in {"kl_div", "KLDivLoss"}:
+            value = "kl"
+        elif name in {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "MSELoss", "cosine_similarity"}:
+            if not _in_loss_context(an, node):
+                continue
+            value = f"regression ({name})"
+        if value is None:
+            continue
+        switch = an.switch_of(node)
+        readings.append(_reading(an, "dflash.loss_kind", value, node, 0.7, mode="switch" if switch else "hardcoded",
+                                 switch=switch, detail=f"{name}(...)"))
+    # an auxiliary regression term beside a CE/KL objective does not change the loss kind
+    if any(r.value in ("ce", "kl", "ce (data tokens)") for r in readings):
+        readings = [r for r in readings if not str(r.value).startswith("regression")]
+    # hand-written: -log_softmax(draft).gather(argmax(target)) is CE; softmax * (logp - logq) is KL
+    for node in _walk_all(an, ast.FunctionDef):
+        if not re.search(r"loss", node.name, re.I):
+            continue
+        calls = {call_name(c) for c in ast.walk(node) if isinstance(c, ast.Call)}
+        if "log_softmax" in calls and not any(r.path == an.unit(node).path and node.lineno <= r.line <= (node.end_lineno or r.line) for r in readings):
+            branches = [n for n in ast.walk(node) if isinstance(n, ast.If)]
+            switch = ast.unparse(branches[0].test) if branches and "argmax" in calls else None
+            if "argmax" in calls and "gather" in calls:
+                readings.append(_reading(an, "dflash.loss_kind", "ce", node, 0.55, mode="switch" if switch else "hardcoded",
+                                         switch=switch, detail=f"{node.name}: -log_softmax gathered at the target argmax"))
+    return readings
+
+
+def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node in _walk_all(an, ast.Call):
+        name = call_name(node)
+        if name in {"requires_grad_"} and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value is False:
+            owner = ast.unparse(node.func.value) if isinstance(node.func, ast.Attribute) else ""
+            if re.search(r"embed|lm_head|head|target|teacher|verifier|base", owner, re.I):
+                readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.7, detail=f"{owner}.requires_grad_(False)"))
+        elif isinstance(node.func, ast.Attribute):
+            owner_toks = set(tokens(leaf_name(node.func.value)))
+            attr = node.func.attr.lower()
+            if owner_toks & {"target", "teacher", "verifier", "base"} and (attr in {"embed", "embed_tokens", "lm_head", "logits", "get_input_embeddings", "get_output_embeddings"}):
+                readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.65,
+                                         detail=f"uses the target's own {node.func.attr} (shared, not a drafter parameter)"))
+    for node in _walk_all(an, ast.Assign):
+        for target in node.targets:
+            if isinstance(target, ast.Attribute) and target.attr == "requires_grad" and isinstance(node.value, ast.Constant) and node.value.value is False:
+                owner = ast.unparse(target.value)
+                if re.search(r"embed|lm_head|head", owner, re.I):
+                    readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.7, detail=f"{owner}.requires_grad = False"))
+    if not readings:
+        # a drafter class that builds its own embedding / vocab head and never freezes it
+        for node in _walk_all(an, ast.Call):
+            if call_name(node) == "Embedding" and _in_draft_class(an, node):
+                parent = an.parents.get(node)
+                attr = leaf_name(parent.targets[0]) if isinstance(parent, ast.Assign) else ""
+                cls = an.enclosing(node, (ast.ClassDef,))
+                text = ast.get_source_segment(an.unit(node).text, cls) if cls is not None else ""
+                if attr and text and not re.search(rf"{re.escape(attr)}[\w.]*\.(requires_grad|load_state_dict|weight\.data\.copy_|from_pretrained)", text):
+                    readings.append(_reading(an, "dflash.frozen_embed_head", "trained", node, 0.55,
+                                             detail=f"the drafter owns a trainable embedding `{attr}` (never frozen or copied from the target)"))
+    return readings
+
+
+def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node in _walk_all(an, ast.Call):
+        name = call_name(node)
+        func = an.enclosing_function(node)
+        parent = an.parents.get(node)
+        while parent is not None and not isinstance(parent, ast.stmt):
+            parent = an.parents.get(parent)
+        assigned = [leaf_name(t) for t in getattr(parent, "targets", [])]
+        in_anchor_code = (func is not None and set(tokens(func.name)) & (ANCHOR_TOKENS | {"anchor"})) or any(
+            "anchor" in name_tags(n) for n in assigned)
+        if not in_anchor_code:
+            continue
+        if name == "randperm" or (name == "multinomial" and not _const_true(kwarg(node, "replacement"))) or (
+            name in {"argsort", "topk"} and _uses_uniform_noise(an, node)
+        ):
+            readings.append(_reading(an, "dflash.anchor_sampling", "uniform without replacement", node, 0.7,
+                                     detail=f"anchors drawn with {name}"))
+        elif name in {"randint", "randint_like"} or (name == "multinomial" and _const_true(kwarg(node, "replacement"))):
+            readings.append(_reading(an, "dflash.anchor_sampling", "with replacement", node, 0.7,
+                                     detail=f"anchors drawn with {name}: duplicates possible, not the reference rule"))
+    return readings
+
+
+def _uses_uniform_noise(an: Analyzer, node: ast.Call) -> bool:
+    """argsort / topk of uniform noise is a uniform sample without replacement."""
+    def noisy(expr: ast.AST) -> bool:
+        return any(isinstance(n, ast.Call) and call_name(n) in {"rand", "rand_like", "random", "uniform"} for n in ast.walk(expr))
+    if noisy(node):
+        return True
+    receiver = node.func.value if isinstance(node.func, ast.Attribute) else (node.args[0] if node.args else None)
+    if isinstance(receiver, ast.Name):
+        found = an.defs_of(receiver)
+        return bool(found and any(noisy(d) for d in found[0]))
+    return False
+
+
+def _const_true(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True

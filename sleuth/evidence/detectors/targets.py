@@ -1,0 +1,306 @@
+"""Block targets and positions: target shift, block position ids, where target logits come from."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from sleuth.evidence.source import (
+    Analyzer,
+    CodeReading,
+    LOGITS_TOKENS,
+    Mode,
+    POSITION_TOKENS,
+    PRESERVING_METHODS,
+    TOKEN_ID_TOKENS,
+    _is_module,
+    _reading,
+    _scope_mentions_anchor,
+    _walk_all,
+    call_name,
+    const_number,
+    is_blocksize_name,
+    kwarg,
+    leaf_name,
+    tokens,
+)
+
+
+# --- positions, targets ------------------------------------------------------------------------------
+
+
+def _index_uses(an: Analyzer) -> Iterator[tuple[ast.AST, ast.expr, ast.expr]]:
+    """(node, source tensor, index expression) for subscripts, gather / take_along_dim / index_select."""
+    for node in _walk_all(an, (ast.Subscript, ast.Call)):
+            if isinstance(node, ast.Subscript):
+                index = node.slice
+                parts = index.elts if isinstance(index, ast.Tuple) else [index]
+                for part in parts:
+                    if not isinstance(part, ast.Slice):
+                        yield node, node.value, part
+            elif isinstance(node, ast.Call):
+                name = call_name(node)
+                if name in {"gather", "take_along_dim", "index_select"}:
+                    if isinstance(node.func, ast.Attribute) and not _is_module(node.func.value):
+                        src, idx = node.func.value, node.args[-1] if node.args else kwarg(node, "index")
+                    else:
+                        src = node.args[0] if node.args else None
+                        idx = node.args[-1] if len(node.args) >= 2 else kwarg(node, "index")
+                    if src is not None and idx is not None:
+                        yield node, src, idx
+
+
+def _tensor_kind(an: Analyzer, node: ast.AST, depth: int = 0) -> tuple[str | None, int]:
+    """('logits' | 'tokens' | None, roll shift) of the tensor an index is applied to."""
+    if depth > 5:
+        return None, 0
+    if isinstance(node, ast.Call):
+        name = call_name(node)
+        if name == "roll":
+            shift_node = node.args[1] if len(node.args) >= 2 else kwarg(node, "shifts")
+            shift = const_number(shift_node)
+            src = node.args[0] if node.args and not (isinstance(node.func, ast.Attribute) and not _is_module(node.func.value)) else getattr(node.func, "value", None)
+            kind, inner = _tensor_kind(an, src, depth + 1) if src is not None else (None, 0)
+            return kind, inner + (int(shift) if shift is not None else 0)
+        if isinstance(node.func, ast.Attribute) and name in PRESERVING_METHODS and not _is_module(node.func.value):
+            return _tensor_kind(an, node.func.value, depth + 1)
+        lname = set(tokens(name))
+        if lname & {"lm", "head", "logits", "unembed"}:
+            return "logits", 0
+    if isinstance(node, ast.Subscript):
+        return _tensor_kind(an, node.value, depth + 1)
+    name = leaf_name(node)
+    toks = set(tokens(name))
+    kind = None
+    if toks & LOGITS_TOKENS or (toks & {"target", "targets"} and not toks & TOKEN_ID_TOKENS):
+        kind = "logits"
+    elif toks & TOKEN_ID_TOKENS:
+        kind = "tokens"
+    if toks & POSITION_TOKENS or toks & {"mask", "doc", "docs", "weight", "weights", "valid"}:
+        return None, 0
+    roll = 0
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        found = an.defs_of(node)
+        if found and found[0]:
+            own = ast.unparse(node)
+            for definition in found[0]:
+                # x = roll(x, 1): a shift of the same tensor, counted once; its kind comes from the other defs
+                if isinstance(definition, ast.Call) and call_name(definition) == "roll" and definition.args and ast.unparse(definition.args[0]) == own:
+                    shift = const_number(definition.args[1] if len(definition.args) >= 2 else kwarg(definition, "shifts"))
+                    roll += int(shift) if shift is not None else 0
+                    continue
+                inner_kind, inner_roll = _tensor_kind(an, definition, depth + 1)
+                kind = kind or inner_kind
+                roll += inner_roll
+    return kind, roll
+
+
+def _label_context(an: Analyzer, node: ast.AST) -> bool:
+    """Token ids read at block positions are labels only where they feed a loss or a label/target name;
+    elsewhere (an inference loop copying the block's own tokens) they are inputs."""
+    current = an.parents.get(node)
+    while current is not None and not isinstance(current, ast.stmt):
+        if isinstance(current, ast.Call) and re.search(r"cross_entropy|nll|loss|kl_div", call_name(current)):
+            return True
+        current = an.parents.get(current)
+    if isinstance(current, (ast.Assign, ast.AnnAssign)):
+        targets = current.targets if isinstance(current, ast.Assign) else [current.target]
+        if any(set(tokens(leaf_name(t))) & {"label", "labels", "target", "targets", "tgt", "y", "gold"} for t in targets):
+            return True
+    func = an.enclosing_function(node)
+    return func is not None and bool(re.search(r"loss|label|target|objective", func.name, re.I))
+
+
+def detect_target_shift(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node, src, idx in _index_uses(an):
+        offsets = an.block_index_offsets(idx)
+        if not offsets:
+            continue
+        kind, roll = _tensor_kind(an, src)
+        if kind is None or (kind == "tokens" and not _label_context(an, node)):
+            continue
+        for offset, switch in offsets:
+            effective = offset - roll
+            want = -1 if kind == "logits" else 0
+            # a label token at p+j is the distribution at p+j-1: both say "slot j learns token p+j"
+            label_offset = effective + 1 if kind == "logits" else effective
+            value = "p+j-1" if effective == want else f"p+j{label_offset - 1:+d}"
+            src_text = ast.unparse(src)[:60]
+            detail = (f"slot j reads {kind} of `{src_text}` at p+j{effective:+d}"
+                      + (f" after roll by {roll}" if roll else "")
+                      + ("" if effective == want else f" (slot j learns token p+j{label_offset:+d}, not p+j)"))
+            if_switch = switch or an.switch_of(node)
+            mode = "switch" if if_switch else "hardcoded"
+            readings.append(_reading(an, "dflash.target_shift", value, node, 0.8, mode=mode, switch=if_switch, detail=detail))
+    # slices: teacher_logits[:, p - 1 : p + B - 1] / input_ids[p + 1 : p + B + 1]; the upper bound fixes which
+    # element the last slot gets, so slot j reads p + j + c for an upper bound p + B + c
+    for node in _walk_all(an, ast.Subscript):
+        parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        for part in parts:
+            if not isinstance(part, ast.Slice) or part.upper is None or part.lower is None:
+                continue
+            if "anchor" not in an.tags(part.upper) or not any(an.is_blocksize(n) for n in ast.walk(part.upper) if isinstance(n, (ast.Name, ast.Attribute))):
+                continue
+            kind, roll = _tensor_kind(an, node.value)
+            if kind is None or (kind == "tokens" and not _label_context(an, node)):
+                continue
+            effective = an.const_offset(part.upper) - roll
+            want = -1 if kind == "logits" else 0
+            label_offset = effective + 1 if kind == "logits" else effective
+            value = "p+j-1" if effective == want else f"p+j{label_offset - 1:+d}"
+            switch = an.switch_of(node)
+            readings.append(_reading(an, "dflash.target_shift", value, node, 0.7, mode="switch" if switch else "hardcoded", switch=switch,
+                                     detail=f"slot j reads {kind} of `{ast.unparse(node.value)[:50]}` at p+j{effective:+d} (slice {ast.unparse(part)})"))
+    return readings
+
+
+def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node in _walk_all(an, (ast.Assign, ast.keyword)):
+            target_name, value_node = None, None
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target_name, value_node = leaf_name(node.targets[0]), node.value
+            elif isinstance(node, ast.keyword) and node.arg:
+                target_name, value_node = node.arg, node.value
+            if not target_name or value_node is None or not set(tokens(target_name)) & POSITION_TOKENS:
+                continue
+            if isinstance(value_node, ast.Call) and call_name(value_node) in {"cat", "concat", "concatenate"}:
+                candidates = [e for a in value_node.args for e in (a.elts if isinstance(a, (ast.List, ast.Tuple)) else [a])]
+            else:
+                candidates = [value_node]
+            for candidate in candidates:
+                for offset, switch in an.block_index_offsets(candidate):
+                    value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+                    mode = "switch" if switch else "hardcoded"
+                    readings.append(_reading(an, "dflash.block_position_ids", value, node, 0.8, mode=mode, switch=switch,
+                                             detail=f"block token j at position anchor + j{offset:+d} (`{target_name}`)"))
+                while (isinstance(candidate, ast.Call) and isinstance(candidate.func, ast.Attribute)
+                       and call_name(candidate) in PRESERVING_METHODS and not _is_module(candidate.func.value)):
+                    candidate = candidate.func.value
+                if (isinstance(candidate, ast.Call) and call_name(candidate) == "arange" and not an.block_index_offsets(candidate)
+                        and not set(tokens(target_name)) & {"offset", "offsets", "off", "delta", "rel", "relative", "local"}
+                        and _scope_mentions_anchor(an, node) and "anchor" not in an.tags(candidate)
+                        and any(is_blocksize_name(leaf_name(a)) for a in candidate.args)):
+                    readings.append(_reading(an, "dflash.block_position_ids", "0..B-1 (block-local)", node, 0.6,
+                                             detail=f"`{target_name}` restarts at 0 in every block instead of anchor + j"))
+    return readings
+
+
+def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
+    readings = []
+    for node in _walk_all(an, ast.Subscript):
+        base = node.value
+        base_tokens = set(tokens(leaf_name(base)))
+        if not base_tokens & {"hidden", "hiddens", "hs", "states", "activations", "layers"} or base_tokens & {"last"}:
+            continue
+        parent = an.parents.get(node)
+        # the subscript must feed a head (lm_head / logits / norm -> lm_head) to be a target source
+        feeds_head, current = False, parent
+        for _ in range(5):
+            if current is None:
+                break
+            if isinstance(current, ast.Call):
+                name = set(tokens(call_name(current)))
+                if name & {"lm", "head", "logits", "unembed", "output"}:
+                    feeds_head = True
+                    break
+            current = an.parents.get(current)
+        if not feeds_head:
+            continue
+        index = node.slice
+        parts = index.elts if isinstance(index, ast.Tuple) else [index]
+        part = parts[0] if len(parts) == 1 else next((p for p in parts if not isinstance(p, ast.Slice)), parts[-1])
+        number = const_number(part)
+        if number is None and not isinstance(part, ast.Slice):
+            resolved = an.literal(part)
+            number = resolved if isinstance(resolved, (int, float)) and not isinstance(resolved, bool) else None
+        switch = an.switch_of(node)
+        mode: Mode = "switch" if switch else "hardcoded"
+        if number == -1:
+            value, detail = "final", "the last hidden state"
+        elif number is not None:
+            # a constant index is a layer only on the per-layer tuple (out.hidden_states, or a name bound to it)
+            # and only where it feeds the targets; on a plain tensor it may be a batch index
+            if not (_is_layer_tuple(an, base) and (_feeds_target(an, node) or _target_side(an, node))):
+                continue
+            value, detail = "intermediate", f"hidden_states[{int(number)}], not the last layer"
+        elif isinstance(part, ast.Slice):
+            continue
+        else:
+            names = {leaf_name(n) for n in ast.walk(part) if isinstance(n, (ast.Name, ast.Attribute))}
+            list_pick = any(isinstance(n, ast.Subscript) and re.search(r"layer|ids", leaf_name(n.value), re.I)
+                            for n in ast.walk(part))
+            scope = an.scope(node)
+            runtime = [n.id for n in ast.walk(part) if isinstance(n, ast.Name) and scope.param_default(n.id) is not None]
+            if any("num" in n.lower() for n in names):
+                continue
+            if list_pick:
+                value, detail = "intermediate", f"hidden_states[{ast.unparse(part)}]: a selected (intermediate) layer"
+            elif runtime:
+                value, detail, mode = "intermediate", f"hidden_states[{ast.unparse(part)}]: a layer chosen at run time", "switch"
+                switch = switch or f"parameter {runtime[0]}"
+            elif any(re.search(r"layer|ids", n, re.I) for n in names):
+                value, detail = "intermediate", f"hidden_states[{ast.unparse(part)}]: a selected (intermediate) layer"
+            else:
+                continue
+        readings.append(_reading(an, "dflash.target_logits_source", value, node, 0.75, mode=mode, switch=switch, detail=detail))
+    for node in _walk_all(an, ast.Call):
+        name = set(tokens(call_name(node)))
+        if not name & {"lm", "head", "logits", "unembed"} or not node.args:
+            continue
+        arg_names = {leaf_name(n).lower() for n in ast.walk(node.args[0]) if isinstance(n, (ast.Name, ast.Attribute))}
+        if any("last" in n or "final" in n for n in arg_names) and _feeds_target(an, node):
+            readings.append(_reading(an, "dflash.target_logits_source", "final", node, 0.7,
+                                     detail=f"targets from `{ast.unparse(node.args[0])[:60]}` (the last layer)"))
+    for node in _walk_all(an, ast.Assign):
+        if len(node.targets) != 1 or not isinstance(node.value, ast.Attribute) or node.value.attr != "logits":
+            continue
+        target = leaf_name(node.targets[0])
+        toks = set(tokens(target))
+        producer = node.value.value
+        producer_name = set(tokens(leaf_name(producer))) if isinstance(producer, (ast.Name, ast.Attribute, ast.Call)) else set()
+        if toks & {"target", "teacher", "verifier", "ref", "base"} or producer_name & {"target", "teacher", "verifier", "base"}:
+            switch = an.switch_of(node)
+            readings.append(_reading(an, "dflash.target_logits_source", "final", node, 0.75,
+                                     mode="switch" if switch else "hardcoded", switch=switch,
+                                     detail="targets are the target model's own output logits"))
+    return readings
+
+
+def _is_layer_tuple(an: Analyzer, base: ast.AST) -> bool:
+    """out.hidden_states / all_hidden_states / a name assigned from `.hidden_states`."""
+    if isinstance(base, ast.Attribute) and base.attr in {"hidden_states", "all_hidden_states"}:
+        return True
+    if isinstance(base, ast.Name):
+        if base.id in {"all_hidden_states", "layer_outputs", "all_hiddens"}:
+            return True
+        found = an.defs_of(base)
+        return bool(found and any(isinstance(d, ast.Attribute) and d.attr in {"hidden_states", "all_hidden_states"} for d in found[0]))
+    return False
+
+
+def _target_side(an: Analyzer, node: ast.AST) -> bool:
+    """Inside a function about the target / teacher / verifier, or through the target's own head."""
+    func = an.enclosing_function(node)
+    if func is not None and re.search(r"target|teacher|verifier|label|distill", func.name, re.I):
+        return True
+    current = an.parents.get(node)
+    while current is not None and not isinstance(current, ast.stmt):
+        if isinstance(current, ast.Call) and isinstance(current.func, ast.Attribute):
+            owner = set(tokens(leaf_name(current.func.value)))
+            if owner & {"target", "teacher", "verifier", "base", "model"} and set(tokens(current.func.attr)) & {"lm", "head", "logits"}:
+                return True
+        current = an.parents.get(current)
+    return False
+
+
+def _feeds_target(an: Analyzer, node: ast.AST) -> bool:
+    current = an.parents.get(node)
+    while current is not None and not isinstance(current, ast.stmt):
+        current = an.parents.get(current)
+    if isinstance(current, ast.Assign):
+        names = {leaf_name(t) for t in current.targets}
+        return any(set(tokens(n)) & {"target", "targets", "teacher", "verifier", "labels"} for n in names)
+    return False

@@ -1,0 +1,125 @@
+"""The reference cache, laid out like the Hugging Face hub cache so content is keyed by commit SHA.
+
+    <cache>/references/<name>/
+        refs/<branch>                 text: the commit SHA the branch pointed to when last resolved
+        snapshots/<sha>/<path>        the exact bytes of each resolved file at that commit
+        provenance/<sha>.json         per file: tier, source, sha256, fetched_at
+        docs/<url-sha256>.html|.json  docs pages and their provenance
+        git/                          the tool's own partial clone (bare, blob:none)
+
+A snapshot is immutable once written (a commit's files never change), so readers need no locks; writes
+go through a temporary file and an atomic rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from sleuth.reference.model import ResolvedFile
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ReferenceCache:
+    def __init__(self, root: Path, name: str) -> None:
+        self.dir = Path(root) / "references" / name
+
+    @property
+    def clone_dir(self) -> Path:
+        return self.dir / "git"
+
+    def _inside(self, base: Path, relative: str) -> Path:
+        target = (base / relative).resolve()
+        if not target.is_relative_to(base.resolve()):
+            raise ValueError(f"path escapes the cache: {relative!r}")
+        return target
+
+    # refs -------------------------------------------------------------------------------------------
+    def read_ref(self, branch: str) -> str | None:
+        path = self._inside(self.dir / "refs", branch)
+        return path.read_text().strip() if path.is_file() else None
+
+    def write_ref(self, branch: str, commit: str) -> None:
+        _atomic_write(self._inside(self.dir / "refs", branch), commit.encode())
+
+    # snapshots ----------------------------------------------------------------------------------------
+    def snapshot_dir(self, commit: str) -> Path:
+        return self.dir / "snapshots" / commit
+
+    def find_commit(self, prefix: str) -> str | None:
+        """A full SHA in the cache that starts with `prefix` (users type short SHAs)."""
+        snapshots = self.dir / "snapshots"
+        if not snapshots.is_dir() or len(prefix) < 4:
+            return None
+        matches = [p.name for p in snapshots.iterdir() if p.name.startswith(prefix.lower())]
+        return matches[0] if len(matches) == 1 else None
+
+    def write_snapshot(self, commit: str, files: list[tuple[ResolvedFile, bytes]]) -> None:
+        base = self.snapshot_dir(commit)
+        provenance = self._read_provenance(commit)
+        for resolved, data in files:
+            _atomic_write(self._inside(base, resolved.path), data)
+            provenance[resolved.path] = resolved.model_dump(exclude={"text"})
+        _atomic_write(self.dir / "provenance" / f"{commit}.json", json.dumps(provenance, indent=1).encode())
+
+    def _read_provenance(self, commit: str) -> dict:
+        path = self.dir / "provenance" / f"{commit}.json"
+        try:
+            return json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def read_snapshot(self, commit: str, paths: list[str]) -> tuple[dict[str, tuple[dict, bytes]], list[str]]:
+        """(found: path -> (original provenance, bytes), missing paths). Bytes are re-hashed on read."""
+        base = self.snapshot_dir(commit)
+        provenance = self._read_provenance(commit)
+        found: dict[str, tuple[dict, bytes]] = {}
+        missing: list[str] = []
+        for path in paths:
+            file = self._inside(base, path)
+            record = provenance.get(path)
+            if not file.is_file() or record is None:
+                missing.append(path)
+                continue
+            data = file.read_bytes()
+            if sha256_hex(data) != record.get("sha256"):
+                missing.append(path)  # a damaged cache entry is treated as absent, never trusted
+                continue
+            found[path] = (record, data)
+        return found, missing
+
+    # docs -----------------------------------------------------------------------------------------------
+    def _docs_key(self, url: str) -> Path:
+        return self.dir / "docs" / hashlib.sha256(url.encode()).hexdigest()[:32]
+
+    def write_doc(self, resolved: ResolvedFile, data: bytes) -> None:
+        key = self._docs_key(resolved.path)
+        _atomic_write(key.with_suffix(".html"), data)
+        _atomic_write(key.with_suffix(".json"), json.dumps(resolved.model_dump(exclude={"text"})).encode())
+
+    def read_doc(self, url: str) -> tuple[dict, bytes] | None:
+        key = self._docs_key(url)
+        try:
+            record = json.loads(key.with_suffix(".json").read_text())
+            data = key.with_suffix(".html").read_bytes()
+        except (OSError, json.JSONDecodeError):
+            return None
+        return (record, data) if sha256_hex(data) == record.get("sha256") else None

@@ -1,0 +1,355 @@
+"""The git tiers: `local` (a checkout's HEAD) and `git-pull` (fetch, then fast-forward or read objects).
+
+The user's checkout is theirs. We read files from git objects (never the working tree, whose edits have no
+commit to cite), fetch only into remote-tracking refs, and change their branch only by a fast-forward that
+is provably safe: clean tree and index, HEAD on the branch that tracks the fetched upstream, no merge or
+rebase in progress, and the upstream a descendant of HEAD. Otherwise the files come from the fetched
+objects and the checkout is left as it was. Every git call is non-interactive and time-bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sleuth.reference.model import ReferenceError
+
+GIT_TIMEOUT_S = 120.0
+_SHA_RE = re.compile(r"^[0-9a-fA-F]{7,40}$")
+
+
+def looks_like_sha(ref: str | None) -> bool:
+    return bool(ref and _SHA_RE.match(ref))
+
+
+class GitFailure(Exception):
+    """A git command failed or timed out; the message is one short line."""
+
+
+def _git_env(offline: bool) -> dict[str, str]:
+    env = {
+        # Never wait for a human: no credential prompts, no ssh passphrase or host-key questions.
+        "GIT_TERMINAL_PROMPT": "0",
+        "GCM_INTERACTIVE": "never",
+        "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=15",
+        "GIT_OPTIONAL_LOCKS": "0",  # a status/diff must not rewrite the user's index stat cache
+        "LC_ALL": "C",
+    }
+    if offline:
+        # A partial clone fetches missing objects lazily; allowing no transport at all keeps git offline.
+        env["GIT_ALLOW_PROTOCOL"] = "sleuth-offline-none"
+    return env
+
+
+class GitCheckout:
+    """A thin, time-bounded wrapper over one repository (a user checkout or the cache's bare clone)."""
+
+    def __init__(self, path: Path, *, offline: bool, is_cache: bool = False) -> None:
+        import git  # gitpython; imported here so `import sleuth.reference` stays light
+
+        self._git = git
+        self.path = Path(path)
+        self.offline = offline
+        self.is_cache = is_cache
+        try:
+            self.repo = git.Repo(self.path)
+        except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+            raise ReferenceError(f"{self.path} is not a git checkout") from None
+        self.env = _git_env(offline)
+        # gitpython's own helpers (is_dirty, config reads) must run under the same rules as `run`.
+        self.repo.git.update_environment(**self.env)
+
+    # low level ----------------------------------------------------------------------------------------
+    def run(self, *args: str, binary: bool = False, timeout: float = GIT_TIMEOUT_S) -> str | bytes:
+        try:
+            return self.repo.git.execute(
+                ["git", *args],
+                env={**os.environ, **self.env},
+                kill_after_timeout=timeout,
+                stdout_as_string=not binary,
+                strip_newline_in_stdout=not binary,
+            )
+        except self._git.GitCommandError as exc:
+            stderr = (exc.stderr or "").strip().replace("stderr:", "").strip(" '\n")
+            last = [line.strip() for line in stderr.splitlines() if line.strip()]
+            raise GitFailure(f"git {args[0]} failed: {last[-1] if last else exc.status}") from None
+
+    def rev(self, revision: str) -> str | None:
+        try:
+            return str(self.run("rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"))
+        except GitFailure:
+            return None
+
+    def is_ancestor(self, older: str, newer: str) -> bool:
+        try:
+            self.run("merge-base", "--is-ancestor", older, newer)
+            return True
+        except GitFailure:
+            return False
+
+    def present(self, commit: str, paths: list[str]) -> set[str]:
+        listed = str(self.run("ls-tree", "-r", "--name-only", commit, "--", *paths))
+        return set(listed.splitlines()) & set(paths)
+
+    def read(self, commit: str, path: str) -> bytes:
+        return bytes(self.run("cat-file", "blob", f"{commit}:{path}", binary=True))
+
+    def first_commit_adding(self, commit: str, directory: str) -> str | None:
+        """The oldest commit reachable from `commit` that added a file under `directory`."""
+        out = str(self.run("log", "--diff-filter=A", "--format=%H", "--reverse", commit, "--", directory))
+        lines = out.split()
+        return lines[0] if lines else None
+
+    # state --------------------------------------------------------------------------------------------
+    @property
+    def branch(self) -> str | None:
+        return None if self.repo.head.is_detached else self.repo.head.ref.name
+
+    def tracking(self) -> tuple[str, str] | None:
+        """(remote, branch) the current branch tracks, from the branch's own config."""
+        branch = self.branch
+        if branch is None:
+            return None
+        reader = self.repo.config_reader()
+        section = f'branch "{branch}"'
+        if not reader.has_option(section, "remote") or not reader.has_option(section, "merge"):
+            return None
+        remote = str(reader.get_value(section, "remote"))
+        merge = str(reader.get_value(section, "merge"))
+        if remote == ".":  # tracks a local branch: there is no upstream to fetch
+            return None
+        return remote, merge.removeprefix("refs/heads/")
+
+    def remote_names(self) -> list[str]:
+        return [r.name for r in self.repo.remotes]
+
+    def remote_url(self, remote: str) -> str:
+        try:
+            return str(self.run("remote", "get-url", remote))
+        except GitFailure:
+            return "?"
+
+    def is_shallow(self) -> bool:
+        return (Path(self.repo.git_dir) / "shallow").is_file()
+
+    def dirty_reason(self) -> str | None:
+        git_dir = Path(self.repo.git_dir)
+        for marker, what in (
+            ("MERGE_HEAD", "a merge"),
+            ("rebase-merge", "a rebase"),
+            ("rebase-apply", "a rebase"),
+            ("CHERRY_PICK_HEAD", "a cherry-pick"),
+            ("REVERT_HEAD", "a revert"),
+        ):
+            if (git_dir / marker).exists():
+                return f"{what} is in progress"
+        # `git status` honours GIT_OPTIONAL_LOCKS=0 and so never rewrites the user's index; `git diff`
+        # (behind gitpython's is_dirty) may refresh and write it, which would break our promise.
+        if str(self.run("status", "--porcelain", "--untracked-files=no")).strip():
+            return "the working tree or index has uncommitted changes"
+        return None
+
+    def fetch(self, remote: str, branch: str) -> None:
+        args = ["fetch", "--no-tags", "--no-write-fetch-head", "--quiet"]
+        if self.is_cache:
+            args.append("--filter=blob:none")
+        self.run(*args, remote, f"+refs/heads/{branch}:refs/remotes/{remote}/{branch}")
+
+
+def open_cache_clone(clone_dir: Path, url: str, *, offline: bool, create: bool) -> GitCheckout | None:
+    """The tool's own bare partial clone; created (empty, remote configured) only when `create`."""
+    if not (clone_dir / "HEAD").is_file():
+        if not create:
+            return None
+        import git
+
+        shutil.rmtree(clone_dir, ignore_errors=True)
+        clone_dir.parent.mkdir(parents=True, exist_ok=True)
+        git.Repo.init(clone_dir, bare=True)
+    checkout = GitCheckout(clone_dir, offline=offline, is_cache=True)
+    if create:
+        if "origin" in checkout.remote_names():
+            checkout.run("remote", "set-url", "origin", url)
+        else:
+            checkout.run("remote", "add", "origin", url)
+        # Mark origin as a promisor so blobs left out by --filter=blob:none are fetched when read.
+        checkout.run("config", "remote.origin.promisor", "true")
+        checkout.run("config", "remote.origin.partialclonefilter", "blob:none")
+    return checkout
+
+
+@dataclass
+class LocalState:
+    """What one commit of a checkout holds of the needed files."""
+
+    checkout: GitCheckout
+    commit: str | None
+    label: str
+    present: set[str] = field(default_factory=set)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.commit is not None and not self.missing
+
+
+def inspect_checkout(checkout: GitCheckout, needed: list[str], ref: str | None, default_branch: str) -> LocalState:
+    """Which needed files the checkout holds at HEAD (or at --ref), from git objects, without touching it."""
+    if checkout.is_cache:
+        revision = ref or f"refs/remotes/origin/{default_branch}"
+        candidates = [revision, f"refs/remotes/origin/{ref}"] if ref else [revision]
+        where = f"cache clone {checkout.path}"
+    else:
+        candidates = [ref, *(f"refs/remotes/{r}/{ref}" for r in checkout.remote_names())] if ref else ["HEAD"]
+        where = f"checkout {checkout.path}"
+    commit = next((c for c in (checkout.rev(r) for r in candidates) if c), None)
+    if commit is None:
+        what = f"--ref {ref}" if ref else ("no fetched branch yet" if checkout.is_cache else "no commits")
+        return LocalState(checkout, None, f"{where}: {what}", set(), list(needed))
+    on = "detached HEAD" if not checkout.is_cache and checkout.branch is None else (checkout.branch or "")
+    label = f"{where} at {commit[:7]}" + (f" ({on})" if on and not ref and not checkout.is_cache else "")
+    present = checkout.present(commit, needed)
+    return LocalState(checkout, commit, label, present, [p for p in needed if p not in present])
+
+
+def describe_missing(missing: list[str], module_dirs: list[str], needed: list[str]) -> list[str]:
+    """Name whole missing module directories rather than listing every file in them."""
+    named: list[str] = []
+    covered: set[str] = set()
+    for directory in module_dirs:
+        prefix = directory.rstrip("/") + "/"
+        wanted = [p for p in needed if p.startswith(prefix)]
+        if wanted and all(p in missing for p in wanted):
+            named.append(prefix)
+            covered.update(wanted)
+    return named + [p for p in missing if p not in covered]
+
+
+@dataclass
+class PullResult:
+    outcome: str  # Attempt outcome
+    reason: str
+    commit: str | None = None  # the commit to read the files from; None -> keep the local result
+    source: str = ""
+    notes: list[str] = field(default_factory=list)
+    use_local: bool = False
+    up_to_date: bool = False  # the local commit is exactly the fetched upstream
+    branch: str | None = None  # the upstream branch that was fetched
+
+
+def choose_upstream(checkout: GitCheckout, ref: str | None, default_branch: str,
+                    repository: str) -> tuple[str, str] | None:
+    """(remote, branch) to fetch: the branch's own upstream when it has one and no other --ref was asked."""
+    tracking = checkout.tracking()
+    if tracking and (ref is None or ref == checkout.branch or ref == tracking[1]):
+        return tracking
+    remotes = checkout.remote_names()
+    if not remotes:
+        return None
+    matching = [r for r in remotes if repository.lower() in checkout.remote_url(r).lower()]
+    remote = matching[0] if matching else ("origin" if "origin" in remotes else remotes[0])
+    branch = ref if ref and not looks_like_sha(ref) else default_branch
+    return remote, branch
+
+
+def pull(state: LocalState, needed: list[str], ref: str | None, default_branch: str, repository: str,
+         module_dirs: list[str]) -> PullResult:
+    """Fetch the upstream, then decide: local is current, fast-forward, or read the fetched objects."""
+    checkout = state.checkout
+    upstream = choose_upstream(checkout, ref, default_branch, repository)
+    if upstream is None:
+        return PullResult("miss", "the checkout has no remote to fetch from", use_local=state.complete)
+    remote, branch = upstream
+    try:
+        checkout.fetch(remote, branch)
+    except GitFailure as exc:
+        url = checkout.remote_url(remote)
+        return PullResult("error", f"fetch {remote} ({url}) {branch}: {exc}", use_local=state.complete)
+    result = _pull_fetched(state, needed, ref, remote, branch, module_dirs)
+    result.branch = branch
+    return result
+
+
+def _pull_fetched(state: LocalState, needed: list[str], ref: str | None, remote: str, branch: str,
+                  module_dirs: list[str]) -> PullResult:
+    checkout = state.checkout
+    remote_ref = f"refs/remotes/{remote}/{branch}"
+    upstream_commit = checkout.rev(remote_ref)
+    if upstream_commit is None:
+        return PullResult("error", f"{remote}/{branch} did not resolve after the fetch", use_local=state.complete)
+    target = upstream_commit
+    if looks_like_sha(ref):
+        target = checkout.rev(ref)  # type: ignore[arg-type]
+        if target is None:
+            return PullResult("miss", f"commit {ref} is not in {remote}/{branch} either", use_local=False)
+    where = f"{remote}/{branch} at {target[:7]}"
+    subject = "the cache clone" if checkout.is_cache else "checkout"
+    if state.complete and state.commit == target:
+        return PullResult("ok", f"{subject} is up to date with {where}; nothing to pull", use_local=True,
+                          up_to_date=True)
+    if state.complete and not looks_like_sha(ref) and checkout.is_ancestor(target, state.commit or ""):
+        return PullResult("ok", f"{subject} is ahead of {where}; using its HEAD", use_local=True)
+
+    present = checkout.present(target, needed)
+    lacking = [p for p in needed if p not in present]
+    if lacking:
+        names = ", ".join(describe_missing(lacking, module_dirs, needed))
+        return PullResult("miss", f"{where} lacks {names}", use_local=state.complete)
+
+    notes = stale_notes(state, target, needed, module_dirs)
+    if checkout.is_cache:
+        return PullResult("ok", f"cache clone fetched {where}", target,
+                          f"git object {{commit}}:{{path}} in {checkout.path}", notes)
+
+    why_not = why_not_fast_forward(checkout, ref, remote, branch, target)
+    if why_not is None:
+        before = checkout.rev("HEAD") or "?"
+        try:
+            checkout.run("merge", "--ff-only", "--quiet", target)
+        except GitFailure as exc:
+            why_not = f"git refused the fast-forward ({exc})"
+        else:
+            return PullResult(
+                "ok", f"fast-forwarded {checkout.branch} {before[:7]}..{target[:7]} from {remote}/{branch}",
+                target, f"{checkout.path}:{{path}} at {{commit}}", notes,
+            )
+    return PullResult(
+        "ok",
+        f"left your checkout untouched ({why_not}); read the files from fetched {where}",
+        target, f"git object {{commit}}:{{path}} in {checkout.path}", notes,
+    )
+
+
+def why_not_fast_forward(checkout: GitCheckout, ref: str | None, remote: str, branch: str, target: str) -> str | None:
+    if checkout.branch is None:
+        return "HEAD is detached"
+    if ref is not None and ref != checkout.branch:
+        return f"--ref {ref} is not the checked-out branch"
+    if checkout.tracking() != (remote, branch):
+        return f"branch {checkout.branch} does not track {remote}/{branch}"
+    dirty = checkout.dirty_reason()
+    if dirty:
+        return dirty
+    if not checkout.is_ancestor("HEAD", target):
+        return f"branch {checkout.branch} has diverged from {remote}/{branch}"
+    return None
+
+
+def stale_notes(state: LocalState, target: str, needed: list[str], module_dirs: list[str]) -> list[str]:
+    """'checkout at de03273 has no src/.../dflash/; upstream has it since f324209', per missing dir."""
+    if state.commit is None or not state.missing:
+        return []
+    checkout = state.checkout
+    shallow = " (earliest commit in this shallow history)" if checkout.is_shallow() else ""
+    notes = []
+    for name in describe_missing(state.missing, module_dirs, needed):
+        try:
+            first = checkout.first_commit_adding(target, name)
+        except GitFailure:
+            first = None
+        since = f"; upstream has it since {first[:7]}{shallow}" if first else ""
+        notes.append(f"checkout at {state.commit[:7]} has no {name}{since}")
+    return notes

@@ -1,0 +1,51 @@
+"""The diagnosis report: one model (`model.Report`), rendered as text, Markdown, JSON, SARIF and fix.yaml.
+
+`write_report` writes every file into the diagnosis directory; the renderers are also usable alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from sleuth.report.model import REPORT_SCHEMA_VERSION, Report, Rule, count_findings, rank_findings
+
+REPORT_FILES = ("report.md", "report.json", "report.sarif", "fix.yaml")
+
+__all__ = [
+    "REPORT_FILES",
+    "REPORT_SCHEMA_VERSION",
+    "Report",
+    "Rule",
+    "count_findings",
+    "rank_findings",
+    "render_json",
+    "write_report",
+]
+
+
+def render_json(report: Report) -> str:
+    return report.model_dump_json(indent=2)
+
+
+def write_report(report: Report, out_dir: Path) -> dict[str, Path]:
+    """Write report.md, report.json, report.sarif and fix.yaml into `out_dir`; returns name -> path."""
+    from sleuth.report.fix import render_fix_yaml
+    from sleuth.report.markdown import render_markdown
+    from sleuth.report.sarif import render_sarif
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {name: out_dir / name for name in REPORT_FILES}
+    _write_atomic(files["report.md"], render_markdown(report))
+    _write_atomic(files["report.json"], render_json(report) + "\n")
+    _write_atomic(files["report.sarif"], json.dumps(render_sarif(report), indent=2) + "\n")
+    _write_atomic(files["fix.yaml"], render_fix_yaml(report, str(files["report.md"])))
+    return files
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # A reader (the trainer's --fixed, an editor's SARIF viewer) never sees a half-written file.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    partial.replace(path)

@@ -1,0 +1,107 @@
+"""The regression chart: acc, streak and tau (and loss) against step, for the run and its baseline(s).
+
+matplotlib costs about half a second to import, more than the rest of a diagnosis together, so it is
+imported only here and only when the chart must be drawn: the PNG carries a key (a hash of the plotted
+series) in a text chunk, and an existing chart with the same key is kept as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+CHART_VERSION = 1
+CHART_METRICS = ("acc", "streak", "tau", "loss")
+_KEY_NAME = "sleuth-chart-key"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# label -> metric -> (steps, values)
+Series = dict[str, dict[str, tuple[list[int], list[float]]]]
+
+
+def chart_key(series: Series) -> str:
+    blob = json.dumps({"version": CHART_VERSION, "series": series}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def write_chart(path: Path, series: Series, *, main_label: str) -> str:
+    """Draw the chart at `path` unless an up-to-date one is there; returns 'drawn', 'cached' or 'empty'."""
+    metrics = [m for m in CHART_METRICS if any(len(runs.get(m, ([], []))[0]) for runs in series.values())]
+    if not metrics:
+        return "empty"
+    key = chart_key(series)
+    if png_text(path).get(_KEY_NAME) == key:
+        return "cached"
+    _draw(path, series, metrics, main_label, key)
+    return "drawn"
+
+
+def _draw(path: Path, series: Series, metrics: list[str], main_label: str, key: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from sleuth.regression import rolling_median
+
+    # Fixed margins rather than constrained layout: the layout solver doubles the drawing time.
+    figure = Figure(figsize=(3.4 * len(metrics), 3.2), dpi=90)
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(metrics), squeeze=False)[0]
+    for ax, metric in zip(axes, metrics):
+        for label, runs in series.items():
+            steps, values = runs.get(metric, ([], []))
+            if not steps:
+                continue
+            is_main = label == main_label
+            shown = values
+            if len(steps) > 12:
+                # Raw points faintly, the smoothed curve the verdict used on top.
+                line = ax.plot(steps, values, linewidth=0.6, alpha=0.3, zorder=1)[0]
+                shown = rolling_median(steps, values)[0]
+                color = {"color": line.get_color()}
+            else:
+                color = {}
+            ax.plot(
+                steps,
+                shown,
+                **color,
+                label=label,
+                linewidth=2.0 if is_main else 1.2,
+                linestyle="-" if is_main else "--",
+                marker="o" if len(steps) <= 12 else None,
+                markersize=3,
+                zorder=3 if is_main else 2,
+            )
+        ax.set_title(metric + (" (lower is better)" if metric == "loss" else ""))
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    figure.subplots_adjust(left=0.25 / len(metrics), right=0.98, bottom=0.16, top=0.9, wspace=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written aside and renamed, so a report viewer never shows half a chart.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    figure.savefig(partial, format="png", metadata={_KEY_NAME: key})
+    partial.replace(path)
+
+
+def png_text(path: Path) -> dict[str, str]:
+    """The tEXt chunks of a PNG (empty when the file is missing or not a PNG)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return {}
+    if not data.startswith(_PNG_SIGNATURE):
+        return {}
+    texts: dict[str, str] = {}
+    offset = len(_PNG_SIGNATURE)
+    while offset + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[offset : offset + 8])
+        body = data[offset + 8 : offset + 8 + length]
+        if kind == b"tEXt" and b"\x00" in body:
+            name, _, text = body.partition(b"\x00")
+            texts[name.decode("latin-1")] = text.decode("latin-1")
+        if kind == b"IEND":
+            break
+        offset += 12 + length
+    return texts

@@ -1,0 +1,166 @@
+"""report.md: the report a person reads: summary, chart, ranked findings with evidence and fix, the trace."""
+
+from __future__ import annotations
+
+from sleuth.findings import Evidence, Finding
+from sleuth.regression import Regression, fmt
+from sleuth.report.model import Report
+
+STATUS_MARK = {"mismatch": "✗ mismatch", "unknown": "? unknown", "match": "✓ match"}
+
+
+def render_markdown(report: Report) -> str:
+    out: list[str] = [f"# sleuth diagnosis: {report.subject}", ""]
+    counts = report.counts
+    out.append(
+        f"**{counts.get('mismatch', 0)} mismatch(es), {counts.get('unknown', 0)} unknown, "
+        f"{counts.get('match', 0)} match** (exit {report.exit_status}). Generated {report.generated_at} "
+        f"by sleuth {report.tool_version}, report schema v{report.schema_version}."
+    )
+    out += ["", "## Summary", "", report.summary or "(nothing to summarise)", ""]
+    if report.chart:
+        out += [f"![Metric trajectories of {report.subject} and its baseline]({report.chart})", ""]
+    if report.regression is not None:
+        out += _regression(report.regression)
+    out += ["## Findings, ranked by expected impact", ""]
+    if not report.findings:
+        out += ["No invariant was checked.", ""]
+    for rank, finding in enumerate(report.findings, start=1):
+        out += _finding(rank, finding)
+    out += _reference(report)
+    out += _inputs(report)
+    out += ["## Trace", "", "| # | step | outcome | duration |", "|---|---|---|---|"]
+    for number, step in enumerate(report.trace, start=1):
+        out.append(f"| {number} | {_cell(step.step)} | {_cell(step.outcome)} | {step.duration_s:.3f} s |")
+    out += ["", "The full trace, with each step's inputs, is `trace.jsonl` beside this report.", ""]
+    return "\n".join(out)
+
+
+def _regression(regression: Regression) -> list[str]:
+    out = ["## Regression", ""]
+    if regression.baseline is None:
+        out += [f"Not compared: {regression.reason}", ""]
+    else:
+        source = "named with --baseline" if regression.baseline_source == "explicit" else "best comparable earlier run"
+        out += [f"Baseline: **{regression.baseline}** ({source}). Verdict: **{regression.verdict}**.", ""]
+        out += [
+            "| metric | step | run | baseline | gap | threshold | verdict "
+            "| baseline reached run's final at | run needed | ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for c in regression.metrics:
+            if c.verdict == "unknown":
+                out.append(f"| {c.metric} | | | | | | unknown: {_cell(c.reason or '')} | | | |")
+                continue
+            for i, gap in enumerate(c.gaps):
+                last = i == len(c.gaps) - 1
+                out.append(
+                    f"| {c.metric} | {gap.step} | {fmt(gap.run)} | {fmt(gap.baseline)} | {fmt(gap.gap)} | "
+                    + (
+                        f"{fmt(c.threshold)} | {c.verdict} | {c.baseline_reached_step or 'never'} | "
+                        f"{c.run_reached_step} | {f'{c.speedup:.1f}x' if c.speedup else ''} |"
+                        if last
+                        else " | | | | |"
+                    )
+                )
+        out += [
+            "",
+            "Values are smoothed (rolling median) and interpolated to common steps; a positive gap means the "
+            "run is worse. The verdict compares the median gap over the last third of the common range with "
+            "the noise threshold.",
+            "",
+        ]
+    others = [c for c in regression.candidates if not c.chosen]
+    if others:
+        out += ["Other runs considered:", ""]
+        for candidate in others:
+            what = f"comparable, lead {fmt(candidate.score)}" if candidate.score is not None else "not used"
+            out.append(f"- {candidate.name}: {what}" + (f" ({candidate.reason})" if candidate.reason else ""))
+        out.append("")
+    return out
+
+
+def _finding(rank: int, finding: Finding) -> list[str]:
+    out = [
+        f"### {rank}. {STATUS_MARK.get(finding.status, finding.status)}: {finding.title}",
+        "",
+        f"`{finding.id}`, severity **{finding.severity}**, confidence {finding.confidence:.2f}",
+        "",
+    ]
+    if finding.expected is not None:
+        out.append(f"- **Expected:** {finding.expected}")
+    if finding.observed is not None:
+        out.append(f"- **Observed:** {finding.observed}")
+    if finding.reason:
+        out.append(f"- **Why {finding.status}:** {finding.reason}")
+    if finding.evidence:
+        out.append("- **Evidence:**")
+        out += [f"  - {_evidence(e)}" for e in finding.evidence]
+    if finding.fix is not None and (finding.fix.config_patch or finding.fix.code_hint):
+        parts = []
+        if finding.fix.config_patch:
+            keys = ", ".join(f"`{k}: {_yaml_value(v)}`" for k, v in finding.fix.config_patch.items())
+            parts.append(f"set {keys} (in fix.yaml)")
+        if finding.fix.code_hint:
+            parts.append(f"code: {finding.fix.code_hint}")
+        out.append(f"- **Fix ({finding.fix.applicability}):** " + "; ".join(parts))
+    for note in finding.notes:
+        out.append(f"- Note: {note}")
+    out.append("")
+    return out
+
+
+def _evidence(evidence: Evidence) -> str:
+    text = f"{evidence.kind} `{evidence.location}`"
+    if evidence.commit and evidence.commit[:7] not in evidence.location:
+        text += f" @ {evidence.commit[:12]}"
+    if evidence.value is not None:
+        text += f": {evidence.value}"
+    if evidence.snippet:
+        snippet = " ".join(evidence.snippet.split())[:160].replace("`", "'")
+        text += f" (`{snippet}`)"
+    return text
+
+
+def _reference(report: Report) -> list[str]:
+    ref = report.reference
+    if ref is None:
+        return []
+    out = ["## Reference", ""]
+    commit = f" at commit `{ref.commit[:12]}`" if ref.commit else ""
+    out += [f"**{ref.name}**, answered by the **{ref.tier or 'no'}** tier{commit}.", ""]
+    if ref.attempts:
+        out += ["| tier | tried | outcome | reason |", "|---|---|---|---|"]
+        for attempt in ref.attempts:
+            out.append(
+                f"| {_cell(str(attempt.get('tier', '')))} | {_cell(str(attempt.get('tried', '')))} | "
+                f"{_cell(str(attempt.get('outcome', '')))} | {_cell(str(attempt.get('reason', '')))} |"
+            )
+        out.append("")
+    out += [f"- {note}" for note in ref.notes]
+    return out + ([""] if ref.notes else [])
+
+
+def _inputs(report: Report) -> list[str]:
+    out = ["## Inputs", ""]
+    for label, value in (
+        ("config", report.inputs.config),
+        ("checkpoint", report.inputs.checkpoint),
+        ("code", report.inputs.code),
+        ("playbook", report.inputs.playbook),
+    ):
+        out.append(f"- {label}: {f'`{value}`' if value else 'none'}")
+    if report.run is not None and report.run.problems:
+        out += ["", "Problems reading the run directory:", ""]
+        out += [f"- {problem}" for problem in report.run.problems]
+    return out + [""]
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _yaml_value(value: object) -> str:
+    import json
+
+    return "null" if value is None else json.dumps(value) if not isinstance(value, str) else value

@@ -1,0 +1,52 @@
+"""The short summary `sleuth diagnose` prints by default: verdict, regression, top findings, where the files are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sleuth.report.model import Report
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+_STYLE = {"mismatch": "bold red", "unknown": "yellow", "match": "green"}
+_MAX_ROWS = 12
+
+
+def print_text(report: Report, console: Console, files: dict[str, Path] | None = None) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    counts = report.counts
+    head = Text(f"sleuth diagnose {report.subject}: ", style="bold")
+    head.append(f"{counts.get('mismatch', 0)} mismatch(es)", style=_STYLE["mismatch"] if counts.get("mismatch") else "")
+    head.append(f", {counts.get('unknown', 0)} unknown, {counts.get('match', 0)} match")
+    console.print(head)
+    if report.regression is not None:
+        style = {"regression": "red", "improvement": "green"}.get(report.regression.verdict, "")
+        console.print(Text("regression: ", style="bold") + Text(report.regression.summary, style=style))
+    if report.reference is not None:
+        ref = report.reference
+        where = (f"{ref.tier} tier" + (f" @ {ref.commit[:12]}" if ref.commit else "")) if ref.tier else "unresolved"
+        console.print(Text("reference: ", style="bold") + Text(f"{ref.name} ({where})"))
+    mismatches = [f for f in report.findings if f.status == "mismatch"]
+    if mismatches:
+        table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+        table.add_column("severity", no_wrap=True)
+        table.add_column("mismatch", no_wrap=True, style=_STYLE["mismatch"])
+        table.add_column("observed", overflow="fold")
+        table.add_column("expected", overflow="fold")
+        for finding in mismatches[:_MAX_ROWS]:
+            table.add_row(finding.severity, finding.id, finding.observed or "", finding.expected or "")
+        console.print(table)
+        if len(mismatches) > _MAX_ROWS:
+            console.print(f"... and {len(mismatches) - _MAX_ROWS} more mismatches in the report")
+    unknown = [f for f in report.findings if f.status == "unknown"]
+    if unknown:
+        # Unknowns are listed by id only; the report gives each one's reason.
+        line = Text(f"unknown ({len(unknown)}): ", style=_STYLE["unknown"])
+        line.append(", ".join(f.id.removeprefix("dflash.") for f in unknown))
+        console.print(line)
+    if files:
+        console.print(Text("report: ", style="bold") + Text(str(files.get("report.md", ""))))

@@ -1,0 +1,290 @@
+"""Reading a run directory, per the run-directory contract (the only thing sleuth knows about a trainer).
+
+A run directory written by any trainer that follows the contract can be diagnosed. Reading is tolerant:
+a missing or damaged file never stops the diagnosis; it becomes a `problem` (one line saying what and
+why) and the checks that needed that file come out `unknown`. Only a run that cannot be found at all is
+an error (`RunError`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+DEFAULT_RUNS_DIR = Path("runs")
+
+# A safetensors header is a little-endian u64 length followed by that many bytes of JSON. Real drafter
+# headers are a few KiB; anything past this is a damaged length field, not a header worth reading.
+_MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+
+
+class RunError(Exception):
+    """A run cannot be found or read at all; the message is one line."""
+
+
+@dataclass
+class RunInfo:
+    """Everything sleuth read from one run directory, with a reason for each thing it could not read."""
+
+    name: str
+    path: Path
+    run_json: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    metrics_sha256: str | None = None
+    eval_report: dict[str, Any] | None = None
+    checkpoint: Path | None = None
+    checkpoint_step: int | None = None
+    code_dir: Path | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def created(self) -> datetime | None:
+        raw = (self.run_json or {}).get("created")
+        if not isinstance(raw, str):
+            return None
+        try:
+            created = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        # Naive and aware timestamps cannot be compared; treat a naive one as UTC, as the trainer writes UTC.
+        if created.tzinfo is None:
+            created = created.replace(tzinfo=timezone.utc)
+        return created
+
+    @property
+    def target_fingerprint(self) -> str | None:
+        return _nested_str(self.run_json, "target", "fingerprint")
+
+    @property
+    def data_fingerprint(self) -> str | None:
+        return _nested_str(self.run_json, "data", "fingerprint")
+
+    @property
+    def block_size(self) -> int | None:
+        value = (self.config or {}).get("block_size")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def status(self) -> str | None:
+        value = (self.run_json or {}).get("status")
+        return value if isinstance(value, str) else None
+
+    @property
+    def steps_done(self) -> int | None:
+        value = (self.run_json or {}).get("steps_done")
+        return value if isinstance(value, int) else None
+
+    def series(self, metric: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of one metric, in step order; rows without a finite number for it are skipped.
+
+        A step logged twice (a resumed run re-logs the steps after its checkpoint) keeps the later row.
+        """
+        by_step: dict[int, float] = {}
+        for row in self.metrics:
+            step, value = row.get("step"), row.get(metric)
+            if isinstance(step, bool) or not isinstance(step, int):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            by_step[step] = float(value)
+        steps = sorted(by_step)
+        return steps, [by_step[s] for s in steps]
+
+
+def resolve_run_dir(run: str | Path, runs_dir: Path | None = None) -> Path:
+    """`run` is a path to a run directory, or the name of one inside `runs_dir` (default ./runs).
+
+    A bare name (no path separator) means the run of that name first, a folder of that name in the
+    working directory second; anything that looks like a path is a path.
+    """
+    base = runs_dir if runs_dir is not None else DEFAULT_RUNS_DIR
+    as_path = Path(run).expanduser()
+    in_runs_dir = base / str(run)
+    text = str(run)
+    looks_like_path = as_path.is_absolute() or "/" in text or os.sep in text or text in (".", "..", "~")
+    for candidate in ((as_path, in_runs_dir) if looks_like_path else (in_runs_dir, as_path)):
+        if candidate.is_dir():
+            return candidate
+    known = sorted(p.name for p in list_run_dirs(base)) if base.is_dir() else []
+    where = f"in {base}/ (runs there: {', '.join(known)})" if known else f"in {base}/"
+    raise RunError(f"no run {str(run)!r}: not a directory, and no run of that name {where}")
+
+
+def list_run_dirs(runs_dir: Path) -> list[Path]:
+    """The run directories directly inside `runs_dir`: those with a run.json, config.json or metrics."""
+    if not runs_dir.is_dir():
+        return []
+    markers = ("run.json", "config.json", "metrics.jsonl")
+    return sorted(p for p in runs_dir.iterdir() if p.is_dir() and any((p / m).is_file() for m in markers))
+
+
+def read_run(path: Path) -> RunInfo:
+    """Read everything sleuth uses from a run directory; damaged parts become `problems`, not errors."""
+    if not path.is_dir():
+        raise RunError(f"run directory {path} does not exist")
+    markers = ("run.json", "config.json", "metrics.jsonl", "checkpoints", "code")
+    if not any((path / m).exists() for m in markers):
+        raise RunError(
+            f"{path} is not a run directory: it has none of run.json, config.json, metrics.jsonl, "
+            "checkpoints/, code/"
+        )
+    info = RunInfo(name=path.name, path=path)
+    info.run_json = _read_json_object(path / "run.json", info.problems)
+    if info.run_json and isinstance(info.run_json.get("name"), str) and info.run_json["name"]:
+        info.name = info.run_json["name"]
+    info.config = _read_json_object(path / "config.json", info.problems)
+    _read_metrics(path / "metrics.jsonl", info)
+    info.eval_report = _read_json_object(path / "eval.json", None)
+    _find_checkpoint(path / "checkpoints", info)
+    code = path / "code"
+    if code.is_dir():
+        info.code_dir = code
+    else:
+        info.problems.append("the run has no code/ copy of the source it executed")
+    return info
+
+
+def _read_json_object(path: Path, problems: list[str] | None) -> dict[str, Any] | None:
+    """A JSON object from `path`, or None with a problem line (None `problems`: the file is optional)."""
+    if not path.is_file():
+        if problems is not None:
+            problems.append(f"{path.name} is missing")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        if problems is not None:
+            problems.append(f"{path.name} cannot be read: {exc}")
+        return None
+    except json.JSONDecodeError as exc:
+        if problems is not None:
+            problems.append(f"{path.name} is not valid JSON (line {exc.lineno}: {exc.msg})")
+        return None
+    if not isinstance(data, dict):
+        if problems is not None:
+            problems.append(f"{path.name} does not hold a JSON object")
+        return None
+    return data
+
+
+def _read_metrics(path: Path, info: RunInfo) -> None:
+    if not path.is_file():
+        info.problems.append("metrics.jsonl is missing")
+        return
+    import hashlib
+
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        info.problems.append(f"metrics.jsonl cannot be read: {exc}")
+        return
+    info.metrics_sha256 = hashlib.sha256(raw).hexdigest()
+    skipped: list[int] = []
+    for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            skipped.append(number)
+            continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int):
+            skipped.append(number)
+            continue
+        info.metrics.append(row)
+    if skipped:
+        numbers = ", ".join(str(n) for n in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        info.problems.append(f"metrics.jsonl: skipped {len(skipped)} truncated or garbled line(s) (line {numbers})")
+    if not info.metrics:
+        info.problems.append("metrics.jsonl holds no usable metrics rows")
+
+
+def _find_checkpoint(checkpoints: Path, info: RunInfo) -> None:
+    """The newest complete checkpoint's drafter weights: `checkpoints/latest` names its directory."""
+    if not checkpoints.is_dir():
+        info.problems.append("the run has no checkpoints/ directory")
+        return
+    latest_file = checkpoints / "latest"
+    step_dir: Path | None = None
+    if latest_file.is_file():
+        name = latest_file.read_text(errors="replace").strip()
+        if name and (checkpoints / name).is_dir():
+            step_dir = checkpoints / name
+        else:
+            info.problems.append(f"checkpoints/latest names {name!r}, which does not exist")
+    # Without a usable pointer, the highest-numbered step directory is the best guess; say so.
+    if step_dir is None:
+        candidates = sorted(p for p in checkpoints.glob("step-*") if (p / "drafter.safetensors").is_file())
+        if not candidates:
+            info.problems.append("no checkpoint with drafter.safetensors under checkpoints/")
+            return
+        step_dir = candidates[-1]
+        if latest_file.is_file():
+            info.problems.append(f"using {step_dir.name} instead")
+        else:
+            info.problems.append(f"checkpoints/latest is missing; using {step_dir.name}")
+    weights = step_dir / "drafter.safetensors"
+    if not weights.is_file():
+        info.problems.append(f"checkpoints/{step_dir.name} has no drafter.safetensors")
+        return
+    info.checkpoint = weights
+    try:
+        info.checkpoint_step = int(step_dir.name.split("-", 1)[1])
+    except (IndexError, ValueError):
+        info.checkpoint_step = None
+    problem = safetensors_header_problem(weights)
+    if problem:
+        info.problems.append(f"checkpoints/{step_dir.name}/drafter.safetensors {problem}")
+
+
+def safetensors_header_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be read (cheaply: its header only, no torch), or None if it can."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                return "is corrupt: shorter than a safetensors header"
+            (length,) = struct.unpack("<Q", prefix)
+            if length == 0 or length > _MAX_SAFETENSORS_HEADER or 8 + length > size:
+                return "is corrupt: its header length field is impossible (truncated or not safetensors)"
+            header = json.loads(handle.read(length))
+    except OSError as exc:
+        return f"cannot be read: {exc}"
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return "is corrupt: its header is not valid JSON"
+    if not isinstance(header, dict):
+        return "is corrupt: its header is not a JSON object"
+    ends = [
+        entry["data_offsets"][1]
+        for key, entry in header.items()
+        if key != "__metadata__"
+        and isinstance(entry, dict)
+        and isinstance(entry.get("data_offsets"), list)
+        and len(entry["data_offsets"]) == 2
+        and isinstance(entry["data_offsets"][1], int)
+    ]
+    if ends and 8 + length + max(ends) > size:
+        return "is corrupt: truncated (tensor data ends before the header says)"
+    return None
+
+
+def _nested_str(data: dict[str, Any] | None, *keys: str) -> str | None:
+    value: Any = data
+    for key in keys:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value if isinstance(value, str) and value else None

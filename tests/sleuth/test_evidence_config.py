@@ -1,0 +1,51 @@
+"""Config evidence: readers turn a run's resolved config into the playbook's canonical values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sleuth.evidence.config import RunMeta, find_run_meta, lookup, read_config, zlab_layer_ids
+
+
+def test_zlab_rule_matches_known_values():
+    assert zlab_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert zlab_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert zlab_layer_ids(36, 1) == [18]
+
+
+def test_fc_layers_reader():
+    ids = [1, 2, 3, 4, 5]
+    assert read_config("fc_layers", {"fc_layers": None, "target_layer_ids": ids}, ["fc_layers"], RunMeta()).value == "all"
+    assert read_config("fc_layers", {"fc_layers": [0, 1, 2, 3, 4], "target_layer_ids": ids}, ["fc_layers"], RunMeta()).value == "all"
+    assert read_config("fc_layers", {"fc_layers": [0, 1, 2, 3], "target_layer_ids": ids}, ["fc_layers"], RunMeta()).value == "subset"
+    assert read_config("fc_layers", {"target_layer_ids": ids}, ["fc_layers"], RunMeta()) is None
+
+
+def test_logits_source_and_anchor_readers():
+    meta = RunMeta(num_layers=8)
+    assert read_config("logits_source", {"target_logits_source": "final"}, ["target_logits_source"], meta).value == "final"
+    assert read_config("logits_source", {"target_logits_source": 5}, ["target_logits_source"], meta).value == "intermediate"
+    assert read_config("context_includes_anchor", {"context_includes_anchor": True}, ["context_includes_anchor"], meta).value == "kv <= anchor"
+    assert read_config("context_includes_anchor", {"context_includes_anchor": False}, ["context_includes_anchor"], meta).value == "kv < anchor"
+
+
+def test_nested_keys_of_other_trainers():
+    config = {"training": {"dflash": {"dflash_decay_gamma": 7.0}}}
+    assert lookup(config, ["loss_decay_gamma", "dflash_decay_gamma"]) == ("training.dflash.dflash_decay_gamma", 7.0)
+    assert read_config("number", config, ["dflash_decay_gamma"], RunMeta()).value == 7.0
+
+
+def test_layer_ids_need_the_target_depth():
+    reading = read_config("target_layer_ids", {"target_layer_ids": [1, 9, 17, 25, 33]}, ["target_layer_ids"], RunMeta())
+    assert reading.value is None and "unknown" in reading.detail
+    vllm = read_config("target_layer_ids", {"target_layer_ids": [2, 18, 33]}, ["target_layer_ids"], RunMeta(num_layers=36))
+    assert vllm.value.startswith("custom") and "vLLM" in vllm.notes[0]
+
+
+def test_run_meta_found_beside_config_or_above_checkpoint(tmp_path: Path):
+    (tmp_path / "run.json").write_text(json.dumps({"target": {"num_layers": 36, "hidden_size": 64}}))
+    assert find_run_meta(str(tmp_path / "config.json"), None).num_layers == 36
+    ckpt = tmp_path / "checkpoints" / "step-1" / "drafter.safetensors"
+    assert find_run_meta(None, ckpt).num_layers == 36
+    assert find_run_meta(None, None).num_layers is None

@@ -1,0 +1,62 @@
+"""Every invariant ships valid and invalid fixtures (semgrep-style): valid -> match, invalid -> mismatch.
+
+tests/fixtures/invariants/<id>/valid_*.py | invalid_*.py   source, analysed statically (never imported)
+tests/fixtures/invariants/<id>/valid_*.json | invalid_*.json
+    {"config": {...config.json...}, "run": {...run.json...}, "checkpoint": {"tensor": [shape]}}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from sleuth.invariants import check_invariants, load_playbook
+from sleuth.trace import Trace
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "invariants"
+PLAYBOOK = load_playbook("dflash")
+
+
+def _cases() -> list[tuple[str, Path]]:
+    return [(d.name, f) for d in sorted(FIXTURES.iterdir()) if d.is_dir() for f in sorted(d.iterdir())
+            if f.suffix in {".py", ".json"} and f.name.startswith(("valid_", "invalid_"))]
+
+
+def _run_fixture(fixture: Path, tmp_path: Path):
+    if fixture.suffix == ".py":
+        return check_invariants(PLAYBOOK, reference=None, config=None, config_source=None, checkpoint=None,
+                                code=fixture, trace=Trace())
+    spec = json.loads(fixture.read_text())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(spec.get("config", {})))
+    if "run" in spec:
+        (run_dir / "run.json").write_text(json.dumps(spec["run"]))
+    checkpoint = None
+    if "checkpoint" in spec:
+        checkpoint = run_dir / "drafter.safetensors"
+        save_file({name: np.zeros(shape, np.float32) for name, shape in spec["checkpoint"].items()}, str(checkpoint))
+    return check_invariants(PLAYBOOK, reference=None, config=spec.get("config"), config_source=str(run_dir / "config.json"),
+                            checkpoint=checkpoint, code=None, trace=Trace())
+
+
+def test_every_invariant_has_valid_and_invalid_fixtures():
+    for invariant in PLAYBOOK.ids:
+        names = [f.name for f in (FIXTURES / invariant).iterdir()]
+        assert any(n.startswith("valid_") for n in names), invariant
+        assert any(n.startswith("invalid_") for n in names), invariant
+
+
+@pytest.mark.parametrize(("invariant", "fixture"), _cases(), ids=lambda v: v if isinstance(v, str) else v.name)
+def test_fixture(invariant: str, fixture: Path, tmp_path: Path):
+    findings = {f.id: f for f in _run_fixture(fixture, tmp_path)}
+    finding = findings[invariant]
+    want = "match" if fixture.name.startswith("valid_") else "mismatch"
+    assert finding.status == want, f"{fixture.name}: {finding.status} ({finding.reason})"
+    assert finding.evidence, "a decided status must cite evidence"
+    if want == "mismatch":
+        assert finding.fix is not None

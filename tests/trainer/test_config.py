@@ -1,0 +1,106 @@
+"""Config validation: the reference values are the defaults, presets encode the seed's history, and
+every user mistake is one clear line."""
+
+import json
+
+import pytest
+
+from trainer.config import (
+    PRESETS,
+    ConfigError,
+    TrainConfig,
+    build_config,
+    default_target_layer_ids,
+    resolve_for_target,
+)
+
+
+def test_defaults_are_the_reference_values():
+    config = TrainConfig()
+    assert config.block_size == 8
+    assert config.loss_decay_gamma == 4.0
+    assert config.fc_layers is None
+    assert config.target_logits_source == "final"
+    assert config.context_includes_anchor is False
+    assert config.loss == "ce"
+
+
+@pytest.mark.parametrize(
+    ("layers", "k", "expected"),
+    [(64, 5, [1, 16, 31, 46, 61]), (36, 5, [1, 9, 17, 25, 33]), (36, 1, [18]), (8, 5, [1, 2, 3, 4, 5])],
+)
+def test_z_lab_layer_rule(layers, k, expected):
+    assert default_target_layer_ids(layers, k) == expected
+
+
+def test_v5_preset_resolves_to_the_seed_bugs():
+    config = resolve_for_target(build_config(preset="v5"), num_target_layers=8)
+    assert config.target_layer_ids == [1, 2, 3, 4, 5]
+    assert config.fc_layer_ids(8) == [1, 2, 3, 4]  # 4 of the 5 selected layers
+    assert config.target_logits_source == 5  # L-3: the last selected layer
+    assert config.loss_decay_gamma == 7.0
+    assert config.block_size == 8
+
+
+def test_fixed_preset_is_exactly_the_defaults():
+    assert PRESETS["fixed"] == {}
+    assert build_config(preset="fixed") == TrainConfig()
+
+
+def test_v6_only_leaks_the_anchor():
+    config = build_config(preset="v6")
+    assert config.context_includes_anchor is True
+    assert config.model_dump(exclude={"context_includes_anchor"}) == TrainConfig().model_dump(
+        exclude={"context_includes_anchor"}
+    )
+
+
+def test_layering_preset_file_set(tmp_path):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("loss_decay_gamma: 5.5\nsteps: 10\n")
+    config = build_config(
+        preset="v5", config_file=config_file, overrides=["steps=20", "fc_layers=null"], extra={"steps": 15}
+    )
+    assert config.loss_decay_gamma == 5.5  # file over preset
+    assert config.steps == 20  # --set over --steps over file
+    assert config.fc_layers is None  # --set null
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"overrides": ["gama=4"]}, "unknown config key 'gama' in --set 'gama=4' (did you mean"),
+        ({"overrides": ["block_size"]}, "--set expects key=value"),
+        ({"overrides": ["block_size=0"]}, "block_size"),
+        ({"overrides": ["loss=mse"]}, "loss"),
+        ({"overrides": ["fc_layers=[0,7]"]}, "outside the 5 selected target layers"),
+        ({"overrides": ["target_layer_ids=[3,1]"]}, "increasing order"),
+        ({"overrides": ["seq_len=8"]}, "must exceed block_size"),
+        ({"preset": "v9"}, "unknown preset 'v9'"),
+    ],
+)
+def test_config_errors_are_one_clear_line(kwargs, message):
+    with pytest.raises(ConfigError) as excinfo:
+        build_config(**kwargs)
+    text = str(excinfo.value)
+    assert message in text
+    assert "\n" not in text
+
+
+def test_unknown_key_in_file(tmp_path):
+    config_file = tmp_path / "c.json"
+    config_file.write_text(json.dumps({"loss_decay_gama": 4}))
+    with pytest.raises(ConfigError, match="unknown config key 'loss_decay_gama'.*did you mean 'loss_decay_gamma'"):
+        build_config(config_file=config_file)
+
+
+def test_layer_ids_past_the_target_are_refused():
+    config = build_config(overrides=["target_layer_ids=[1,2,9]"])
+    with pytest.raises(ConfigError, match="past the target's last"):
+        resolve_for_target(config, num_target_layers=8)
+
+
+def test_saved_config_round_trips():
+    config = resolve_for_target(build_config(preset="v5"), 8)
+    again = TrainConfig(**json.loads(json.dumps(config.model_dump(mode="json"))))
+    assert again == config

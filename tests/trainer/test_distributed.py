@@ -1,0 +1,56 @@
+"""torchrun on CPU (gloo): two processes train the same run as one process with the same global batch,
+and a checkpoint written by two processes resumes in one."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from test_train_e2e import REPO, _env, metric_rows, small_target, trainer_cli, write_config  # noqa: F401
+
+import subprocess
+
+
+def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         "-m", "trainer.cli", *args],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+    )
+
+
+def losses(rows):
+    return [(row["step"], row["loss"]) for row in rows]
+
+
+def test_two_gloo_processes_match_one_and_resume_in_one(small_target, tmp_path):
+    # A constant schedule: extending the run on resume must not change earlier learning rates.
+    config = write_config(tmp_path / "c.json", small_target, steps=4, checkpoint_every=2, schedule="constant",
+                          warmup_steps=0, batch_size=4)
+    runs = tmp_path / "runs"
+    single = trainer_cli("run", "one", "--config", str(config), "--runs-dir", str(runs), "--steps", "6", "--quiet")
+    assert single.returncode == 0, single.stderr
+    double = torchrun("run", "two", "--config", str(config), "--runs-dir", str(runs), "--quiet")
+    assert double.returncode == 0, double.stderr[-3000:]
+
+    one, two = metric_rows(runs / "one"), metric_rows(runs / "two")
+    assert [r["step"] for r in two] == [1, 2, 3, 4]  # rank 0 alone wrote the metrics
+    assert json.loads((runs / "two" / "run.json").read_text())["world_size"] == 2
+    for (step, a), (_, b) in zip(losses(one[:4]), losses(two)):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, 2 processes {b}"
+
+    resumed = trainer_cli("run", "two", "--resume", "--steps", "6", "--runs-dir", str(runs), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    two = metric_rows(runs / "two")
+    assert [r["step"] for r in two] == [1, 2, 3, 4, 5, 6]
+    for (step, a), (_, b) in zip(losses(one), losses(two)):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, resumed {b}"
+
+
+def test_global_batch_must_split_evenly(small_target, tmp_path):
+    config = write_config(tmp_path / "c.json", small_target, steps=1, batch_size=3)
+    result = torchrun("run", "odd", "--config", str(config), "--runs-dir", str(tmp_path / "runs"), "--quiet")
+    assert result.returncode != 0
+    assert "batch_size 3 must divide evenly over 2 processes" in result.stderr

@@ -1,0 +1,198 @@
+"""`trainer eval RUN`: real speculative decoding with a run's drafter on held-out prompts.
+
+Prints only: the human summary (or one JSON object with --json) goes to stdout, progress to stderr.
+Nothing is written into the run directory; a training run writes its own <run>/eval.json at its end.
+torch and transformers are imported inside the command so `trainer --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+HISTOGRAM_WIDTH = 30  # characters of the longest histogram bar
+
+
+def eval_command(
+    run: Annotated[str, typer.Argument(help="Run name under --runs-dir, or the path of a run directory.")],
+    runs_dir: Annotated[Path, typer.Option("--runs-dir", help="Where named runs live.")] = Path("runs"),
+    prompts: Annotated[
+        Optional[int], typer.Option("--prompts", help="Held-out prompts to decode (default: the run's eval_prompts).")
+    ] = None,
+    max_new_tokens: Annotated[
+        Optional[int],
+        typer.Option(
+            "--max-new-tokens", help="Tokens to generate per prompt (default: the run's eval_max_new_tokens)."
+        ),
+    ] = None,
+    block_size: Annotated[
+        Optional[int], typer.Option("--block-size", help="Draft block size B (default: the run's block_size).")
+    ] = None,
+    temperature: Annotated[
+        float, typer.Option("--temperature", help="0 = greedy (lossless is checked); > 0 = rejection sampling.")
+    ] = 0.0,
+    data: Annotated[
+        Optional[str],
+        typer.Option(
+            "--data", help="Take held-out prompts from this data ('embedded' or a path) instead of the run's."
+        ),
+    ] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (default: the run's seed).")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+) -> None:
+    """Decode held-out prompts with the run's drafter and target (draft-verify loop) and report tau, per-slot
+    acceptance, tokens per target forward, speedup over plain decoding and losslessness. Prints only; it
+    writes nothing into the run (a run writes its own eval.json when training ends)."""
+    stderr = Console(stderr=True)
+    try:
+        report, run_name, step = _evaluate_run(
+            run, runs_dir, prompts, max_new_tokens, block_size, temperature, data, seed, device, stderr
+        )
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
+        stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    result = {"run": run_name, "step": step, **report.model_dump()}
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    _print_summary(result, Console())
+
+
+class _UsageError(ValueError):
+    """A bad argument or a missing run: one line, exit 2."""
+
+
+def _is_user_error(exc: Exception) -> bool:
+    if isinstance(exc, (_UsageError, FileNotFoundError)):
+        return True
+    # The classes are the modules' own; imported here (not at the top) to keep torch out of CLI start-up.
+    from trainer.config import ConfigError
+    from trainer.eval.speculative import EvalError
+    from trainer.run.rundir import RunError
+
+    known: tuple[type[BaseException], ...] = (EvalError, RunError, ConfigError)
+    try:
+        from trainer.data.datasets import DataError
+        from trainer.target.frozen import TargetError
+
+        known = (*known, DataError, TargetError)
+    except ImportError:  # pragma: no cover - the data/target modules are part of the package
+        pass
+    return isinstance(exc, known)
+
+
+def _resolve_run_dir(run: str, runs_dir: Path) -> Path:
+    named = runs_dir / run
+    for candidate in (named, Path(run)):
+        if candidate.is_dir() and (candidate / "config.json").is_file():
+            return candidate
+    if named.is_dir() or Path(run).is_dir():
+        raise _UsageError(f"{named if named.is_dir() else run} is not a run directory (no config.json)")
+    raise _UsageError(f"no run named {run!r} in {runs_dir} (list them with `trainer runs`)")
+
+
+def _evaluate_run(
+    run: str,
+    runs_dir: Path,
+    prompts: int | None,
+    max_new_tokens: int | None,
+    block_size: int | None,
+    temperature: float,
+    data: str | None,
+    seed: int | None,
+    device: str,
+    stderr: Console,
+) -> tuple[Any, str, int]:
+    # Argument checks first: a typo should not cost a model load.
+    for name, value in (("--prompts", prompts), ("--max-new-tokens", max_new_tokens), ("--block-size", block_size)):
+        if value is not None and value < 1:
+            raise _UsageError(f"{name} must be at least 1, got {value}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise _UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
+    run_dir = _resolve_run_dir(run, runs_dir)
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from trainer.data.datasets import heldout_prompts
+    from trainer.eval.speculative import evaluate
+    from trainer.run.loop import load_run
+
+    stderr.print(f"loading run {run_dir.name} ...", highlight=False)
+    loaded = load_run(run_dir, device)
+    config = loaded.config
+    prompt_ids = heldout_prompts(data or config.data, loaded.target.tokenizer, prompts or config.eval_prompts)
+    with Progress(
+        TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=stderr, transient=True,
+    ) as progress:
+        task = progress.add_task("decoding", total=len(prompt_ids))
+        report = evaluate(
+            loaded.drafter,
+            loaded.target,
+            prompt_ids,
+            feature_layer_ids=loaded.feature_layer_ids,
+            block_size=block_size or config.block_size,
+            max_new_tokens=max_new_tokens or config.eval_max_new_tokens,
+            temperature=temperature,
+            seed=config.seed if seed is None else seed,
+            progress=lambda done, total: progress.update(task, completed=done),
+        )
+    return report, run_dir.name, loaded.step
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def _print_summary(result: dict[str, Any], out: Console) -> None:
+    block = result["block_size"]
+    lossless = {True: "[green]yes[/]", False: "[bold red]NO[/]", None: "n/a (T > 0)"}[result["lossless"]]
+    if result["lossless"] is False:
+        lossless += f" (prompts {', '.join(map(str, result['lossless_mismatch_prompts']))} differ from greedy)"
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("run", f"{result['run']} (step {result['step']})")
+    summary.add_row(
+        "setup",
+        f"{result['prompts']} prompts, {result['max_new_tokens']} new tokens max, block {block}, "
+        f"temperature {result['temperature']:g}",
+    )
+    summary.add_row("tau", f"{result['tau']:.3f}  (accepted + bonus per verify step; 1 = no help, {block} = all)")
+    summary.add_row("tokens / target forward", f"{result['tokens_per_target_forward']:.3f}")
+    summary.add_row(
+        "time / token",
+        f"{_ms(result['time_per_token_spec_s'])} speculative, {_ms(result['time_per_token_greedy_s'])} plain decoding",
+    )
+    summary.add_row("speedup", f"{_fmt(result['speedup'], '.2f')}x")
+    summary.add_row("lossless", lossless)
+    out.print(summary)
+
+    slots = Table("slot", "accepted", "given slot-1 accepted", title="per-position acceptance", title_justify="left")
+    for k, (rate, conditional) in enumerate(
+        zip(result["per_position_acceptance"], result["per_position_acceptance_conditional"]), start=1
+    ):
+        slots.add_row(str(k), f"{rate:.3f}", _fmt(conditional, ".3f"))
+    if block > 1:
+        out.print(slots)
+
+    histogram = Table("length", "steps", "", title="acceptance length histogram", title_justify="left")
+    counts = result["acceptance_histogram"]
+    top = max(counts, default=0) or 1
+    for length, count in enumerate(counts, start=1):
+        histogram.add_row(str(length), str(count), "#" * round(HISTOGRAM_WIDTH * count / top))
+    out.print(histogram)

@@ -1,0 +1,252 @@
+"""The DFlash drafter: Qwen3-style decoder layers whose attention reads the target's features.
+
+One forward drafts a whole block. Every block token attends (bidirectionally, per the mask) to
+    * the context: the k selected target layers at earlier positions, concatenated [.., k*H], fused by
+      fc -> hidden_norm into [.., H] (rules `dflash.fc_input_layers`, `dflash.fc_norm`), then projected by
+      each layer with its OWN k_proj / v_proj (`dflash.kv_injection`); and
+    * the block's own tokens, through the same k_proj / v_proj.
+Context K/V come first, then the block's; k_norm and RoPE apply to both, queries come from block tokens
+only. References: z-lab/dflash dflash/model.py (Qwen3DFlashAttention, DFlashDraftModel) and
+vllm-project/speculators src/speculators/models/dflash/model_definitions.py, core.py.
+Token embeddings and lm_head are the frozen target's (`dflash.frozen_embed_head`): the caller embeds the
+block and applies the target's lm_head to the output, so neither lives here.
+
+Weight names follow the z-lab layout: fc.weight, hidden_norm.weight, layers.{i}.input_layernorm.weight,
+layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+layers.{i}.post_attention_layernorm.weight, layers.{i}.mlp.{gate,up,down}_proj.weight, norm.weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import Qwen3Config
+from transformers.cache_utils import Cache
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+
+def draft_config_from_target(target_config: Any, num_layers: int) -> Qwen3Config:
+    """A Qwen3Config for the drafter: the target's width, heads, RoPE and norm eps; `num_layers` layers.
+
+    The drafter shares the target's RoPE (its context keys sit at the target's absolute positions) and
+    its hidden size (the fused context and the target's embeddings/lm_head live in that space).
+    """
+    text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    hidden = text_config.hidden_size
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+    rope_parameters = getattr(text_config, "rope_parameters", None)
+    if not rope_parameters:  # configs from before transformers 5 keep a bare rope_theta
+        rope_parameters = {"rope_type": "default", "rope_theta": getattr(text_config, "rope_theta", 10000.0)}
+    return Qwen3Config(
+        vocab_size=text_config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=text_config.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        hidden_act=getattr(text_config, "hidden_act", "silu"),
+        max_position_embeddings=getattr(text_config, "max_position_embeddings", 32768),
+        rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
+        rope_parameters=dict(rope_parameters),
+        attention_bias=False,
+        attention_dropout=0.0,
+        initializer_range=getattr(text_config, "initializer_range", 0.02),
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        num_target_layers=text_config.num_hidden_layers,  # z-lab's config carries it for the layer-id rule
+    )
+
+
+def crop_cache(cache: Cache, length: int) -> None:
+    """Cut a drafter cache back to its first `length` positions (the context, after a drafted block).
+
+    z-lab calls `past_key_values_draft.crop(start)`; transformers 5 rejects a positive crop length and
+    takes the number of positions to remove as a negative int instead, which older versions accept too.
+    """
+    remove = cache.get_seq_length() - length
+    if remove < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def apply_rope(
+    q: Tensor,  # [N, nh, Q, hd]
+    k: Tensor,  # [N, nkv, C+Q, hd]
+    cos: Tensor,  # [N, C+Q, hd]
+    sin: Tensor,  # [N, C+Q, hd]
+) -> tuple[Tensor, Tensor]:
+    """RoPE for keys at every position and for queries at the last Q positions (the block's own)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, C+Q, hd]
+    q_len = q.shape[-2]
+    q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
+    k = k * cos + rotate_half(k) * sin
+    return q, k
+
+
+class DFlashAttention(nn.Module):
+    """Attention with two key/value sources: the fused target context, then the block's tokens."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx  # its slot in a transformers Cache
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,  # [N, Q, H] normed block hidden states
+        context: Tensor,  # [N, C, H] fused target features (fc -> hidden_norm), shared by all layers
+        cos: Tensor,  # [N, C+Q, hd]
+        sin: Tensor,  # [N, C+Q, hd]
+        attention_mask: Tensor | BlockMask | None,
+        past_key_values: Cache | None,
+    ) -> Tensor:  # [N, Q, H]
+        n, q_len, _ = x.shape
+        ctx_len = context.shape[1]
+        q = self.q_norm(self.q_proj(x).view(n, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        # KV injection: this layer's own k_proj / v_proj project the fused context too, and the context's
+        # K/V go before the block's ([Z] model.py Qwen3DFlashAttention, [S] model_definitions.py).
+        k_context, k_block = self.k_proj(context), self.k_proj(x)  # [N, C, nkv*hd], [N, Q, nkv*hd]
+        v_context, v_block = self.v_proj(context), self.v_proj(x)
+        k = torch.cat([k_context, k_block], dim=1).view(n, ctx_len + q_len, self.num_kv_heads, self.head_dim)
+        v = torch.cat([v_context, v_block], dim=1).view(n, ctx_len + q_len, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k).transpose(1, 2)  # [N, nkv, C+Q, hd]
+        v = v.transpose(1, 2)  # [N, nkv, C+Q, hd]
+        q, k = apply_rope(q, k, cos, sin)
+        # Under autocast the RMSNorms return float32 while v comes from a (bf16) Linear: attend in v's dtype.
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        if past_key_values is not None:
+            # Like z-lab: this call's context and block K/V are appended after the cached context; the caller
+            # crops the cache back to the context length afterwards, so block K/V never persist.
+            k, v = past_key_values.update(k, v, self.layer_idx)  # [N, nkv, past+C+Q, hd]
+        out = attend(q, k, v, attention_mask, self.scale)  # [N, nh, Q, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(n, q_len, self.num_heads * self.head_dim))
+
+
+def attend(
+    q: Tensor,  # [N, nh, Q, hd]
+    k: Tensor,  # [N, nkv, KV, hd]
+    v: Tensor,  # [N, nkv, KV, hd]
+    attention_mask: Tensor | BlockMask | None,  # bool [N, 1, Q, KV] (True = attend) | BlockMask | None
+    scale: float,
+) -> Tensor:  # [N, nh, Q, hd]
+    """scaled_dot_product_attention for a dense mask (or none: everything visible), flex for a BlockMask."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(attention_mask, BlockMask):
+        return _flex_attention(q.device)(q, k, v, block_mask=attention_mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=scale, enable_gqa=gqa)
+
+
+_COMPILED_FLEX: dict[str, Callable] = {}
+
+
+def _flex_attention(device: torch.device) -> Callable:
+    # Eager flex_attention materialises the full score matrix; on CUDA the compiled kernel skips masked
+    # tiles, which is the point of the block mask. Compiled once, on first use.
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention)
+    return _COMPILED_FLEX["cuda"]
+
+
+class DFlashDecoderLayer(nn.Module):
+    """A Qwen3 pre-norm decoder layer with DFlashAttention."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor, attention_mask, past_key_values) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask, past_key_values)
+        return x + self.mlp(self.post_attention_layernorm(x))  # [N, Q, H]
+
+
+class DFlashDrafter(nn.Module):
+    """fc + hidden_norm over the k target features, `num_hidden_layers` DFlash layers, final norm."""
+
+    def __init__(self, config: Qwen3Config, num_features: int, block_size: int, mask_token_id: int):
+        super().__init__()
+        self.config = config
+        self.num_features = num_features  # k: how many target layers are concatenated into fc
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        hidden = config.hidden_size
+        # fc reads ALL k selected layers ([S] core.py, [Z] model.py: Linear(k*H, H, bias=False)).
+        self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # The Hugging Face Qwen3 initialisation that z-lab's post_init() applies: N(0, 0.02) linears.
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_config: Any,
+        num_layers: int,
+        num_features: int,
+        block_size: int,
+        mask_token_id: int,
+    ) -> DFlashDrafter:
+        config = draft_config_from_target(target_config, num_layers)
+        config.block_size = block_size  # z-lab keeps these on the draft config, so a saved config explains itself
+        config.dflash_config = {"mask_token_id": mask_token_id, "num_features": num_features}
+        return cls(config, num_features=num_features, block_size=block_size, mask_token_id=mask_token_id)
+
+    def forward(
+        self,
+        block_embeds: Tensor,  # [N, Q, H] target embeddings of the block tokens (anchor, mask, ..., mask)*A
+        context_features: Tensor,  # [N, C, k*H] concatenated target layer outputs at context positions
+        position_ids: Tensor,  # [N, C+Q] positions of [context..., block...]
+        attention_mask: Tensor | BlockMask | None = None,  # bool [N, 1, Q, past+C+Q] | BlockMask | None
+        past_key_values: Cache | None = None,
+        use_cache: bool = False,
+    ) -> Tensor:  # [N, Q, H] final-normed hidden states; the caller applies the target's lm_head
+        """Draft the block tokens' hidden states.
+
+        attention_mask None means every key is visible (z-lab's inference: one block over its own
+        context). With `past_key_values` and use_cache the cached keys come first in the key order and this
+        call's context and block K/V are appended; the caller then cuts the cache back to the context length
+        with `crop_cache(cache, context_length)` (z-lab dflash/model.py: `past_key_values_draft.crop(start)`),
+        so the next call sees context only.
+        """
+        n, q_len, _ = block_embeds.shape
+        ctx_len = context_features.shape[1]
+        if position_ids.shape[-1] != ctx_len + q_len:
+            raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, expected C+Q = {ctx_len + q_len}")
+        if not use_cache:
+            past_key_values = None
+        dtype = block_embeds.dtype  # the compute dtype follows the inputs
+        context = self.hidden_norm(self.fc(context_features.to(dtype))).to(dtype)  # [N, C, H]
+        position_ids = position_ids.expand(n, -1) if position_ids.shape[0] == 1 else position_ids
+        cos, sin = self.rotary_emb(block_embeds, position_ids)  # [N, C+Q, hd] each
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, context, cos, sin, attention_mask, past_key_values)
+        return self.norm(x).to(dtype)

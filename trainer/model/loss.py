@@ -1,0 +1,148 @@
+"""DFlash training targets, loss and metrics.
+
+Block a is anchored at context position p and has B slots: slot 0 holds the anchor token, slots 1..B-1
+hold mask tokens. Slot j predicts token p+j, so its target is the target model's distribution at
+position p+j-1, whose next-token prediction is token p+j (rule `dflash.target_shift`; speculators
+src/speculators/models/dflash/core.py rolls the verifier logits by one for exactly this).
+Slot 0 predicts nothing and gets weight 0 (`dflash.anchor_slot_untrained`); slot k >= 1 weighs
+exp(-(k-1)/gamma) (`dflash.loss_decay_gamma`; speculators src/speculators/losses/utils.py
+`dflash_loss_decay`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# speculators src/speculators/losses/utils.py `_LOSS_REDUCTION_EPS`: keeps a row without labels at 0 loss.
+LOSS_REDUCTION_EPS = 1e-5
+
+
+def decay_weights(block_size: int, gamma: float | None) -> Tensor:  # [B] float32
+    """w_0 = 0, w_k = exp(-(k-1)/gamma) for k >= 1; gamma None means no decay (w_k = 1 for k >= 1)."""
+    slot = torch.arange(block_size, dtype=torch.float32)  # [B]
+    if gamma is None:
+        weights = torch.ones(block_size)
+    else:
+        weights = torch.exp(-(slot - 1).clamp(min=0) / gamma)
+    weights[0] = 0.0  # the anchor slot is an input, not a prediction
+    return weights
+
+
+def block_positions(anchors: Tensor, block_size: int) -> Tensor:  # [N, A, B] long: p + j
+    """Context position of every block slot: slot j of the block anchored at p sits at p + j."""
+    offsets = torch.arange(block_size, device=anchors.device)  # [B]
+    return anchors.unsqueeze(-1) + offsets  # [N, A, B]
+
+
+def gather_block_logits(
+    target_logits: Tensor,  # [N, S, V] the target model's logits over the packed rows
+    anchors: Tensor,  # [N, A]
+    block_size: int,
+) -> Tensor:  # [N, A, B, V]
+    """Slot j (j >= 1) of the block anchored at p gets target_logits[:, p+j-1]; slot 0 gets zeros."""
+    num_rows, seq_len, vocab = target_logits.shape
+    num_anchors = anchors.shape[1]
+    source = (block_positions(anchors, block_size) - 1).clamp(0, seq_len - 1)  # [N, A, B]
+    # Clamping only keeps padding anchors (p = 0) and out-of-row slots in bounds; slot_weights zeroes them.
+    index = source.view(num_rows, num_anchors * block_size, 1).expand(-1, -1, vocab)  # [N, A*B, V]
+    gathered = target_logits.gather(1, index).view(num_rows, num_anchors, block_size, vocab)
+    gathered[:, :, 0] = 0.0  # slot 0 has no target (the anchor token itself is given)
+    return gathered
+
+
+def slot_weights(
+    anchors: Tensor,  # [N, A]
+    anchor_valid: Tensor,  # [N, A] bool
+    loss_mask: Tensor,  # [N, S]
+    doc_ids: Tensor,  # [N, S], -1 = padding
+    block_size: int,
+    gamma: float | None,
+) -> Tensor:  # [N, A, B] float32
+    """Loss weight of every slot: decay * anchor valid * label supervised * label in the anchor's document.
+
+    The label of slot j is token p+j: it must exist (p+j < S), be supervised (loss_mask[p+j] = 1) and
+    belong to the anchor's document (a packed row's next document is not what the drafter should predict).
+    """
+    seq_len = loss_mask.shape[1]
+    positions = block_positions(anchors, block_size)  # [N, A, B]
+    in_row = positions < seq_len
+    flat = positions.clamp(max=seq_len - 1).flatten(1)  # [N, A*B]
+    label_supervised = loss_mask.gather(1, flat).view_as(positions).bool()  # [N, A, B]
+    label_doc = doc_ids.gather(1, flat).view_as(positions)  # [N, A, B]
+    anchor_doc = doc_ids.gather(1, anchors).unsqueeze(-1)  # [N, A, 1]
+    valid = anchor_valid.unsqueeze(-1) & in_row & label_supervised & (label_doc == anchor_doc)
+    decay = decay_weights(block_size, gamma).to(anchors.device)  # [B]
+    return valid.float() * decay
+
+
+def dflash_loss(
+    draft_logits: Tensor,  # [N, A, B, V]
+    target_block_logits: Tensor,  # [N, A, B, V] from gather_block_logits
+    weights: Tensor,  # [N, A, B] from slot_weights
+    kind: Literal["ce", "kl"],
+) -> tuple[Tensor, dict[str, Any]]:
+    """Per-slot loss, decay-weighted and normalised the way speculators does it.
+
+    Normalisation follows speculators src/speculators/losses/utils.py `loss_function`: per packed row,
+    sum(decay * label_valid * loss) / (number of label-valid slots + 1e-5), then the mean over rows.
+    The denominator counts valid slots; it is not the sum of the decayed weights. A slot is label-valid
+    exactly where its weight is > 0 (decay is positive for every slot k >= 1).
+
+    kind "ce": cross entropy against the target's argmax (speculators' DFlash default, rule
+    `dflash.loss_kind`); "kl": KL(target softmax || draft softmax), speculators losses/eager.py kl_div_loss.
+    """
+    draft_logp = F.log_softmax(draft_logits.float(), dim=-1)  # [N, A, B, V]
+    target_logits = target_block_logits.float().detach()
+    if kind == "ce":
+        target_ids = target_logits.argmax(dim=-1)  # [N, A, B]
+        per_slot = -draft_logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)  # [N, A, B]
+    elif kind == "kl":
+        target_logp = F.log_softmax(target_logits, dim=-1)
+        per_slot = (target_logp.exp() * (target_logp - draft_logp)).sum(dim=-1)  # [N, A, B]
+    else:
+        raise ValueError(f"loss kind must be 'ce' or 'kl', got {kind!r}")
+
+    weights = weights.float()
+    label_valid = weights > 0  # [N, A, B]
+    row_sum = (weights * per_slot).flatten(1).sum(dim=1)  # [N]
+    row_count = label_valid.flatten(1).sum(dim=1).float()  # [N]
+    loss = (row_sum / (row_count + LOSS_REDUCTION_EPS)).mean()
+    return loss, block_metrics(draft_logits, target_block_logits, label_valid)
+
+
+@torch.no_grad()
+def block_metrics(
+    draft_logits: Tensor,  # [N, A, B, V]
+    target_block_logits: Tensor,  # [N, A, B, V]
+    label_valid: Tensor,  # [N, A, B] bool
+) -> dict[str, Any]:
+    """Greedy agreement metrics over label-valid slots 1..B-1.
+
+    acc: fraction of label-valid slots where draft argmax == target argmax (speculators `full_acc`).
+    position_acc: the same per slot 1..B-1 (speculators `position_{i}_acc`; 0.0 for a slot with no labels).
+    streak: mean accepted prefix per block: consecutive correct slots from slot 1, stopping at the first
+        wrong slot or the first slot without a label; over blocks with at least one label-valid slot.
+    eal: sum_k prod_{i<=k} position_acc_i (speculators dflash/metrics.py; no +1 for the bonus token).
+    """
+    correct = (draft_logits.argmax(dim=-1) == target_block_logits.argmax(dim=-1)) & label_valid  # [N, A, B]
+    correct, label_valid = correct[..., 1:], label_valid[..., 1:]  # slot 0 is never a prediction
+    per_slot_correct = correct.flatten(0, 1).sum(dim=0).float()  # [B-1]
+    per_slot_total = label_valid.flatten(0, 1).sum(dim=0).float()  # [B-1]
+    position_acc = (per_slot_correct / per_slot_total.clamp(min=1)).tolist()
+
+    total = per_slot_total.sum().item()
+    acc = per_slot_correct.sum().item() / total if total > 0 else 0.0
+
+    prefix = correct.long().cumprod(dim=-1).sum(dim=-1)  # [N, A] correct slots before the first miss
+    has_label = label_valid.any(dim=-1)  # [N, A]
+    streak = prefix[has_label].float().mean().item() if has_label.any() else 0.0
+
+    eal, survive = 0.0, 1.0
+    for slot_acc in position_acc:
+        survive *= slot_acc
+        eal += survive
+    return {"acc": acc, "position_acc": position_acc, "streak": streak, "eal": eal}

@@ -1,0 +1,344 @@
+"""The training loop of a named run: build, (resume,) train, log, checkpoint, evaluate.
+
+Determinism is by construction rather than by saved iterators: the batch and the anchors of step t are
+functions of (seed, t), the drafter's init of the seed, and the optimizer and RNG state are restored from
+the checkpoint. So a run killed at any point and resumed produces the same metrics as one that never
+stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import ConfigError, TrainConfig, resolve_for_target, validate_config
+from trainer.data.datasets import batch_for_step, load_documents, pack_documents
+from trainer.model.drafter import DFlashDrafter
+from trainer.run.checkpoint import (
+    latest_checkpoint,
+    load_drafter_weights,
+    restore_training_state,
+    save_checkpoint,
+)
+from trainer.run.distributed import Distributed, init_distributed
+from trainer.run.progress import RunProgress
+from trainer.run.rundir import RUN_FORMAT_VERSION, RunDir, RunError, atomic_write_json, now_iso
+from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
+from trainer.target.frozen import FrozenTarget
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """`auto` is CUDA when torch sees a GPU; under torchrun each rank takes the GPU of its local rank."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RunError("--device cuda was asked for, but torch sees no CUDA device")
+        return torch.device("cuda", local_rank) if device == "cuda" else torch.device(device)
+    if device != "cpu":
+        raise RunError(f"unknown device {device!r}; use auto, cpu or cuda")
+    return torch.device("cpu")
+
+
+def compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "bfloat16" and device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Linear warmup, then the configured decay down to min_lr_ratio * lr at the last step."""
+    if config.warmup_steps and step <= config.warmup_steps:
+        return config.lr * step / config.warmup_steps
+    if config.schedule == "constant":
+        return config.lr
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    progress = min(max(progress, 0.0), 1.0)
+    if config.schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape)
+
+
+def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> DFlashDrafter:
+    torch.manual_seed(config.seed)  # the drafter's init depends on the seed alone
+    drafter = DFlashDrafter.from_target_config(
+        target.model.config,
+        num_layers=config.draft_layers,
+        num_features=len(plan.feature_layer_ids),
+        block_size=config.block_size,
+        mask_token_id=plan.mask_token_id,
+    )
+    return drafter.to(device=target.device, dtype=target.dtype)
+
+
+@dataclass
+class TrainResult:
+    run: RunDir
+    steps_done: int
+    last_metrics: dict[str, Any]
+
+
+def train(
+    run: RunDir,
+    config: TrainConfig | None,
+    *,
+    preset: str | None,
+    device: str = "auto",
+    resume: bool = False,
+    progress: bool = True,
+) -> TrainResult:
+    """Train `run` (resuming it when asked); under torchrun, every rank calls this and rank 0 writes."""
+    dist = init_distributed(device)
+    try:
+        return _train(run, config, preset=preset, device=device, resume=resume, progress=progress, dist=dist)
+    finally:
+        dist.close()
+
+
+def _train(
+    run: RunDir,
+    config: TrainConfig | None,
+    *,
+    preset: str | None,
+    device: str,
+    resume: bool,
+    progress: bool,
+    dist: Distributed,
+) -> TrainResult:
+    torch_device = resolve_device(device, dist.local_rank)
+    if resume:
+        if not run.exists():
+            raise RunError(f"nothing to resume: {run.path} holds no run")
+        saved = validate_config(run.read_config())
+        # --steps may extend a resumed run; every other field is what the run started with.
+        config = saved.model_copy(update={"steps": max(config.steps, saved.steps)}) if config else saved
+    elif run.exists():
+        raise RunError(f"run {run.name!r} already exists in {run.path.parent}; use --resume or another name")
+    assert config is not None
+    if config.batch_size % dist.world_size:
+        raise ConfigError(
+            f"batch_size {config.batch_size} must divide evenly over {dist.world_size} processes "
+            "(it is the global batch)"
+        )
+    dist.barrier()  # every rank has checked the directory before rank 0 writes into it
+
+    display = RunProgress(run.name, total=config.steps, enabled=progress and dist.is_main)
+    display.message(f"loading target {config.target}")
+    target = FrozenTarget.load(
+        config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
+    )
+    config = resolve_for_target(config, target.num_layers)
+    plan = StepPlan.from_config(config, target)
+
+    documents = load_documents(config.data, target.tokenizer, split="train")
+    packed = pack_documents(documents, config.seq_len, target.pad_token_id)
+
+    drafter = build_drafter(config, target, plan)
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+    )
+
+    start_step = 0
+    checkpoint = latest_checkpoint(run.checkpoints_dir) if resume else None
+    if checkpoint is not None:
+        # Weights and optimizer state are replicated, so a checkpoint resumes under any world size.
+        load_drafter_weights(drafter, checkpoint)
+        restore_training_state(checkpoint, optimizer)
+        start_step = checkpoint.step
+    if dist.is_main:
+        _write_run_header(run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist)
+    dist.barrier()
+
+    model = drafter
+    if dist.enabled:
+        device_ids = [torch_device.index] if torch_device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=device_ids)
+
+    evaluator = _Evaluator(config, target) if config.eval_every and dist.is_main else None
+    model.train()
+    last: dict[str, Any] = {}
+    display.start(completed=start_step)
+    tokens_since, clock = 0, time.perf_counter()
+    started = time.perf_counter()
+    for step in range(start_step + 1, config.steps + 1):
+        lr = lr_at(config, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        global_batch = batch_for_step(packed, step, config.batch_size, config.seed)
+        anchors, anchor_valid = sample_step_anchors(global_batch, plan, config.seed, step)
+        rows = dist.rows(config.batch_size)
+        batch = {key: value[rows].to(torch_device) for key, value in global_batch.items()}
+        loss, metrics = dflash_step(target, model, batch, anchors[rows], anchor_valid[rows], plan)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
+        optimizer.step()
+        tokens_since += metrics.pop("tokens")
+
+        eval_due = config.eval_every is not None and step % config.eval_every == 0
+        if step % config.log_every == 0 or step == config.steps or eval_due:
+            averaged = dist.mean({"loss": float(loss.detach()), **metrics})
+            tokens = dist.sum(tokens_since)
+            elapsed = time.perf_counter() - clock
+            row: dict[str, Any] = {
+                "step": step,
+                **{key: _round(value) for key, value in averaged.items()},
+                "lr": lr,
+                "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+                "elapsed_s": round(time.perf_counter() - started, 3),
+            }
+            if eval_due and evaluator is not None:
+                drafter.eval()
+                row["tau"] = round(evaluator.tau(drafter), 4)
+                drafter.train()
+            if dist.is_main:
+                run.append_metrics(row)
+            last = row
+            tokens_since, clock = 0, time.perf_counter()
+            display.metrics(row)
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            if dist.is_main:
+                state = {"config_steps": config.steps, "world_size": dist.world_size}
+                save_checkpoint(run.checkpoints_dir, step, drafter, optimizer, state, config.keep_checkpoints)
+                run.update_info(steps_done=step)
+            dist.barrier()
+        display.advance(step)
+    display.stop()
+
+    if evaluator is not None:
+        drafter.eval()
+        report = evaluator.full(drafter)
+        atomic_write_json(run.eval_path, {"step": config.steps, **report})
+        last = {**last, "eval_tau": report.get("tau")}
+    if dist.is_main:
+        run.update_info(status="completed", steps_done=config.steps, finished=now_iso())
+    dist.barrier()
+    return TrainResult(run=run, steps_done=config.steps, last_metrics=last)
+
+
+def _write_run_header(
+    run: RunDir,
+    config: TrainConfig,
+    preset: str | None,
+    target: FrozenTarget,
+    data_fingerprint: str,
+    resume: bool,
+    start_step: int,
+    device: torch.device,
+    dist: Distributed,
+) -> None:
+    if resume:
+        run.truncate_metrics(start_step)  # rows after the checkpoint are recomputed, never duplicated
+        run.update_info(status="running", resumed_at=now_iso(), world_size=dist.world_size)
+    else:
+        run.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run.config_path, config.model_dump(mode="json"))
+        run.write_info(
+            {
+                "format_version": RUN_FORMAT_VERSION,
+                "name": run.name,
+                "preset": preset,
+                "created": now_iso(),
+                "status": "running",
+                "steps_done": 0,
+                "world_size": dist.world_size,
+                "target": {
+                    "path": str(target.path),
+                    "fingerprint": target.fingerprint,
+                    "num_layers": target.num_layers,
+                    "hidden_size": target.hidden_size,
+                    "vocab_size": target.vocab_size,
+                },
+                "data": {"source": config.data, "fingerprint": data_fingerprint},
+            }
+        )
+    run.write_code_fingerprint()
+    run.write_environment(str(device))
+
+
+class _Evaluator:
+    """Real speculative decoding on held-out prompts: tau every eval_every steps, full report at the end."""
+
+    def __init__(self, config: TrainConfig, target: FrozenTarget) -> None:
+        from trainer.data.datasets import heldout_prompts
+
+        self.config = config
+        self.target = target
+        self.prompts = heldout_prompts(config.data, target.tokenizer, config.eval_prompts)
+        self.feature_layer_ids = config.fc_layer_ids(target.num_layers)
+
+    def _run(self, drafter: DFlashDrafter, measure_speedup: bool) -> dict[str, Any]:
+        # The periodic tau needs only the speculative loop; the final report also times plain greedy
+        # decoding (speedup) and checks losslessness against it.
+        from trainer.eval.speculative import evaluate
+
+        report = evaluate(
+            drafter,
+            self.target,
+            self.prompts,
+            feature_layer_ids=self.feature_layer_ids,
+            block_size=self.config.block_size,
+            max_new_tokens=self.config.eval_max_new_tokens,
+            measure_speedup=measure_speedup,
+            check_lossless=measure_speedup,
+            seed=self.config.seed,
+        )
+        return report.model_dump() if hasattr(report, "model_dump") else dict(vars(report))
+
+    def tau(self, drafter: DFlashDrafter) -> float:
+        return float(self._run(drafter, measure_speedup=False)["tau"])
+
+    def full(self, drafter: DFlashDrafter) -> dict[str, Any]:
+        return self._run(drafter, measure_speedup=True)
+
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, (list, tuple)):
+        return [_round(v) for v in value]
+    return value
+
+
+@dataclass
+class LoadedRun:
+    config: TrainConfig
+    target: FrozenTarget
+    drafter: DFlashDrafter
+    step: int
+    feature_layer_ids: list[int]
+    run: RunDir
+
+
+def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:
+    """The run's drafter at its latest checkpoint, on its target, ready for inference."""
+    run = RunDir(Path(run_dir))
+    config = validate_config(run.read_config())
+    torch_device = resolve_device(device) if isinstance(device, str) else device
+    checkpoint = latest_checkpoint(run.checkpoints_dir)
+    if checkpoint is None:
+        raise RunError(f"run {run.name!r} has no checkpoint yet ({run.checkpoints_dir})")
+    target = FrozenTarget.load(
+        config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
+    )
+    config = resolve_for_target(config, target.num_layers)
+    plan = StepPlan.from_config(config, target)
+    drafter = build_drafter(config, target, plan)
+    load_drafter_weights(drafter, checkpoint)
+    drafter.eval()
+    return LoadedRun(
+        config=config,
+        target=target,
+        drafter=drafter,
+        step=checkpoint.step,
+        feature_layer_ids=plan.feature_layer_ids,
+        run=run,
+    )

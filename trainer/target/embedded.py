@@ -1,0 +1,333 @@
+"""The embedded target: a small Qwen3 causal LM with a real BPE tokenizer, built locally, never downloaded.
+
+`build_embedded_target` trains a byte-level BPE tokenizer on the embedded corpus, trains a small
+Qwen3ForCausalLM on the same corpus for a few hundred steps (seeded, deterministic on CPU), and saves
+both with `save_pretrained` into the cache. `FrozenTarget.load` then reads it back through the same
+`AutoModelForCausalLM.from_pretrained` path as any user model, so the embedded target exercises the
+real loading code rather than a shortcut.
+
+The target must be *trained*: the drafter learns to predict the target's argmax, and a random target's
+argmax is noise that no drafter can predict from context.
+
+Builds are atomic and idempotent: a build writes into a temporary directory next to the destination
+and renames it into place only when complete (the completion marker is written last), under a file
+lock; `ensure_embedded_target` reuses a complete build. A killed build leaves only a temporary
+directory, which the next build removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EMBEDDED_NAME = "embedded-v1"
+BUILD_MARKER = "dflash-embedded.json"  # written last: its presence means the directory is complete
+CACHE_ENV = "DFLASH_CACHE_DIR"
+
+EOS, PAD, IM_START, IM_END, MASK = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<|mask|>"
+SPECIAL_TOKENS = [EOS, PAD, IM_START, IM_END, MASK]
+
+# ChatML; {% generation %} marks assistant content (and its <|im_end|>) so that
+# apply_chat_template(return_assistant_tokens_mask=True) can tell which tokens carry the loss.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{%- else -%}"
+    "{{ message['content'] + '<|im_end|>' }}"
+    "{%- endif -%}"
+    "{{ '\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class BuildRecipe:
+    """Everything that determines the built target; saved in the completion marker."""
+
+    vocab_size: int  # BPE vocabulary including the special tokens
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    train_documents: int | None  # None: the whole train split
+    seq_len: int
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    seed: int = 0
+
+
+DEFAULT_STEPS = 160
+SMALL_STEPS = 120
+DEFAULT_RECIPE = BuildRecipe(
+    vocab_size=1536, hidden_size=128, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=32,
+    intermediate_size=384, train_documents=None, seq_len=256, batch_size=8, lr=3e-3, warmup_steps=20,
+)
+# For tests: same architecture family and depth (so layer-selection rules apply unchanged), narrower.
+SMALL_RECIPE = BuildRecipe(
+    vocab_size=512, hidden_size=64, num_layers=8, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=192, train_documents=800, seq_len=128, batch_size=8, lr=5e-3, warmup_steps=10,
+)
+
+
+def cache_root() -> Path:
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("dflash-trainer"))
+
+
+def embedded_target_dir() -> Path:
+    """Where the embedded target lives: <cache root>/targets/embedded-v1 (env DFLASH_CACHE_DIR = root)."""
+    return cache_root() / "targets" / EMBEDDED_NAME
+
+
+def is_complete_build(path: Path) -> bool:
+    return (path / BUILD_MARKER).is_file()
+
+
+def ensure_embedded_target(progress: bool = True) -> Path:
+    """The embedded target's directory, built on first use and reused afterwards."""
+    dest = embedded_target_dir()
+    if is_complete_build(dest):
+        return dest
+    with _build_lock(dest):
+        if is_complete_build(dest):  # another process finished it while we waited for the lock
+            return dest
+        return _build_locked(dest, steps=DEFAULT_STEPS, progress=progress, small=False)
+
+
+def build_embedded_target(dest: Path | None = None, *, steps: int | None = None, progress: bool = True,
+                          small: bool = False) -> Path:
+    """Build (or rebuild) the embedded target into `dest` (default: the cache) and return `dest`.
+
+    `steps` defaults to DEFAULT_STEPS (SMALL_STEPS when `small`). `small=True` is a narrower model
+    trained on part of the corpus, for tests: a few seconds instead of about a minute.
+    """
+    dest = Path(dest) if dest is not None else embedded_target_dir()
+    if steps is None:
+        steps = SMALL_STEPS if small else DEFAULT_STEPS
+    with _build_lock(dest):
+        return _build_locked(dest, steps=steps, progress=progress, small=small)
+
+
+def build_embedded_tokenizer(small: bool = False) -> Any:
+    """The embedded target's tokenizer (a transformers PreTrainedTokenizerFast), trained deterministically."""
+    from trainer.data.corpus import embedded_documents
+
+    recipe = SMALL_RECIPE if small else DEFAULT_RECIPE
+    return _train_tokenizer(_train_texts(embedded_documents("train"), recipe), recipe.vocab_size)
+
+
+# --- building ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _build_lock(dest: Path) -> Iterator[None]:
+    lock_path = dest.parent / f".{dest.name}.lock"
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        handle = lock_path.open("w")
+    except OSError as exc:
+        from trainer.target.frozen import TargetError
+
+        raise TargetError(
+            f"cannot write the embedded target cache {dest.parent}: {exc.strerror}; "
+            f"set {CACHE_ENV} to a writable directory"
+        ) from None
+    with handle:
+        try:
+            import fcntl
+        except ImportError:  # Windows: no flock; the atomic rename alone still keeps builds whole
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_locked(dest: Path, *, steps: int, progress: bool, small: bool) -> Path:
+    # Holding the lock, any leftover temporary directory belongs to a build that was killed.
+    for pattern in (f".{dest.name}.building-*", f".{dest.name}.old-*"):
+        for stale in dest.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f".{dest.name}.building-", dir=dest.parent))
+    os.chmod(workdir, 0o755)  # mkdtemp makes it owner-only; the installed target is an ordinary directory
+    try:
+        _build_into(workdir, steps=steps, progress=progress, recipe=SMALL_RECIPE if small else DEFAULT_RECIPE)
+        _install(workdir, dest)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return dest
+
+
+def _install(workdir: Path, dest: Path) -> None:
+    """Put the complete build at `dest` with renames, so `dest` is never a half-written target."""
+    if dest.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+        os.replace(dest, trash / dest.name)
+        os.replace(workdir, dest)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(workdir, dest)
+
+
+def _train_texts(documents: list[str], recipe: BuildRecipe) -> list[str]:
+    return documents if recipe.train_documents is None else documents[: recipe.train_documents]
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Special-token strings in the chat documents are single tokens; keep them out of the merges.
+    plain = [_strip_specials(t) for t in texts]
+    bpe.train_from_iterator(plain, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=EOS,
+        pad_token=PAD,
+        mask_token=MASK,
+        additional_special_tokens=[IM_START, IM_END],  # v5 maps this to extra_special_tokens; 4.x needs it
+        model_max_length=4096,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _strip_specials(text: str) -> str:
+    for token in SPECIAL_TOKENS:
+        text = text.replace(token, "\n")
+    return text
+
+
+def _model_config(recipe: BuildRecipe, tokenizer: Any) -> Any:
+    from transformers import Qwen3Config
+
+    # Round the embedding table up like real checkpoints do; the spare rows are never a token.
+    vocab = int(math.ceil(len(tokenizer) / 64) * 64)
+    return Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads,
+        head_dim=recipe.head_dim,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa",
+    )
+
+
+def causal_lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy over packed rows, never across a document boundary or into padding."""
+    from trainer.target.frozen import packed_attention_mask
+
+    doc_ids = batch["doc_ids"]  # [N, S]
+    mask = packed_attention_mask(doc_ids, model.config._attn_implementation, torch.float32)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                   attention_mask=mask, use_cache=False).logits  # [N, S, V]
+    valid = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)  # [N, S-1]: same document
+    labels = batch["input_ids"][:, 1:].masked_fill(~valid, -100)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _build_into(workdir: Path, *, steps: int, progress: bool, recipe: BuildRecipe) -> None:
+    # One intra-op thread: CPU kernels may split reductions differently for another thread count, so
+    # a fixed count makes the build bit-for-bit the same on every machine; and at this model size a
+    # second thread gains little while oversubscription (a busy machine) makes it several times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _train_and_save(workdir, steps=steps, progress=progress, recipe=recipe)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_and_save(workdir: Path, *, steps: int, progress: bool, recipe: BuildRecipe) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    import transformers
+    from transformers import Qwen3ForCausalLM
+
+    from trainer.data.corpus import embedded_documents
+    from trainer.data.datasets import batch_for_step, load_documents, pack_documents
+
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), console=console, transient=True,
+                   disable=not (progress and console.is_terminal))
+    with bar, torch.random.fork_rng(devices=[]):  # seeded locally: the caller's RNG state is untouched
+        task = bar.add_task("embedded target: tokenizer", total=steps)
+        tokenizer = _train_tokenizer(_train_texts(embedded_documents("train"), recipe), recipe.vocab_size)
+        train_docs = load_documents("embedded", tokenizer, "train")
+        if recipe.train_documents is not None:
+            train_docs = train_docs[: recipe.train_documents]
+        packed = pack_documents(train_docs, recipe.seq_len, tokenizer.pad_token_id)
+
+        torch.manual_seed(recipe.seed)
+        model = Qwen3ForCausalLM(_model_config(recipe, tokenizer))
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        bar.update(task, description="embedded target: training")
+        loss = torch.tensor(float("nan"))
+        for step in range(steps):
+            lr = recipe.lr * _lr_factor(step, steps, recipe.warmup_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss = causal_lm_loss(model, batch_for_step(packed, step, recipe.batch_size, recipe.seed))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            bar.update(task, advance=1, description=f"embedded target: training (loss {loss.item():.3f})")
+
+        model.eval()
+        transformers.utils.logging.disable_progress_bar()  # our own bar (or silence) is the only output
+        model.save_pretrained(workdir)
+        tokenizer.save_pretrained(workdir)
+        marker = {"name": EMBEDDED_NAME, "steps": steps, "final_train_loss": round(float(loss.item()), 4),
+                  "recipe": asdict(recipe), "train_rows": packed.num_rows, "data_fingerprint": packed.fingerprint}
+        (workdir / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _lr_factor(step: int, steps: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+

@@ -1,0 +1,228 @@
+"""The frozen target: any Hugging Face causal LM, run over packed rows to give features and logits.
+
+The drafter is conditioned on the outputs of selected target layers and trained toward the target's
+own predictions, so this module is where two DFlash invariants live:
+- `dflash.target_layer_ids`: layer id i (z-lab convention) is the output of decoder layer i, which is
+  HF `hidden_states[i + 1]` because `hidden_states[0]` is the embedding output.
+- `dflash.target_logits_source`: "final" logits are the model's own output, lm_head(norm(h_L)).
+
+Rows are packed (several documents per row); the target must compute on each document exactly what it
+would compute on that document alone, so attention is block-diagonal causal and positions restart
+at 0 for every document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# Weight files larger than this are fingerprinted by size, header and sampled chunks instead of every
+# byte: hashing a 16 GB checkpoint on every run start would cost more than the run's first steps.
+FULL_HASH_LIMIT = 512 * 1024 * 1024
+SAMPLE_CHUNK = 4 * 1024 * 1024
+
+
+class TargetError(Exception):
+    """The target cannot be used; the message is one line saying why and what to do."""
+
+
+def packed_attention_mask(doc_ids: Tensor, attn_implementation: str, dtype: torch.dtype) -> Tensor:
+    """Block-diagonal causal mask for packed rows: [N, S] doc ids -> [N, 1, S, S].
+
+    Query i sees key j when j <= i and both are in the same document. Padding (doc id -1) sees only
+    itself, so no row of the softmax is empty (an all-masked row gives NaN in SDPA). SDPA takes a
+    bool mask (True = attend); eager attention adds the mask to the scores, so it needs 0 / -inf-like.
+    """
+    n, s = doc_ids.shape
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # [N, S, S]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()  # [S, S]
+    allowed = same_doc & causal & (doc_ids[:, None, :] >= 0)
+    allowed |= torch.eye(s, dtype=torch.bool, device=doc_ids.device)
+    allowed = allowed[:, None, :, :]  # [N, 1, S, S]
+    if attn_implementation == "sdpa":
+        return allowed
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    return additive.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def fingerprint_model_dir(path: Path) -> str:
+    """sha256 over config.json and the weight files (names, sizes and bytes): a stable target id."""
+    digest = hashlib.sha256()
+    files = [path / "config.json"] + sorted(
+        p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
+    )
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with file.open("rb") as handle:
+            if size <= FULL_HASH_LIMIT:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(chunk)
+            else:
+                for offset in (0, size // 2, max(0, size - SAMPLE_CHUNK)):
+                    handle.seek(offset)
+                    digest.update(handle.read(SAMPLE_CHUNK))
+    return digest.hexdigest()
+
+
+def _find_final_norm(model: nn.Module) -> nn.Module | None:
+    base = getattr(model, "model", None) or getattr(model, "base_model", None)
+    for owner in (base, getattr(base, "language_model", None), model):
+        for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm"):
+            module = getattr(owner, name, None) if owner is not None else None
+            if isinstance(module, nn.Module):
+                return module
+    return None
+
+
+class FrozenTarget:
+    """A frozen causal LM and its tokenizer; see the module docstring for the conventions."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, path: Path, fingerprint: str,
+                 mask_token_id: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.path = path
+        self.fingerprint = fingerprint
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = config
+        self.num_layers: int = int(config.num_hidden_layers)
+        self.hidden_size: int = int(config.hidden_size)
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.vocab_size: int = int(self.lm_head.weight.shape[0])
+        self.final_norm = _find_final_norm(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        if self.eos_token_id is None and isinstance(getattr(config, "eos_token_id", None), int):
+            self.eos_token_id = config.eos_token_id
+        pad = tokenizer.pad_token_id
+        fallback_pad = self.eos_token_id if self.eos_token_id is not None else 0
+        self.pad_token_id: int = pad if pad is not None else fallback_pad
+        self.mask_token_id: int = self._resolve_mask_token_id(mask_token_id)
+
+    def _resolve_mask_token_id(self, override: int | None) -> int:
+        if override is not None:
+            if not 0 <= override < self.vocab_size:
+                raise TargetError(
+                    f"mask_token_id {override} is outside the target's vocabulary (0..{self.vocab_size - 1})"
+                )
+            return override
+        if self.tokenizer.mask_token_id is not None:
+            return int(self.tokenizer.mask_token_id)
+        # An embedding row no token maps to is free to serve as the mask: the drafter never sees it
+        # as a real token. Qwen-style checkpoints pad their vocabulary, so they have such rows.
+        if len(self.tokenizer) < self.vocab_size:
+            return len(self.tokenizer)
+        raise TargetError(
+            f"target {self.path} has no mask token and no unused embedding row; set mask_token_id in the config"
+        )
+
+    @classmethod
+    def load(cls, target: str, device: torch.device, dtype: torch.dtype = torch.float32,
+             mask_token_id: int | None = None) -> FrozenTarget:
+        """"embedded" (built once into the cache) or a Hugging Face causal-LM directory; never downloads."""
+        if target == "embedded":
+            from trainer.target.embedded import ensure_embedded_target
+
+            path = ensure_embedded_target()
+        else:
+            path = Path(target).expanduser()
+        if not path.exists():
+            raise TargetError(f"target directory {path} does not exist")
+        if not path.is_dir():
+            raise TargetError(f"target {path} is not a directory (expected a Hugging Face model directory)")
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path} is not a Hugging Face model directory (no config.json)")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise TargetError(f"{path} has no tokenizer (no tokenizer.json or tokenizer_config.json)")
+
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        # Load reports and per-file progress bars are not the user's business; errors still raise.
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:  # transformers raises many types here; all mean "unusable tokenizer"
+            raise TargetError(f"cannot load the tokenizer in {path}: {_first_line(exc)}") from None
+        model = None
+        last_error: Exception | None = None
+        # SDPA takes our dense packed mask directly; eager is the fallback for models without SDPA.
+        for implementation in ("sdpa", "eager"):
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=dtype, attn_implementation=implementation, local_files_only=True
+                )
+                break
+            except ValueError as exc:
+                last_error = exc
+                if "attn_implementation" not in str(exc) and "sdpa" not in str(exc).lower():
+                    break
+            except Exception as exc:
+                last_error = exc
+                break
+        if model is None:
+            raise TargetError(f"cannot load {path} as a causal LM: {_first_line(last_error)}")
+        model.to(device)
+        model.eval()
+        model.requires_grad_(False)
+        return cls(model, tokenizer, path, fingerprint_model_dir(path), mask_token_id)
+
+    @torch.no_grad()
+    def forward_packed(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+                       feature_layer_ids: list[int], logits_source: str | int) -> tuple[Tensor, Tensor]:
+        """Features [N, S, k*H] and logits [N, S, V] of packed rows; see the module docstring."""
+        for layer in feature_layer_ids:
+            if not 0 <= layer < self.num_layers:
+                raise TargetError(f"feature layer {layer} is outside the target's layers 0..{self.num_layers - 1}")
+        implementation = getattr(self.model.config, "_attn_implementation", "eager")
+        mask = packed_attention_mask(doc_ids.to(self.device), implementation, self.dtype)  # [N, 1, S, S]
+        output = self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=position_ids.to(self.device),
+            attention_mask=mask,
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        hidden_states = output.hidden_states  # L+1 entries of [N, S, H]; [0] is the embedding output
+        features = torch.cat([hidden_states[i + 1] for i in feature_layer_ids], dim=-1)  # [N, S, k*H]
+        if logits_source == "final":
+            logits = output.logits  # [N, S, V]
+        elif isinstance(logits_source, int) and not isinstance(logits_source, bool):
+            logits = self._intermediate_logits(hidden_states, logits_source)
+        else:
+            raise TargetError(f"logits_source must be 'final' or a layer id, got {logits_source!r}")
+        return features, logits
+
+    def _intermediate_logits(self, hidden_states: tuple[Tensor, ...], layer: int) -> Tensor:
+        if not 0 <= layer < self.num_layers:
+            raise TargetError(f"logits layer {layer} is outside the target's layers 0..{self.num_layers - 1}")
+        if layer == self.num_layers - 1:
+            # transformers replaces the last hidden_states entry by the final-normed output, so
+            # norm(h_L) is already there; normalising again would change it. This is "final".
+            return self.lm_head(hidden_states[-1])
+        if self.final_norm is None:
+            raise TargetError(f"cannot find the final norm of {type(self.model).__name__} for intermediate logits")
+        return self.lm_head(self.final_norm(hidden_states[layer + 1]))  # [N, S, V]
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Frozen target token embeddings: [..] ids -> [.., H]."""
+        return self.model.get_input_embeddings()(ids)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Frozen target lm_head, no final norm (the drafter applies its own): [.., H] -> [.., V]."""
+        return self.lm_head(hidden)
+
+
+def _first_line(exc: BaseException | None) -> str:
+    text = str(exc).strip() if exc is not None else "unknown error"
+    return (text.splitlines() or [type(exc).__name__])[0]
+
