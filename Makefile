@@ -1,28 +1,20 @@
 # Two commands for a new user: `make demo` (the whole story on the embedded target) and `make test`.
-# Both create .venv themselves. Where there is no NVIDIA GPU, torch is the CPU build.
-VENV    ?= .venv
-PYTHON  ?= python3
-BIN     := $(VENV)/bin
-RUNS    ?= runs
-# Where no local CPU wheel is available, the CPU build comes from PyTorch's own index.
-TORCH_CPU_VERSION ?= 2.13.0
-TORCH_CPU_INDEX   ?= https://download.pytorch.org/whl/cpu
+# Both create .venv themselves; tools/install_torch.sh picks the CPU build of torch where there is no
+# NVIDIA GPU and the default CUDA build where there is one.
+VENV      ?= .venv
+SPEC_VENV ?= .venv-speculators
+PYTHON    ?= python3
+BIN       := $(VENV)/bin
+RUNS      ?= runs
 
-.PHONY: setup demo test bench clean-runs
+.PHONY: setup demo test parity bench clean-runs
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml tools/install_torch.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		echo "NVIDIA GPU found: installing the default (CUDA) torch build"; \
-		$(BIN)/python -m pip install -q torch; \
-	else \
-		echo "no NVIDIA GPU: installing the CPU build of torch $(TORCH_CPU_VERSION)"; \
-		$(BIN)/python -m pip install -q --no-index torch==$(TORCH_CPU_VERSION) 2>/dev/null \
-		|| $(BIN)/python -m pip install -q torch==$(TORCH_CPU_VERSION) --index-url $(TORCH_CPU_INDEX); \
-	fi
+	tools/install_torch.sh $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 	@touch $@
 
@@ -34,8 +26,16 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -n 2
 
-bench: setup
-	$(BIN)/python bench/train_step.py
+$(SPEC_VENV)/.installed: bench/setup_speculators_env.sh tools/install_torch.sh
+	SPECULATORS_VENV=$(SPEC_VENV) bash bench/setup_speculators_env.sh
+
+# Parity with speculators 0.9.0 in its own environment (it pins transformers <= 5.19); never skipped here.
+parity: $(SPEC_VENV)/.installed
+	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/parity
+
+# A training step against speculators in one process (CPU); BENCHMARKS.md has every number and command.
+bench: $(SPEC_VENV)/.installed
+	PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python bench/train_step.py --sizes tiny,small,medium --repeats 11 --warmup 2 --threads 1
 
 clean-runs:
 	rm -rf $(RUNS)

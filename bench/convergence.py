@@ -5,8 +5,8 @@ target with the trainer CLI, for the same number of steps and the same logging/e
 their metrics.jsonl and eval.json (the run-directory contract):
   * v5's final acc: its last logged training accuracy (and, less noisy, the mean of its last 3 logged rows);
   * v5's final tau: the acceptance length of its final speculative-decoding eval (eval.json);
-  * fixed's steps: the first logged step whose acc (resp. the 3-row moving mean) is >= that value, and the
-    first eval step whose tau is >= v5's final tau.
+  * fixed's steps: the first logged step whose acc (resp. the 3-row moving mean) is >= that value; the
+    first eval step whose tau is >= v5's final tau, and the first from which it stays there.
 The ratio v5 steps / fixed steps says how much sooner the fixed trainer gets there.
 
     PYTHONPATH=. .venv/bin/python bench/convergence.py --steps 200 --runs-dir /tmp/conv-runs
@@ -54,6 +54,14 @@ def first_step_reaching(steps: list[int], values: list[float], threshold: float)
     return next((s for s, v in zip(steps, values) if v >= threshold), None)
 
 
+def first_step_staying(steps: list[int], values: list[float], threshold: float) -> int | None:
+    """The first step from which every later value stays >= threshold (evals are noisy: 8 prompts)."""
+    for i, step in enumerate(steps):
+        if all(v >= threshold for v in values[i:]):
+            return step
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -91,10 +99,12 @@ def main() -> None:
                                                                 v5_final_acc_smooth),
         "fixed_steps_to_v5_tau": first_step_reaching([s for s, _ in tau_rows], [t for _, t in tau_rows],
                                                      v5_final_tau),
+        "fixed_steps_to_v5_tau_for_good": first_step_staying([s for s, _ in tau_rows], [t for _, t in tau_rows],
+                                                             v5_final_tau),
         "v5_tau_curve": [(r["step"], r["tau"]) for r in v5 if "tau" in r] + [(v5_final_step, v5_final_tau)],
         "fixed_tau_curve": tau_rows,
     }
-    for key in ("acc", "acc_mean_last3", "tau"):
+    for key in ("acc", "acc_mean_last3", "tau", "tau_for_good"):
         needed = result[f"fixed_steps_to_v5_{key}"]
         result[f"ratio_{key}"] = v5_final_step / needed if needed else None
     for key, value in result.items():

@@ -11,7 +11,6 @@ cd "$(dirname "$0")/.."
 VENV="${SPECULATORS_VENV:-.venv-speculators}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_CPU_VERSION:-2.13.0}"
-TORCH_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 SPECULATORS_VERSION="${SPECULATORS_VERSION:-0.9.0}"
 PIP="$VENV/bin/python -m pip"
 
@@ -22,11 +21,8 @@ fi
 
 "$PYTHON" -m venv "$VENV"
 $PIP install -q --upgrade pip
-# torch first and the CPU build: a plain `torch` from PyPI is a multi-GB CUDA build. A complete local
-# wheelhouse when there is one; else PyTorch's CPU index as an EXTRA index, so pip still finds torch's
-# dependencies (and a configured local mirror) and prefers 2.13.0+cpu, which sorts above PyPI's 2.13.0.
-$PIP install -q --no-index "torch==$TORCH_VERSION" 2>/dev/null \
-    || $PIP install -q --retries 1 --timeout 20 "torch==$TORCH_VERSION" --extra-index-url "$TORCH_INDEX"
+# torch first, and the CPU build where there is no NVIDIA GPU (the same rule as the main environment).
+tools/install_torch.sh "$VENV/bin/python"
 "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" \
     || echo "warning: $VENV got a CUDA build of torch; the parity tests still run on CPU" >&2
 $PIP install -q "torch==$TORCH_VERSION" "speculators==$SPECULATORS_VERSION"

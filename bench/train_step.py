@@ -8,8 +8,9 @@ from two runs. One step = forward, loss, backward, AdamW step, for both:
 Inputs are what each side consumes: the selected-layer features and the verifier's last hidden state.
 Our step also computes the target logits lm_head(norm(h_last)) over all S positions inside the timed
 step (the frozen target's forward does that in the trainer); speculators computes them only at the A*B
-block positions. Both draw the same anchors: speculators' sampler seeded through the global generator
-picks exactly what ours picks with the same seed (tests/parity checks this), so losses can be compared
+block positions. Both draw the same anchors: on CPU speculators' sampler seeded through the global
+generator picks exactly what ours picks with the same seed (tests/parity checks this); on CUDA its
+sampler would use the CUDA generator, so ours replaces it there. Losses can therefore be compared
 step by step: the "loss rel diff" column is the largest relative difference over all timed steps while
 both models train side by side.
 
@@ -55,8 +56,7 @@ from parity_harness import (  # noqa: E402
 )
 
 from trainer.model.attention_mask import sdpa_mask  # noqa: E402
-from trainer.model.anchors import sample_anchors  # noqa: E402
-from trainer.run.step import StepPlan, anchor_generator, dflash_step  # noqa: E402
+from trainer.run.step import StepPlan, dflash_step, sample_step_anchors  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -180,15 +180,25 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
 
     def ours(step: int, saved: SavedBytes | None = None) -> float:
         with saved.context() if saved else _null():
-            loss, _ = dflash_step(target, drafter, batch, plan, anchor_generator(seed, step, device))
+            anchors, anchor_valid = sample_step_anchors(batch, plan, seed, step)  # as the training loop does
+            loss, _ = dflash_step(target, drafter, batch, anchors, anchor_valid, plan)
         loss.backward()
         our_opt.step()
         our_opt.zero_grad(set_to_none=True)
         return loss.item()
 
+    def forced_anchors(loss_mask, num_anchors, block_size):
+        # On CUDA speculators' randperm runs on the CUDA generator, which draws other anchors than our CPU
+        # one; there its sampler is replaced by ours (same cost, inside the timed step) for equal losses.
+        anchors, valid = sample_step_anchors(batch, plan, seed, current_step[0])
+        return anchors[0], valid[0]
+
+    current_step = [0]
+
     def theirs(step: int, saved: SavedBytes | None = None) -> float:
-        torch.manual_seed(seed * 1_000_003 + step)  # the anchors ours draws for this step (same sampler)
-        with saved.context() if saved else _null():
+        torch.manual_seed(seed * 1_000_003 + step)  # on CPU: the anchors ours draws for this step
+        current_step[0] = step
+        with saved.context() if saved else _null(), _forcing(device.type == "cuda", forced_anchors):
             _, loss, _ = model(
                 hidden_states=inputs.features, input_ids=inputs.input_ids, loss_mask=inputs.loss_mask,
                 verifier_last_hidden_states=inputs.last_hidden, document_ids=inputs.doc_ids,
@@ -239,8 +249,7 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
                 cpu_times[name].append(cpu_elapsed)
                 peaks[name].append(peak)
 
-    anchors, valid = sample_anchors(inputs.loss_mask.cpu(), inputs.doc_ids.cpu(), size.block_size,
-                                    size.max_anchors, anchor_generator(seed, 1, device))
+    anchors, valid = sample_step_anchors({k: v.cpu() for k, v in batch.items()}, plan, seed, 1)
     flops = drafter_train_flops(size, _cpu(inputs), anchors, valid)
     result = {
         "size": size.name, "dims": asdict(size.dims), "seq_len": size.seq_len, "max_anchors": size.max_anchors,
@@ -275,6 +284,15 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
             abs(a - b) / abs(b) for a, b in zip(losses["ours"], losses["speculators"])
         )
     return result
+
+
+def _forcing(active: bool, sampler):
+    if not active:
+        return _null()
+    from parity_harness import patched
+    from speculators.models.dflash import core as speculators_core
+
+    return patched(speculators_core, "select_anchors", sampler)
 
 
 class _null:

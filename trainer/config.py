@@ -92,7 +92,7 @@ class TrainConfig(BaseModel):
     checkpoint_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     eval_every: int | None = Field(
-        100, ge=1, description="Speculative-decoding eval every N steps (tau in metrics.jsonl); None: off."
+        25, ge=1, description="Speculative-decoding eval every N steps (tau in metrics.jsonl); None: off."
     )
     eval_prompts: int = Field(8, ge=1)
     eval_max_new_tokens: int = Field(64, ge=1)

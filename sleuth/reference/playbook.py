@@ -62,10 +62,10 @@ class ReferenceSpec(BaseModel):
 
 
 def playbooks_dir() -> Path:
+    """`<playbooks>/references`: SLEUTH_PLAYBOOKS_DIR moves the playbooks root, as for the invariants."""
     override = os.environ.get(PLAYBOOKS_DIR_ENV)
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[2] / "playbooks" / "references"
+    root = Path(override) if override else Path(__file__).resolve().parents[2] / "playbooks"
+    return root / "references"
 
 
 def known_references() -> list[str]:

@@ -11,8 +11,9 @@ What "identical" means here, and the conventions we line up on purpose:
   * Inputs: the same selected-layer features [S, k*H] and the same last hidden state of the verifier.
     speculators turns the last hidden state into targets with verifier_lm_head(verifier_norm(h)); our step
     receives target logits from the frozen target, so the stand-in computes lm_head(rms_norm(h)) there.
-  * Anchors: our sampler runs as usual; speculators' `select_anchors` is replaced, for the call, by one that
-    returns exactly the anchors ours drew for that row (the sampler's own parity is tested separately).
+  * Anchors: our step's sampler (sample_step_anchors) draws them; speculators' `select_anchors` is replaced,
+    for the call, by one that returns exactly those for that row (the sampler's own parity is tested
+    separately).
   * speculators packs one row per forward (batch size 1). With N rows we run it once per row and average
     loss and gradients over rows: our loss is the mean of per-row losses, the same reduction.
   * gamma None (no decay) is gamma = inf for speculators: exp(-(k-1)/inf) = 1 for every slot k >= 1.
@@ -42,8 +43,7 @@ from torch import Tensor
 from transformers import Qwen3Config
 
 from trainer.model.drafter import DFlashDrafter
-from trainer.run import step as our_step
-from trainer.run.step import StepPlan, dflash_step
+from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
 
 
 @dataclass(frozen=True)
@@ -242,17 +242,10 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, original)
 
 
-def run_ours(case: ParityCase, drafter: DFlashDrafter, inputs: Inputs, generator_seed: int,
+def run_ours(case: ParityCase, drafter: DFlashDrafter, inputs: Inputs, anchor_seed: int,
              context_includes_anchor: bool = False):
-    """Our real training step (trainer.run.step.dflash_step); returns loss, metrics and the anchors it drew."""
-    drawn: list[tuple[Tensor, Tensor]] = []
-    real_sampler = our_step.sample_anchors
-
-    def recording_sampler(*args, **kwargs):
-        anchors, valid = real_sampler(*args, **kwargs)
-        drawn.append((anchors.clone(), valid.clone()))
-        return anchors, valid
-
+    """Our real training step: anchors from trainer.run.step.sample_step_anchors (a function of seed and
+    step), then trainer.run.step.dflash_step. Returns loss, metrics and the anchors."""
     plan = StepPlan(
         feature_layer_ids=list(range(1, case.dims.num_features + 1)), logits_source="final",
         block_size=case.block_size, max_anchors=case.max_anchors, gamma=case.gamma, loss_kind=case.loss_kind,
@@ -260,10 +253,9 @@ def run_ours(case: ParityCase, drafter: DFlashDrafter, inputs: Inputs, generator
     )
     batch = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "doc_ids": inputs.doc_ids,
              "loss_mask": inputs.loss_mask}
+    anchors, anchor_valid = sample_step_anchors({k: v.cpu() for k, v in batch.items()}, plan, anchor_seed, step=1)
     target = StandInTarget(inputs, case.dims.rms_eps)
-    with patched(our_step, "sample_anchors", recording_sampler):
-        loss, metrics = dflash_step(target, drafter, batch, plan, torch.Generator().manual_seed(generator_seed))
-    (anchors, anchor_valid), = drawn
+    loss, metrics = dflash_step(target, drafter, batch, anchors, anchor_valid, plan)
     return loss, metrics, anchors, anchor_valid
 
 
@@ -354,7 +346,7 @@ def run_parity(case: ParityCase, *, cross_document_labels: bool = False,
         drafter.to(device)
         model.to(device)
 
-    loss, metrics, anchors, anchor_valid = run_ours(case, drafter, inputs, generator_seed=case.seed + 2,
+    loss, metrics, anchors, anchor_valid = run_ours(case, drafter, inputs, anchor_seed=case.seed + 2,
                                                     context_includes_anchor=our_context_includes_anchor)
     loss.backward()
     our_grads = {name: p.grad.detach().clone() for name, p in drafter.named_parameters()}

@@ -110,8 +110,8 @@ def upstream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Upstream:
     up.commit("pre_dflash", {"README.md": "speculators stand-in\n", "src/speculators/__init__.py": ""},
               "bump vllm to latest version (#294)")
     playbooks = tmp_path / "playbooks"
-    playbooks.mkdir()
-    (playbooks / "speculators.yaml").write_text(
+    (playbooks / "references").mkdir(parents=True)
+    (playbooks / "references" / "speculators.yaml").write_text(
         PLAYBOOK.format(url=up.url, files=json.dumps(NEEDED), pinned=PINNED))
     monkeypatch.setenv("SLEUTH_PLAYBOOKS_DIR", str(playbooks))
     return up

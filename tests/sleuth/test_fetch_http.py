@@ -38,8 +38,8 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[float]:
     monkeypatch.delenv("SLEUTH_SPECULATORS_PATH", raising=False)
     monkeypatch.delenv("GITHUB_TOKEN", raising=False)
     playbooks = tmp_path / "playbooks"
-    playbooks.mkdir()
-    (playbooks / "speculators.yaml").write_text(f"""\
+    (playbooks / "references").mkdir(parents=True)
+    (playbooks / "references" / "speculators.yaml").write_text(f"""\
 repository: {REPO}
 url: {(tmp_path / 'no-such-upstream.git').as_uri()}
 files: {json.dumps(NEEDED)}

@@ -112,6 +112,7 @@ def _train(
     progress: bool,
     dist: Distributed,
 ) -> TrainResult:
+    created = now_iso()  # when the run was asked for, not when its target finished loading
     torch_device = resolve_device(device, dist.local_rank)
     if resume:
         if not run.exists():
@@ -153,7 +154,9 @@ def _train(
         restore_training_state(checkpoint, optimizer)
         start_step = checkpoint.step
     if dist.is_main:
-        _write_run_header(run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist)
+        _write_run_header(
+            run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created
+        )
     dist.barrier()
 
     model = drafter
@@ -234,6 +237,7 @@ def _write_run_header(
     start_step: int,
     device: torch.device,
     dist: Distributed,
+    created: str,
 ) -> None:
     if resume:
         run.truncate_metrics(start_step)  # rows after the checkpoint are recomputed, never duplicated
@@ -246,7 +250,7 @@ def _write_run_header(
                 "format_version": RUN_FORMAT_VERSION,
                 "name": run.name,
                 "preset": preset,
-                "created": now_iso(),
+                "created": created,
                 "status": "running",
                 "steps_done": 0,
                 "world_size": dist.world_size,

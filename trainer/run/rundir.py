@@ -49,7 +49,8 @@ def atomic_write_json(path: Path, data: Any) -> None:
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    # Milliseconds: runs started a moment apart (the demo starts two at once) still order correctly.
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 class RunDir:

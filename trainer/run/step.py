@@ -93,6 +93,7 @@ def dflash_step(
 
     # dflash.target_shift: slot j of the block at p learns the target's prediction at p+j-1.
     target_block_logits = gather_block_logits(target_logits, anchors, B)  # (N, A, B, V)
+    del target_logits  # (N, S, V) is the largest tensor of the step; only the gathered blocks are needed
     weights = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, plan.gamma)  # (N, A, B)
     loss, metrics = dflash_loss(draft_logits.float(), target_block_logits.float(), weights, plan.loss_kind)
     metrics["tokens"] = int((doc_ids >= 0).sum())
