@@ -116,7 +116,9 @@ def run(
         summary = ", ".join(
             f"{key} {last[key]:.4g}" for key in ("loss", "acc", "streak", "eval_tau") if last.get(key) is not None
         )
-        stdout.print(f"{result.run.name}: {result.steps_done} steps -> {result.run.path}  ({summary})")
+        stdout.print(
+            f"{result.run.name}: {result.steps_done} steps -> {result.run.path}  ({summary})", soft_wrap=True
+        )
 
 
 def _fixed_config(runs_dir: Path, from_run: str | None) -> tuple[dict[str, Any], str | None]:

@@ -419,6 +419,12 @@ class Analyzer:
         `for p in anchors` / `for a, p in enumerate(anchors)`: p is one anchor."""
         if isinstance(iterable, ast.Call) and call_name(iterable) == "enumerate" and iterable.args and isinstance(target, ast.Tuple) and len(target.elts) == 2:
             self._bind_loop(target.elts[1], iterable.args[0], scope)
+            if isinstance(target.elts[0], ast.Name):
+                # the counter of `enumerate(anchors)` numbers the blocks (resolved lazily in tags)
+                counter = ast.Call(func=ast.Name("__enumerate_index__", ast.Load()), args=[iterable.args[0]], keywords=[])
+                ast.copy_location(counter, iterable)
+                self.parents[counter] = iterable
+                scope.defs.setdefault(target.elts[0].id, []).append(counter)
             return
         if not isinstance(target, ast.Name):
             return
@@ -562,6 +568,19 @@ class Analyzer:
             return self.tags(node.value, depth + 1, seen)
         if isinstance(node, ast.Call):
             name = call_name(node)
+            if name == "__enumerate_index__" or (name == "arange" and hasattr(node, "range_start") and node.args
+                                                 and isinstance(node.args[-1], ast.Call) and call_name(node.args[-1]) == "len"
+                                                 and node.args[-1].args):
+                # enumerate(anchors)'s counter / range(len(anchors)): one index per block
+                over = node.args[0] if name == "__enumerate_index__" else node.args[-1].args[0]
+                return {"blockid"} if "anchor" in self.tags(over, depth + 1, seen) else set()
+            rounding = kwarg(node, "rounding_mode")
+            if (name in {"floor_divide", "floor_divide_"} or (name in {"div", "divide"} and isinstance(rounding, ast.Constant)
+                                                              and rounding.value == "floor")) and node.args \
+                    and self.is_blocksize(node.args[-1]):
+                # floor division spelled as a call, like `//` below: a block index
+                numer = node.func.value if isinstance(node.func, ast.Attribute) and len(node.args) == 1 else node.args[0]
+                return {"blockid"} | (self.tags(numer, depth + 1, seen) & {"q", "kv"})
             if name == "arange":
                 start = node.args[0] if len(node.args) >= 2 else None
                 return {"arange"} | (self.tags(start, depth + 1, seen) if start is not None else set())

@@ -550,9 +550,11 @@ def _undecided_reason(inv: Invariant, chosen: Observation, block_size: int | Non
 
 def _reason(status: str, inv: Invariant, expected: ExpectedValue, chosen: Observation) -> str:
     where = {"config": "the run's config", "checkpoint": "the checkpoint", "code": "the code"}[chosen.source]
+    # The detail explains the observed value, so it sits right after it.
+    observed = f"{chosen.value!r}" + (f" ({chosen.detail})" if chosen.detail else "")
     if status == "match":
-        return f"{where} shows {chosen.value!r}, as the rule requires" + (f" ({chosen.detail})" if chosen.detail else "")
-    return f"{where} shows {chosen.value!r}; the reference has {expected.value!r}" + (f" ({chosen.detail})" if chosen.detail else "")
+        return f"{where} shows {observed}, as the rule requires"
+    return f"{where} shows {observed}; the reference has {expected.value!r}"
 
 
 def _finding(inv: Invariant, status: str, expected: ExpectedValue, chosen: Observation | None, corroboration: list[Evidence],

@@ -4,13 +4,12 @@ and a checkpoint written by two processes resumes in one."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 
 from test_train_e2e import REPO, _env, metric_rows, small_target, trainer_cli, write_config  # noqa: F401
-
-import subprocess
 
 
 def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -23,6 +22,14 @@ def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
 
 def losses(rows):
     return [(row["step"], row["loss"]) for row in rows]
+
+
+def assert_same_metrics(reference_rows, rows):
+    # Accuracy-type metrics come from counts summed over ranks, so they match one process exactly.
+    for a, b in zip(reference_rows, rows):
+        for key in ("acc", "streak", "eal"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+        assert b["position_acc"] == pytest.approx(a["position_acc"], abs=1e-6)
 
 
 def test_two_gloo_processes_match_one_and_resume_in_one(small_target, tmp_path):
@@ -40,6 +47,7 @@ def test_two_gloo_processes_match_one_and_resume_in_one(small_target, tmp_path):
     assert json.loads((runs / "two" / "run.json").read_text())["world_size"] == 2
     for (step, a), (_, b) in zip(losses(one[:4]), losses(two)):
         assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, 2 processes {b}"
+    assert_same_metrics(one[:4], two)
 
     resumed = trainer_cli("run", "two", "--resume", "--steps", "6", "--runs-dir", str(runs), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
@@ -47,6 +55,7 @@ def test_two_gloo_processes_match_one_and_resume_in_one(small_target, tmp_path):
     assert [r["step"] for r in two] == [1, 2, 3, 4, 5, 6]
     for (step, a), (_, b) in zip(losses(one), losses(two)):
         assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, resumed {b}"
+    assert_same_metrics(one, two)
 
 
 def test_global_batch_must_split_evenly(small_target, tmp_path):

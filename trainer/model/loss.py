@@ -130,17 +130,25 @@ def block_metrics(
     """
     correct = (draft_logits.argmax(dim=-1) == target_block_logits.argmax(dim=-1)) & label_valid  # [N, A, B]
     correct, label_valid = correct[..., 1:], label_valid[..., 1:]  # slot 0 is never a prediction
-    per_slot_correct = correct.flatten(0, 1).sum(dim=0).float()  # [B-1]
-    per_slot_total = label_valid.flatten(0, 1).sum(dim=0).float()  # [B-1]
-    position_acc = (per_slot_correct / per_slot_total.clamp(min=1)).tolist()
-
-    total = per_slot_total.sum().item()
-    acc = per_slot_correct.sum().item() / total if total > 0 else 0.0
-
     prefix = correct.long().cumprod(dim=-1).sum(dim=-1)  # [N, A] correct slots before the first miss
     has_label = label_valid.any(dim=-1)  # [N, A]
-    streak = prefix[has_label].float().mean().item() if has_label.any() else 0.0
+    # Counts, not ratios, are what add up across the ranks of a distributed run (metrics_from_counts).
+    counts = {
+        "correct": correct.flatten(0, 1).sum(dim=0).tolist(),  # [B-1]
+        "labels": label_valid.flatten(0, 1).sum(dim=0).tolist(),  # [B-1]
+        "prefix": float(prefix[has_label].sum()),
+        "blocks": int(has_label.sum()),
+    }
+    return {**metrics_from_counts(counts), "counts": counts}
 
+
+def metrics_from_counts(counts: dict[str, Any]) -> dict[str, Any]:
+    """acc, position_acc, streak and eal from the (possibly summed over ranks) counts of block_metrics."""
+    correct, labels = counts["correct"], counts["labels"]
+    position_acc = [c / t if t > 0 else 0.0 for c, t in zip(correct, labels)]
+    total = sum(labels)
+    acc = sum(correct) / total if total > 0 else 0.0
+    streak = counts["prefix"] / counts["blocks"] if counts["blocks"] > 0 else 0.0
     eal, survive = 0.0, 1.0
     for slot_acc in position_acc:
         survive *= slot_acc

@@ -41,28 +41,20 @@ class Distributed:
         if self.enabled:
             dist.barrier()
 
-    def mean(self, values: dict[str, float | list[float]]) -> dict[str, float | list[float]]:
-        """Average scalar / list metrics over ranks (exact for the loss: equal rows per rank)."""
+    def sum(self, values: dict[str, float | list[float]]) -> dict[str, float | list[float]]:
+        """Sum scalar / list values over ranks, in one all-reduce."""
         if not self.enabled:
             return values
         keys = sorted(values)
         flat = [torch.as_tensor(values[k], dtype=torch.float64).flatten() for k in keys]
         packed = torch.cat(flat)
         dist.all_reduce(packed)
-        packed /= self.world_size
         out, offset = {}, 0
         for key, piece in zip(keys, flat):
             chunk = packed[offset : offset + piece.numel()]
             offset += piece.numel()
             out[key] = chunk.tolist() if isinstance(values[key], list) else float(chunk.item())
         return out
-
-    def sum(self, value: int) -> int:
-        if not self.enabled:
-            return value
-        tensor = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(tensor)
-        return int(tensor.item())
 
     def close(self) -> None:
         if self.enabled and dist.is_initialized():

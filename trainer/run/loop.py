@@ -19,6 +19,7 @@ import torch
 from trainer.config import ConfigError, TrainConfig, resolve_for_target, validate_config
 from trainer.data.datasets import batch_for_step, load_documents, pack_documents
 from trainer.model.drafter import DFlashDrafter
+from trainer.model.loss import metrics_from_counts
 from trainer.run.checkpoint import (
     latest_checkpoint,
     load_drafter_weights,
@@ -185,17 +186,20 @@ def _train(
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
         optimizer.step()
         tokens_since += metrics.pop("tokens")
+        counts = metrics.pop("counts")
 
         eval_due = config.eval_every is not None and step % config.eval_every == 0
         if step % config.log_every == 0 or step == config.steps or eval_due:
-            averaged = dist.mean({"loss": float(loss.detach()), **metrics})
-            tokens = dist.sum(tokens_since)
+            # The loss is a mean over rows and every rank holds as many rows: the mean of rank losses is the
+            # global loss. Accuracy-type metrics are recomputed from counts summed over ranks.
+            summed = dist.sum({"loss": float(loss.detach()), "tokens": tokens_since, **counts})
+            global_metrics = {"loss": summed["loss"] / dist.world_size, **metrics_from_counts(summed)}
             elapsed = time.perf_counter() - clock
             row: dict[str, Any] = {
                 "step": step,
-                **{key: _round(value) for key, value in averaged.items()},
+                **{key: _round(value) for key, value in global_metrics.items()},
                 "lr": lr,
-                "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+                "tokens_per_s": round(summed["tokens"] / elapsed, 1) if elapsed > 0 else None,
                 "elapsed_s": round(time.perf_counter() - started, 3),
             }
             if eval_due and evaluator is not None:

@@ -257,6 +257,15 @@ def _floordiv_divisors(an: Analyzer, node: ast.AST, depth: int = 0) -> set[str]:
         return set()
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
         return {ast.unparse(node.right)}
+    if isinstance(node, ast.Call):
+        # floor division spelled as a call: torch.div(a, X, rounding_mode="floor"), a.div(X, rounding_mode=
+        # "floor"), floor_divide(a, X), a.floor_divide(X)
+        name = call_name(node)
+        mode = kwarg(node, "rounding_mode")
+        floor = name in {"floor_divide", "floor_divide_"} or (
+            name in {"div", "divide", "true_divide"} and isinstance(mode, ast.Constant) and mode.value == "floor")
+        if floor and node.args:
+            return {ast.unparse(node.args[-1])}
     if isinstance(node, ast.Subscript):
         return _floordiv_divisors(an, node.value, depth + 1)
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and call_name(node) in PRESERVING_METHODS:
@@ -306,6 +315,8 @@ def detect_block_bidirectional(an: Analyzer) -> list[CodeReading]:
         lt, rt = an.tags(left), an.tags(right)
         if "anchor" in lt or "anchor" in rt or "blockid" in lt or "blockid" in rt:
             continue
+        if _floordiv_divisors(an, left) & _floordiv_divisors(an, right):
+            continue  # block indices (both divided by the same size) compared: a block-level rule, not slot order
         q_kv = ("q" in lt and "kv" in rt and "kv" not in lt) or ("kv" in lt and "q" in rt and "q" not in lt)
         if not q_kv or not _scope_mentions_block(an, node):
             continue
@@ -332,7 +343,8 @@ def detect_block_bidirectional(an: Analyzer) -> list[CodeReading]:
     # same-block equality with no causal restriction is bidirectional within the block
     if not any(r.value == "causal" for r in readings):
         for node, op in _block_comparisons(an):
-            if op == "Eq" and not an.switch_of(node):
+            # kv_block <= q_block also shows a block all of its own tokens (the cross-block part is its own finding)
+            if op in {"Eq", "LtE", "GtE"} and not an.switch_of(node):
                 readings.append(_reading(an, "dflash.block_bidirectional", "bidirectional", node, 0.7,
                                          detail="block tokens see every token of their block (no order restriction)"))
     return readings

@@ -33,6 +33,12 @@ def _linear_dims(an: Analyzer, node: ast.Call) -> tuple[ast.expr, ast.expr] | No
         out_f = node.args[1] if len(node.args) >= 2 else kwarg(node, "out_features")
         if in_f is not None and out_f is not None:
             return in_f, out_f
+    if name in {"normal", "randn", "uniform", "truncated_normal", "zeros", "empty", "xavier_uniform", "glorot_normal",
+                "lecun_normal", "orthogonal"}:
+        # a raw weight matrix used as x @ W (JAX / numpy style): shape (in, out), given as a tuple argument
+        shape = next((a for a in node.args if isinstance(a, ast.Tuple) and len(a.elts) == 2), kwarg(node, "shape"))
+        if isinstance(shape, ast.Tuple) and len(shape.elts) == 2 and isinstance(shape.elts[0], ast.BinOp):
+            return shape.elts[0], shape.elts[1]
     if name == "Parameter" and node.args and isinstance(node.args[0], ast.Call):
         inner = node.args[0]
         if call_name(inner) in {"empty", "zeros", "randn", "rand", "ones"} and len(inner.args) == 2:
@@ -147,6 +153,14 @@ def _layer_list_lengths(an: Analyzer) -> set[int]:
                 value = value.body
         if isinstance(value, (ast.List, ast.Tuple)) and value.elts and all(const_number(e) is not None for e in value.elts):
             lengths.add(len(value.elts))
+    # inline: cat([out.hidden_states[i + 1] for i in (1, 9, 17, 25, 33)], -1)
+    for comp in _walk_all(an, (ast.ListComp, ast.GeneratorExp)):
+        iterable = comp.generators[0].iter
+        if not (isinstance(iterable, (ast.List, ast.Tuple)) and len(iterable.elts) >= 2
+                and all(const_number(e) is not None for e in iterable.elts)):
+            continue
+        if any(isinstance(n, ast.Subscript) and re.search(r"hidden|states|hs", leaf_name(n.value), re.I) for n in ast.walk(comp.elt)):
+            lengths.add(len(iterable.elts))
     return lengths
 
 
@@ -162,6 +176,8 @@ def detect_fc(an: Analyzer) -> tuple[list[CodeReading], list[str]]:
         if multiplier is None:
             continue
         parent = an.parents.get(node)
+        while isinstance(parent, ast.BinOp) and isinstance(parent.op, (ast.Mult, ast.Div)):
+            parent = an.parents.get(parent)  # normal(key, shape) * 0.02
         if isinstance(parent, ast.Assign) and parent.targets:
             names.append(leaf_name(parent.targets[0]))
         elif isinstance(parent, ast.AnnAssign):
@@ -192,7 +208,60 @@ def detect_fc(an: Analyzer) -> tuple[list[CodeReading], list[str]]:
         if isinstance(iterable, ast.Subscript) and isinstance(iterable.slice, ast.Slice) and "layer" in ast.unparse(iterable.value).lower():
             readings.append(_reading(an, "dflash.fc_input_layers", "subset", node, 0.75,
                                      detail=f"features concatenated over {ast.unparse(iterable)}: a slice of the selected layers"))
+    # the fused features are every selected layer, concatenated whole: cat(feats, -1) where feats is (through a
+    # local name or a parameter's call sites) [hidden_states[i + 1] for i in layer_ids], no slice anywhere.
+    # Weak evidence (0.5): any subset reading above outweighs it.
+    if readings and not any(r.value == "subset" for r in readings):
+        for node in _walk_all(an, ast.Call):
+            if call_name(node) not in {"cat", "concat", "concatenate"} or not node.args or not _in_fusion(an, node, names):
+                continue
+            comps = _bound_comprehensions(an, node.args[0])
+            if comps and all(_whole_layer_comprehension(c) for c in comps):
+                readings.append(_reading(an, "dflash.fc_input_layers", "all", node, 0.5,
+                                         detail="the fused features concatenate every selected layer (no slice)"))
     return readings, names
+
+
+def _in_fusion(an: Analyzer, node: ast.AST, fc_names: list[str]) -> bool:
+    """The concatenation feeds the fusion projection in the same expression or function."""
+    func = an.enclosing_function(node)
+    if func is None:
+        return False
+    text = ast.get_source_segment(an.unit(node).text, func) or ""
+    return any(re.search(rf"\b{re.escape(n)}\b", text) for n in fc_names)
+
+
+def _bound_comprehensions(an: Analyzer, node: ast.AST, depth: int = 0) -> list[ast.AST]:
+    if isinstance(node, (ast.ListComp, ast.GeneratorExp)):
+        return [node]
+    if depth > 2 or not isinstance(node, ast.Name):
+        return []
+    found = an.defs_of(node)
+    if found and found[0]:
+        out = []
+        for d in found[0]:
+            inner = _bound_comprehensions(an, d, depth + 1)
+            if not inner:
+                return []
+            out += inner
+        return out
+    default = an.scope(node).param_default(node.id)
+    if default is not None:
+        out = []
+        for arg in _call_site_arguments(an, default[2], node.id):
+            inner = _bound_comprehensions(an, arg, depth + 1)
+            if not inner:
+                return []
+            out += inner
+        return out
+    return []
+
+
+def _whole_layer_comprehension(comp: ast.AST) -> bool:
+    iterable = comp.generators[0].iter
+    if isinstance(iterable, ast.Subscript) and isinstance(iterable.slice, ast.Slice):
+        return False
+    return any(isinstance(n, ast.Subscript) and re.search(r"hidden|states|\bhs\b", ast.unparse(n.value), re.I) for n in ast.walk(comp.elt))
 
 
 def detect_fc_norm(an: Analyzer, fc_names: list[str]) -> list[CodeReading]:
@@ -205,32 +274,45 @@ def detect_fc_norm(an: Analyzer, fc_names: list[str]) -> list[CodeReading]:
             isinstance(func, ast.Subscript) and isinstance(func.slice, ast.Constant) and func.slice.value in fc_names)
         if not is_fc_call:
             continue
-        parent = an.parents.get(node)
-        normed = False
-        if isinstance(parent, ast.Call) and _is_norm_call(parent):
-            normed = True
-        elif isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute) and parent.func.value is node:
-            grand = an.parents.get(parent)
-            normed = isinstance(grand, ast.Call) and _is_norm_call(grand)
-        elif isinstance(parent, ast.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0], ast.Name):
-            var = parent.targets[0].id
-            func = an.enclosing_function(node)
-            returned = False
-            if func is not None:
-                for other in ast.walk(func):
-                    if isinstance(other, ast.Call) and _is_norm_call(other) and other.lineno >= node.lineno and any(
-                        isinstance(a, ast.Name) and a.id == var for a in other.args
-                    ):
-                        normed = True
-                    if isinstance(other, ast.Return) and isinstance(other.value, ast.Name) and other.value.id == var:
-                        returned = True
-            if returned and not normed:
-                continue  # the caller may norm it: not evidence either way
-        else:
-            continue
-        value = "normed" if normed else "raw"
-        detail = "fc output goes through a norm" if normed else "fc output is used without a norm"
-        readings.append(_reading(an, "dflash.fc_norm", value, node, 0.75 if normed else 0.6, detail=detail))
+        readings.extend(_fc_norm_at(an, node))
+    for node in _walk_all(an, ast.BinOp):
+        # x @ params["fc"] / x @ self.fc_weight: the same projection as a matmul with the raw matrix
+        right = node.right
+        key = right.slice.value if isinstance(right, ast.Subscript) and isinstance(right.slice, ast.Constant) else (
+            leaf_name(right) if isinstance(right, (ast.Name, ast.Attribute)) else None)
+        if isinstance(node.op, ast.MatMult) and key in fc_names:
+            readings.extend(_fc_norm_at(an, node))
+    return readings
+
+
+def _fc_norm_at(an: Analyzer, node: ast.AST) -> list[CodeReading]:
+    readings = []
+    parent = an.parents.get(node)
+    normed = False
+    if isinstance(parent, ast.Call) and _is_norm_call(parent):
+        normed = True
+    elif isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute) and parent.func.value is node:
+        grand = an.parents.get(parent)
+        normed = isinstance(grand, ast.Call) and _is_norm_call(grand)
+    elif isinstance(parent, ast.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0], ast.Name):
+        var = parent.targets[0].id
+        func = an.enclosing_function(node)
+        returned = False
+        if func is not None:
+            for other in ast.walk(func):
+                if isinstance(other, ast.Call) and _is_norm_call(other) and other.lineno >= node.lineno and any(
+                    isinstance(a, ast.Name) and a.id == var for a in other.args
+                ):
+                    normed = True
+                if isinstance(other, ast.Return) and isinstance(other.value, ast.Name) and other.value.id == var:
+                    returned = True
+        if returned and not normed:
+            return readings  # the caller may norm it: not evidence either way
+    else:
+        return readings
+    value = "normed" if normed else "raw"
+    detail = "fc output goes through a norm" if normed else "fc output is used without a norm"
+    readings.append(_reading(an, "dflash.fc_norm", value, node, 0.75 if normed else 0.6, detail=detail))
     return readings
 
 
@@ -261,6 +343,11 @@ def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
             continue
         first, second = seq.elts
         a_ctx, b_ctx = _is_context(an, first), _is_context(an, second)
+        if a_ctx == b_ctx and not a_ctx:
+            # names say nothing (c, x): the block is the source the queries are projected from
+            a_blk, b_blk = (_projection_source(an, e) in _query_sources(an, node) for e in (first, second))
+            if a_blk != b_blk and _projection_source(an, first) is not None and _projection_source(an, second) is not None:
+                a_ctx, b_ctx = b_blk, a_blk
         if a_ctx == b_ctx:
             continue
         # (a) cat of one projection applied to both sources, (b) a projection applied to cat(context, block)
@@ -273,6 +360,10 @@ def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
             if func is not None:
                 feeds_projection = any(
                     isinstance(c, ast.Call) and _is_kv_projection_name(call_name(c)) and any(isinstance(a, ast.Name) and a.id == var for a in c.args)
+                    for c in ast.walk(func)
+                ) or any(  # einsum("...", src, W_k) / src @ W_k: a K/V weight applied to the concatenation
+                    _weight_projection_source(c) is not None and isinstance(_weight_projection_source(c), ast.Name)
+                    and _weight_projection_source(c).id == var
                     for c in ast.walk(func)
                 )
         if isinstance(parent, ast.Call) and _is_kv_projection_name(call_name(parent)):
@@ -301,7 +392,60 @@ def _is_kv_projection_name(name: str) -> bool:
     return bool(re.fullmatch(r"(k|v|key|value|wk|wv|to_k|to_v|k_proj|v_proj|kv_proj|key_proj|value_proj|c_attn|kv)", lower)) or lower.endswith(("k_proj", "v_proj", "kv_proj"))
 
 
+def _kv_weight(node: ast.AST) -> bool:
+    """A K/V weight: self.wk, layer["wv"], params.k_weight."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        name = node.slice.value
+    elif isinstance(node, (ast.Name, ast.Attribute)):
+        name = leaf_name(node)
+    else:
+        return False
+    return _is_kv_projection_name(name) or bool(re.fullmatch(r"(w_?[kv]|[kv]_?(weight|w|kernel)|(key|value)_(weight|kernel))", name.lower()))
+
+
+def _weight_projection_source(node: ast.AST) -> ast.expr | None:
+    """X of `X @ W_k` / `matmul(X, W_k)` / `einsum(eq, X, W_k)`."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult) and _kv_weight(node.right):
+        return node.left
+    if isinstance(node, ast.Call) and call_name(node) in {"einsum", "matmul", "dot", "tensordot"}:
+        args = [a for a in node.args if not (isinstance(a, ast.Constant) and isinstance(a.value, str))]
+        if len(args) == 2 and _kv_weight(args[1]):
+            return args[0]
+    return None
+
+
+def _projection_source(an: Analyzer, node: ast.AST) -> str | None:
+    """The source text X of a K/V projection k_proj(X) / X @ W_k (through shape-preserving methods)."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and call_name(node) in PRESERVING_METHODS \
+            and not _is_kv_projection_name(call_name(node)):
+        node = node.func.value
+    if isinstance(node, ast.Call) and _is_kv_projection_name(call_name(node)) and node.args:
+        return ast.unparse(node.args[0])
+    source = _weight_projection_source(node)
+    return ast.unparse(source) if source is not None else None
+
+
+def _query_sources(an: Analyzer, node: ast.AST) -> set[str]:
+    """Texts X of the query projections q_proj(X) / X @ W_q in the function around `node`."""
+    func = an.enclosing_function(node)
+    out: set[str] = set()
+    if func is None:
+        return out
+    q_name = re.compile(r"(q|query|wq|w_q|to_q|q_proj|query_proj|q_weight)", re.I)
+    for c in ast.walk(func):
+        if isinstance(c, ast.Call) and c.args and q_name.fullmatch(call_name(c)):
+            out.add(ast.unparse(c.args[0]))
+        elif isinstance(c, ast.BinOp) and isinstance(c.op, ast.MatMult):
+            right = c.right
+            key = right.slice.value if isinstance(right, ast.Subscript) and isinstance(right.slice, ast.Constant) else leaf_name(right)
+            if isinstance(key, str) and q_name.fullmatch(key):
+                out.add(ast.unparse(c.left))
+    return out
+
+
 def _projection_of(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
+    if _weight_projection_source(node) is not None:
+        return True
     if isinstance(node, ast.Call):
         if _is_kv_projection_name(call_name(node)):
             return True

@@ -65,9 +65,12 @@ def detect_gamma(an: Analyzer) -> list[CodeReading]:
             readings.append(_reading(an, "dflash.loss_decay_gamma", float(number), node, 0.85,
                                      detail=f"the decay divisor (gamma) is hard-coded to {number}"))
             continue
-        if not isinstance(divisor, (ast.Name, ast.Attribute)):
+        if isinstance(divisor, ast.Subscript) and isinstance(divisor.slice, ast.Constant) and isinstance(divisor.slice.value, str):
+            name = divisor.slice.value  # cfg["gamma"]: the key names the setting
+        elif isinstance(divisor, (ast.Name, ast.Attribute)):
+            name = leaf_name(divisor)
+        else:
             continue
-        name = leaf_name(divisor)
         defaults = _defaults_for(an, divisor, name)
         if defaults:
             for value, where, how in defaults:
@@ -103,6 +106,11 @@ def _defaults_for(an: Analyzer, divisor: ast.expr, name: str) -> list[tuple[obje
                 value = an.literal(value_node)
                 if value is not _MISSING and (value is None or isinstance(value, (int, float))):
                     out.append((None if value is None else float(value), stmt, field_name))
+    for key, value_node, where in _dict_literal_items(an):
+        if key.lower() == lname:
+            value = an.literal(value_node)
+            if value is not _MISSING and (value is None or isinstance(value, (int, float))):
+                out.append((None if value is None else float(value), where, f"{{{key!r}: ...}}"))
     for node in _walk_all(an, ast.Call):
         if call_name(node) in {"get", "pop"} and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant):
             key = str(node.args[0].value).lower()
@@ -113,8 +121,28 @@ def _defaults_for(an: Analyzer, divisor: ast.expr, name: str) -> list[tuple[obje
     return out
 
 
+def _dict_literal_items(an: Analyzer) -> list[tuple[str, ast.expr, ast.AST]]:
+    """(key, value, node) of config dicts written as literals: dict(block_size=16) / {"block_size": 16}."""
+    key = ("dict_items",)
+    if key not in an._cache:
+        items: list[tuple[str, ast.expr, ast.AST]] = []
+        for node in _walk_all(an, (ast.Call, ast.Dict)):
+            if isinstance(node, ast.Call) and call_name(node) == "dict" and isinstance(node.func, ast.Name):
+                items.extend((kw.arg, kw.value, node) for kw in node.keywords if kw.arg)
+            elif isinstance(node, ast.Dict):
+                items.extend((k.value, v, node) for k, v in zip(node.keys, node.values)
+                             if isinstance(k, ast.Constant) and isinstance(k.value, str))
+        an._cache[key] = items
+    return an._cache[key]
+
+
 def detect_block_size_defaults(an: Analyzer) -> list[CodeReading]:
     readings = []
+    for key, value_node, where in _dict_literal_items(an):
+        if is_blocksize_name(key) or key in {"block", "block_tokens"}:
+            value = an.literal(value_node)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
+                readings.append(_reading(an, "block_size", int(value), where, 0.5, mode="default", detail=f"{key!r}: {int(value)}"))
     for func_list in an.functions.values():
         for func, scope in func_list:
             for param, default in scope.params.items():
@@ -129,7 +157,29 @@ def detect_block_size_defaults(an: Analyzer) -> list[CodeReading]:
                 value = an.literal(value_node)
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
                     readings.insert(0, _reading(an, "block_size", int(value), stmt, 0.6, mode="default", detail=f"{field_name} = {int(value)}"))
+    # the per-slot decay runs over the B slots of a block: exp(-(arange(N) - 1) / gamma) has N = B
+    for node, numerator, _divisor in _decay_exponentials(an):
+        for sub in ast.walk(numerator):
+            calls = [sub] if isinstance(sub, ast.Call) else []
+            if isinstance(sub, ast.Name):
+                found = an.defs_of(sub)
+                calls = [d for d in (found[0] if found else []) if isinstance(d, ast.Call)]
+            for call in calls:
+                if call_name(call) != "arange" or len(call.args) != 1:
+                    continue
+                arg = call.args[0]
+                value = an.literal(arg)
+                if value is _MISSING and isinstance(arg, ast.Attribute):
+                    value = _field_default(an, arg.attr)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
+                    readings.append(_reading(an, "block_size", int(value), call, 0.4, mode="default",
+                                             detail=f"the per-slot decay weights span {int(value)} slots"))
     return readings
+
+
+def _field_default(an: Analyzer, name: str) -> object:
+    values = {an.literal(v) for v, _u, _s in an.field_defaults.get(name, [])}
+    return values.pop() if len(values) == 1 else _MISSING
 
 
 def _is_slot_index(an: Analyzer, node: ast.AST) -> bool:
@@ -152,6 +202,8 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                 if const_number(node.value) != 0 and not (isinstance(node.value, ast.Constant) and node.value.value is False):
                     continue
                 toks = set(tokens(leaf_name(target.value))) | ({"weight"} if set(tokens(leaf_name(target.value))) & {"valid", "keep", "supervised", "supervise"} else set())
+                if _holds_decay(an, target.value):  # whatever it is called, it holds the per-slot decay weights
+                    toks |= {"weight"}
                 index = target.slice
                 parts = index.elts if isinstance(index, ast.Tuple) else [index]
                 last = parts[-1]
@@ -195,6 +247,33 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                 if slices and in_loss_function and isinstance(an.parents.get(node), (ast.Call, ast.Assign, ast.BinOp)):
                     readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.55,
                                              detail=f"only slots 1.. enter the loss (`{ast.unparse(node)[:60]}`)"))
+    # weights built as a list: ws = [0.0]; for j in range(1, B): ws.append(exp(-(j - 1) / gamma))
+    for node, _numerator, _divisor in _decay_exponentials(an):
+        parent = an.parents.get(node)
+        if not (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute) and parent.func.attr == "append"):
+            continue
+        found = an.defs_of(parent.func.value)
+        if found and any(isinstance(d, ast.List) and d.elts and const_number(d.elts[0]) == 0 for d in found[0]):
+            switch = an.switch_of(node)
+            readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", parent, 0.7,
+                                     mode="switch" if switch else "hardcoded", switch=switch,
+                                     detail=f"`{leaf_name(parent.func.value)}` starts with weight 0 for slot 0, decay from slot 1"))
+    # functional index update (JAX): w.at[0].set(0) / w.at[:, 0].multiply(0) on the per-slot weights
+    for node in _walk_all(an, ast.Call):
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and func.attr in {"set", "multiply", "mul"} and node.args
+                and const_number(node.args[0]) == 0 and isinstance(func.value, ast.Subscript)
+                and isinstance(func.value.value, ast.Attribute) and func.value.value.attr == "at"):
+            continue
+        receiver = func.value.value.value
+        index = func.value.slice
+        parts = index.elts if isinstance(index, ast.Tuple) else [index]
+        toks = set(tokens(leaf_name(receiver)))
+        if const_number(parts[-1]) == 0 and (toks & WEIGHTISH_TOKENS or _holds_decay(an, receiver)):
+            switch = an.switch_of(node)
+            readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.8,
+                                     mode="switch" if switch else "hardcoded", switch=switch,
+                                     detail=f"slot 0 zeroed in `{leaf_name(receiver)}` (functional update)"))
     # a decay applied from slot 0 with nothing excluding slot 0 anywhere: by that formula slot 0 weighs
     # exp(1/gamma) > 0, so slot 0 is trained. Any 1-D slice from slot 1 on a loss-side tensor makes it undecided.
     sliced_from_one = any(
@@ -210,6 +289,20 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                     readings.append(_reading(an, "dflash.anchor_slot_untrained", "trained", node, 0.6,
                                              detail="decay weights cover slot 0 and nothing zeroes the anchor slot"))
     return readings
+
+
+def _holds_decay(an: Analyzer, node: ast.AST) -> bool:
+    """The name was assigned from a per-slot decay exp(-X/G) (dataflow), whatever it is called."""
+    if not isinstance(node, (ast.Name, ast.Attribute)):
+        return False
+    key = ("decay_names",)
+    if key not in an._cache:
+        an._cache[key] = {id(call) for call, _n, _d in _decay_exponentials(an)}
+    decay_ids = an._cache[key]
+    found = an.defs_of(node)
+    if not found:
+        return False
+    return any(id(sub) in decay_ids for d in found[0] for sub in ast.walk(d))
 
 
 def _is_zero(node: ast.AST) -> bool:
@@ -310,7 +403,7 @@ def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
         if "log_softmax" in calls and not any(r.path == an.unit(node).path and node.lineno <= r.line <= (node.end_lineno or r.line) for r in readings):
             branches = [n for n in ast.walk(node) if isinstance(n, ast.If)]
             switch = ast.unparse(branches[0].test) if branches and "argmax" in calls else None
-            if "argmax" in calls and "gather" in calls:
+            if "argmax" in calls and calls & {"gather", "take_along_axis", "take_along_dim", "take"}:
                 readings.append(_reading(an, "dflash.loss_kind", "ce", node, 0.55, mode="switch" if switch else "hardcoded",
                                          switch=switch, detail=f"{node.name}: -log_softmax gathered at the target argmax"))
     return readings
@@ -334,6 +427,10 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
         for target in node.targets:
             if isinstance(target, ast.Attribute) and target.attr == "requires_grad" and isinstance(node.value, ast.Constant) and node.value.value is False:
                 owner = ast.unparse(target.value)
+                loop = an.enclosing(node, (ast.For,))
+                if isinstance(loop, ast.For) and isinstance(target.value, ast.Name) and any(
+                        isinstance(n, ast.Name) and n.id == target.value.id for n in ast.walk(loop.target)):
+                    owner = ast.unparse(loop.iter)  # for p in embed.parameters(): p.requires_grad = False
                 if re.search(r"embed|lm_head|head", owner, re.I):
                     readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.7, detail=f"{owner}.requires_grad = False"))
     if not readings:
@@ -350,8 +447,18 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
     return readings
 
 
+def _anchor_producers(an: Analyzer) -> set[str]:
+    """Names of local functions whose result is bound to an anchor name: `anchors = self._sample(mask)`."""
+    out: set[str] = set()
+    for node in _walk_all(an, ast.Assign):
+        if isinstance(node.value, ast.Call) and any("anchor" in name_tags(leaf_name(t)) for t in node.targets):
+            out.add(call_name(node.value))
+    return out
+
+
 def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
     readings = []
+    producers = _anchor_producers(an)
     for node in _walk_all(an, ast.Call):
         name = call_name(node)
         func = an.enclosing_function(node)
@@ -359,16 +466,24 @@ def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
         while parent is not None and not isinstance(parent, ast.stmt):
             parent = an.parents.get(parent)
         assigned = [leaf_name(t) for t in getattr(parent, "targets", [])]
-        in_anchor_code = (func is not None and set(tokens(func.name)) & (ANCHOR_TOKENS | {"anchor"})) or any(
+        in_anchor_code = (func is not None and (set(tokens(func.name)) & (ANCHOR_TOKENS | {"anchor"}) or func.name in producers)) or any(
             "anchor" in name_tags(n) for n in assigned)
         if not in_anchor_code:
             continue
+        replace = kwarg(node, "replace")
+        stdlib_random = isinstance(node.func, ast.Attribute) and leaf_name(node.func.value) in {"random", "rng", "generator", "gen"}
         if name == "randperm" or (name == "multinomial" and not _const_true(kwarg(node, "replacement"))) or (
+            name == "sample" and stdlib_random) or (  # random.sample: without replacement
+            name in {"choice", "permutation"} and isinstance(replace, ast.Constant) and replace.value is False) or (
+            name == "permutation" and replace is None) or (
             name in {"argsort", "topk"} and _uses_uniform_noise(an, node)
         ):
             readings.append(_reading(an, "dflash.anchor_sampling", "uniform without replacement", node, 0.7,
                                      detail=f"anchors drawn with {name}"))
-        elif name in {"randint", "randint_like"} or (name == "multinomial" and _const_true(kwarg(node, "replacement"))):
+        elif name in {"randint", "randint_like"} or (name == "multinomial" and _const_true(kwarg(node, "replacement"))) or (
+                name == "choices" and stdlib_random) or (
+                name == "choice" and (len(node.args) >= 2 or kwarg(node, "size") is not None or kwarg(node, "shape") is not None)
+                and (replace is None or _const_true(replace))):  # numpy/jax choice replaces by default
             readings.append(_reading(an, "dflash.anchor_sampling", "with replacement", node, 0.7,
                                      detail=f"anchors drawn with {name}: duplicates possible, not the reference rule"))
     return readings

@@ -158,12 +158,16 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
 
 def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
     readings = []
-    for node in _walk_all(an, (ast.Assign, ast.keyword)):
+    for node in _walk_all(an, (ast.Assign, ast.keyword, ast.Expr)):
             target_name, value_node = None, None
             if isinstance(node, ast.Assign) and len(node.targets) == 1:
                 target_name, value_node = leaf_name(node.targets[0]), node.value
             elif isinstance(node, ast.keyword) and node.arg:
                 target_name, value_node = node.arg, node.value
+            elif (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+                  and node.value.func.attr == "append" and len(node.value.args) == 1):
+                # positions built in a loop: pos.append(a + j)
+                target_name, value_node = leaf_name(node.value.func.value), node.value.args[0]
             if not target_name or value_node is None or not set(tokens(target_name)) & POSITION_TOKENS:
                 continue
             if isinstance(value_node, ast.Call) and call_name(value_node) in {"cat", "concat", "concatenate"}:
@@ -216,6 +220,9 @@ def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
         if number is None and not isinstance(part, ast.Slice):
             resolved = an.literal(part)
             number = resolved if isinstance(resolved, (int, float)) and not isinstance(resolved, bool) else None
+        if number is None and isinstance(part, (ast.Name, ast.Attribute)):
+            # cfg.teacher_layer / self.hparams.layer: the default of the config field or parameter it names
+            number = _named_default(an, leaf_name(part))
         switch = an.switch_of(node)
         mode: Mode = "switch" if switch else "hardcoded"
         if number == -1:
@@ -254,6 +261,25 @@ def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
         if any("last" in n or "final" in n for n in arg_names) and _feeds_target(an, node):
             readings.append(_reading(an, "dflash.target_logits_source", "final", node, 0.7,
                                      detail=f"targets from `{ast.unparse(node.args[0])[:60]}` (the last layer)"))
+    # the target model's own `.logits`, read where the targets are built (gathered, argmax'd or softmax'd)
+    for node in _walk_all(an, ast.Attribute):
+        if node.attr != "logits" or not _model_output(an, node.value):
+            continue
+        parent = an.parents.get(node)
+        if isinstance(parent, ast.Assign):
+            continue  # handled below
+        used = False
+        current = parent
+        while current is not None and not isinstance(current, ast.stmt):
+            if (isinstance(current, ast.Subscript) and current.value is node) or (
+                    isinstance(current, ast.Call) and call_name(current) in {"argmax", "softmax", "log_softmax", "gather", "take_along_dim"}):
+                used = True
+            current = an.parents.get(current)
+        if used:
+            switch = an.switch_of(node)
+            readings.append(_reading(an, "dflash.target_logits_source", "final", node, 0.7,
+                                     mode="switch" if switch else "hardcoded", switch=switch,
+                                     detail=f"targets read from `{ast.unparse(node)}`, the target model's own output logits"))
     for node in _walk_all(an, ast.Assign):
         if len(node.targets) != 1 or not isinstance(node.value, ast.Attribute) or node.value.attr != "logits":
             continue
@@ -267,6 +293,36 @@ def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
                                      mode="switch" if switch else "hardcoded", switch=switch,
                                      detail="targets are the target model's own output logits"))
     return readings
+
+
+def _named_default(an: Analyzer, name: str) -> int | None:
+    """The one integer default that a config field / function parameter called `name` has, if unambiguous."""
+    values = set()
+    for value_node, _unit, _stmt in an.field_defaults.get(name, []):
+        values.add(an.literal(value_node))
+    for func_list in an.functions.values():
+        for _func, scope in func_list:
+            default = scope.params.get(name)
+            if default is not None:
+                values.add(an.literal(default))
+    if len(values) == 1:
+        value = values.pop()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+            return int(value)
+    return None
+
+
+def _model_output(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
+    """`node` is the output of the target / teacher / verifier model: target(...), or a name bound to it."""
+    if depth > 3:
+        return False
+    if isinstance(node, ast.Call):
+        callee = node.func.value if isinstance(node.func, ast.Attribute) and node.func.attr in {"forward", "__call__"} else node.func
+        return bool(set(tokens(leaf_name(callee))) & {"target", "teacher", "verifier", "base", "oracle"})
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        found = an.defs_of(node)
+        return bool(found and found[0] and all(_model_output(an, d, depth + 1) for d in found[0]))
+    return False
 
 
 def _is_layer_tuple(an: Analyzer, base: ast.AST) -> bool:
