@@ -138,11 +138,6 @@ def _dict_literal_items(an: Analyzer) -> list[tuple[str, ast.expr, ast.AST]]:
 
 def detect_block_size_defaults(an: Analyzer) -> list[CodeReading]:
     readings = []
-    for key, value_node, where in _dict_literal_items(an):
-        if is_blocksize_name(key) or key in {"block", "block_tokens"}:
-            value = an.literal(value_node)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
-                readings.append(_reading(an, "block_size", int(value), where, 0.5, mode="default", detail=f"{key!r}: {int(value)}"))
     for func_list in an.functions.values():
         for func, scope in func_list:
             for param, default in scope.params.items():
@@ -157,6 +152,12 @@ def detect_block_size_defaults(an: Analyzer) -> list[CodeReading]:
                 value = an.literal(value_node)
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
                     readings.insert(0, _reading(an, "block_size", int(value), stmt, 0.6, mode="default", detail=f"{field_name} = {int(value)}"))
+    # config dicts written as literals (weaker than parameter defaults and fields)
+    for key, value_node, where in _dict_literal_items(an):
+        if is_blocksize_name(key) or key in {"block", "block_tokens"}:
+            value = an.literal(value_node)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and 2 <= value <= 64:  # a draft block, not a kernel tile size
+                readings.append(_reading(an, "block_size", int(value), where, 0.5, mode="default", detail=f"{key!r}: {int(value)}"))
     # the per-slot decay runs over the B slots of a block: exp(-(arange(N) - 1) / gamma) has N = B
     for node, numerator, _divisor in _decay_exponentials(an):
         for sub in ast.walk(numerator):
@@ -171,7 +172,7 @@ def detect_block_size_defaults(an: Analyzer) -> list[CodeReading]:
                 value = an.literal(arg)
                 if value is _MISSING and isinstance(arg, ast.Attribute):
                     value = _field_default(an, arg.attr)
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and 2 <= value <= 64:
                     readings.append(_reading(an, "block_size", int(value), call, 0.4, mode="default",
                                              detail=f"the per-slot decay weights span {int(value)} slots"))
     return readings
