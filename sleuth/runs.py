@@ -133,7 +133,7 @@ def read_run(path: Path) -> RunInfo:
     """Read everything sleuth uses from a run directory; damaged parts become `problems`, not errors."""
     if not path.is_dir():
         raise RunError(f"run directory {path} does not exist")
-    markers = ("run.json", "config.json", "metrics.jsonl", "checkpoints", "code")
+    markers = ("run.json", "config.json", "metrics.jsonl", "checkpoints", "code", EXPORT_WEIGHTS)
     if not any((path / m).exists() for m in markers):
         raise RunError(
             f"{path} is not a run directory: it has none of run.json, config.json, metrics.jsonl, "
@@ -146,6 +146,12 @@ def read_run(path: Path) -> RunInfo:
     info.config = _read_json_object(path / "config.json", info.problems)
     _read_metrics(path / "metrics.jsonl", info)
     info.eval_report = _read_json_object(path / "eval.json", None)
+    if is_export_dir(path):
+        # A serving export (`trainer export`, z-lab's or speculators' layout): its config and weights are
+        # all there is; no metrics, no code, no run.json.
+        info.checkpoint = path / EXPORT_WEIGHTS
+        info.problems.append("an exported drafter directory: config and weights only (no metrics, no code)")
+        return info
     _find_checkpoint(path / "checkpoints", info)
     code = path / "code"
     if code.is_dir():
@@ -153,6 +159,20 @@ def read_run(path: Path) -> RunInfo:
     else:
         info.problems.append("the run has no code/ copy of the source it executed")
     return info
+
+
+EXPORT_WEIGHTS = "model.safetensors"
+
+
+def is_export_dir(path: Path) -> bool:
+    """A drafter exported for serving: config.json that says DFlash, plus model.safetensors."""
+    if not (path / EXPORT_WEIGHTS).is_file() or (path / "run.json").exists():
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ("dflash_config" in config or config.get("speculators_model_type") == "dflash")
 
 
 def _read_json_object(path: Path, problems: list[str] | None) -> dict[str, Any] | None:

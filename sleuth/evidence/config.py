@@ -57,8 +57,9 @@ def lookup(config: dict[str, Any] | None, keys: list[str]) -> tuple[str, Any] | 
     return None
 
 
-def find_run_meta(config_source: str | None, checkpoint: Path | None) -> RunMeta:
-    """run.json beside config.json, or two levels above checkpoints/step-*/drafter.safetensors."""
+def find_run_meta(config_source: str | None, checkpoint: Path | None, config: dict | None = None) -> RunMeta:
+    """run.json beside config.json, or two levels above checkpoints/step-*/drafter.safetensors; else the
+    config's own `num_target_layers` (what an exported drafter's config.json carries)."""
     candidates: list[Path] = []
     if config_source:
         candidates.append(Path(config_source).parent / "run.json")
@@ -78,6 +79,9 @@ def find_run_meta(config_source: str | None, checkpoint: Path | None) -> RunMeta
                 hidden_size=hidden if isinstance(hidden, int) else None,
                 source=str(path),
             )
+    found = lookup(config, ["num_target_layers"])
+    if found is not None and isinstance(found[1], int) and not isinstance(found[1], bool):
+        return RunMeta(num_layers=found[1], source=f"{config_source or 'config'}:{found[0]}")
     return RunMeta()
 
 
@@ -102,8 +106,15 @@ def _read_target_layer_ids(config: dict, keys: list[str], meta: RunMeta) -> Conf
     if found is None or not isinstance(found[1], list) or not found[1]:
         return None
     key, ids = found
+    if key.rsplit(".", 1)[-1] == "aux_hidden_state_layer_ids":
+        # speculators / vLLM count the embeddings as layer 0: their id i is z-lab's id i-1.
+        if not all(isinstance(i, int) and i >= 1 for i in ids):
+            return None
+        ids = [i - 1 for i in ids]
     if meta.num_layers is None:
-        return ConfigReading(None, key, ids, detail=f"{ids}; the target's depth is unknown (no run.json)")
+        return ConfigReading(
+            None, key, ids, detail=f"{ids}; the target's depth is unknown (no run.json, no num_target_layers)"
+        )
     formula = zlab_layer_ids(meta.num_layers, len(ids))
     if ids == formula:
         return ConfigReading("evenly-1-to-L-3", key, ids, detail=f"{ids} for an L={meta.num_layers} target")

@@ -85,7 +85,7 @@ class _Run:
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.code = Path(code) if code is not None else None
         self.trace = trace
-        self.meta: RunMeta = find_run_meta(config_source, self.checkpoint)
+        self.meta: RunMeta = find_run_meta(config_source, self.checkpoint, self.config)
         self._code_facts: SourceFacts | None = None
         self._ref_facts: SourceFacts | None = None
         self._header: dict | None = None
