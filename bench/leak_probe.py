@@ -2,7 +2,7 @@
 
 The v6 bug (`context_includes_anchor: true`) trains a drafter that may read the target's hidden state at
 the anchor, which does not exist at inference. This probe takes trained runs and scores each drafter on
-the same training batches twice: with the mask it was trained with, and with the reference mask (context
+the same held-out batches twice: with the mask it was trained with, and with the reference mask (context
 strictly before the anchor, what inference gives it). The drop in accuracy is the leak the drafter
 learned to use; real tau (eval.json) is what it costs when served.
 
@@ -28,13 +28,14 @@ def score(run_dir: Path, batches: int) -> dict[str, object]:
     loaded = load_run(run_dir, "cpu")
     config, target = loaded.config, loaded.target
     plan = StepPlan.from_config(config, target)
-    packed = pack_documents(load_documents(config.data, target.tokenizer), config.seq_len, target.pad_token_id)
+    # Held-out documents: text neither drafter trained on.
+    documents = load_documents(config.data, target.tokenizer, split="heldout")
+    packed = pack_documents(documents, config.seq_len, target.pad_token_id)
     result: dict[str, object] = {"run": run_dir.name, "trained_with_anchor": config.context_includes_anchor}
     for label, include in (("with_anchor", True), ("without_anchor", False)):
         probe = dataclasses.replace(plan, context_includes_anchor=include)
         acc, slot1 = [], []
-        # Steps past the run's end: batches the drafter was not trained on, the same for every run.
-        for step in range(config.steps + 1, config.steps + 1 + batches):
+        for step in range(1, 1 + batches):  # the same batches and anchors for every run
             batch = batch_for_step(packed, step, config.batch_size, config.seed + 1)
             anchors, valid = sample_step_anchors(batch, probe, config.seed + 1, step)
             _, metrics = dflash_step(target, loaded.drafter, batch, anchors, valid, probe)

@@ -14,12 +14,14 @@ echo "== building the embedded target (once; about a minute)"
 # Trains one preset into $RUNS/<preset>, or resumes it, or skips it when it is complete.
 train() {
   local preset="$1" state
+  # "none": never started; anything else but "completed" (a run killed at any point) resumes.
   state=$("$BIN/python" -c '
-import json, sys
+import json, os, sys
+run = sys.argv[1]
 try:
-    print(json.load(open(sys.argv[1])).get("status", "none"))
+    print(json.load(open(os.path.join(run, "run.json"))).get("status", "running"))
 except (OSError, ValueError):
-    print("none")' "$RUNS/$preset/run.json")
+    print("running" if os.path.exists(os.path.join(run, "config.json")) else "none")' "$RUNS/$preset")
   local steps=()
   [ -n "$STEPS" ] && steps=(--steps "$STEPS")
   case "$state" in

@@ -156,8 +156,8 @@ def compare_metric(
 
     # What the run reached, and when each run first got there (on the whole baseline, not only the overlap).
     result.run_final_step, result.run_final = int(run_steps[-1]), run_smooth[-1]
-    result.run_reached_step = _first_reaching(run_steps, run_smooth, result.run_final, higher)
-    result.baseline_reached_step = _first_reaching(base_steps, base_smooth, result.run_final, higher)
+    result.run_reached_step = _first_reaching(run_steps, run_smooth, run_values, result.run_final, higher)
+    result.baseline_reached_step = _first_reaching(base_steps, base_smooth, base_values, result.run_final, higher)
     if result.baseline_reached_step and result.run_reached_step:
         result.speedup = round(result.run_reached_step / result.baseline_reached_step, 2)
 
@@ -364,11 +364,22 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def _first_reaching(steps: Sequence[float], smoothed: Sequence[float], target: float, higher: bool) -> int | None:
-    # A hair of tolerance so a value equal up to float rounding counts as reached.
-    tolerance = 1e-9 * max(1.0, abs(target))
-    for step, value in zip(steps, smoothed):
-        if (value >= target - tolerance) if higher else (value <= target + tolerance):
+def _first_reaching(
+    steps: Sequence[float], smoothed: Sequence[float], logged: Sequence[float], target: float, higher: bool
+) -> int | None:
+    """The first step where both the logged value and the smoothed curve reach `target`.
+
+    The logged value keeps the claim to what was observed (at the ends the smoothed curve is a fitted
+    line, which can run ahead of a saturating curve); the smoothed one keeps a lone noisy spike from
+    counting as reached.
+    """
+    tolerance = 1e-9 * max(1.0, abs(target))  # equal up to float rounding counts as reached
+
+    def reaches(value: float) -> bool:
+        return value >= target - tolerance if higher else value <= target + tolerance
+
+    for step, smooth, value in zip(steps, smoothed, logged):
+        if reaches(smooth) and reaches(value):
             return int(step)
     return None
 

@@ -7,6 +7,7 @@ User mistakes end in one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ stderr = Console(stderr=True)
 stdout = Console()
 
 RunsDir = Annotated[Path, typer.Option("--runs-dir", help="Where named runs live.")]
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 @contextmanager
@@ -42,7 +44,8 @@ def user_errors() -> Iterator[None]:
     from trainer.config import ConfigError
     from trainer.run.rundir import RunError
 
-    known: tuple[type[BaseException], ...] = (ConfigError, RunError, FileNotFoundError)
+    # OSError covers a --runs-dir that is a file, a read-only disk, a missing path.
+    known: tuple[type[BaseException], ...] = (ConfigError, RunError, OSError)
     try:
         from trainer.data.datasets import DataError
         from trainer.target.frozen import TargetError
@@ -107,6 +110,8 @@ def run(
             if name is None:
                 raise ConfigError("name the run (trainer run NAME) or pick a --preset")
 
+        if not RUN_NAME.fullmatch(name) or name in {".", ".."}:
+            raise ConfigError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (it names a directory)")
         from trainer.run.loop import train
 
         result = train(

@@ -100,6 +100,18 @@ class TrainConfig(BaseModel):
         "float32", description="Compute dtype; bfloat16 is for CUDA."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, values: Any) -> Any:
+        # pydantic would read `true` as 1: `--set target_logits_source=true` must not train toward layer 1.
+        if isinstance(values, dict):
+            for key, value in values.items():
+                field = cls.model_fields.get(key)
+                items = value if isinstance(value, (list, tuple)) else [value]
+                if field is not None and field.annotation is not bool and any(isinstance(v, bool) for v in items):
+                    raise ValueError(f"{key} takes a number or a name, not a boolean (got {value!r})")
+        return values
+
     @field_validator("target_layer_ids")
     @classmethod
     def _layer_ids_sorted_unique(cls, ids: list[int] | None) -> list[int] | None:
@@ -133,7 +145,7 @@ class TrainConfig(BaseModel):
                 f"target_layer_ids {ids} name a layer past the target's last ({num_target_layers - 1})"
             )
         source = self.target_logits_source
-        if isinstance(source, int) and not isinstance(source, bool) and source >= num_target_layers:
+        if isinstance(source, int) and source >= num_target_layers:
             raise ConfigError(
                 f"target_logits_source {source} is past the target's last layer "
                 f"({num_target_layers - 1})"
@@ -243,10 +255,12 @@ def _one_line(exc: ValidationError) -> str:
         loc = ".".join(str(p) for p in error["loc"]) or "config"
         if error["type"] == "extra_forbidden":
             parts.append(f"unknown config key {loc!r}{_suggest(str(error['loc'][-1]))}")
+        elif not error["loc"]:  # a whole-config check: its message names the keys itself
+            parts.append(error["msg"].removeprefix("Value error, "))
         else:
             value = error.get("input")
             shown = f" (got {value!r})" if not isinstance(value, dict) else ""
-            parts.append(f"{loc}: {error['msg']}{shown}")
+            parts.append(f"{loc}: {error['msg'].removeprefix('Value error, ')}{shown}")
     return "invalid config: " + "; ".join(parts)
 
 

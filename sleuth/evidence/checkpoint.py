@@ -63,10 +63,14 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             continue
         if not isinstance(entry, dict) or "shape" not in entry or "data_offsets" not in entry:
             raise CheckpointError(f"{path}: malformed header entry for {name!r}")
-        begin, end = entry["data_offsets"]
+        try:
+            begin, end = (int(offset) for offset in entry["data_offsets"])
+            shape = tuple(int(d) for d in entry["shape"])
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{path}: malformed shape or offsets for {name!r}") from None
         if end > data_len:
             raise CheckpointError(f"{path}: truncated data ({name} ends at byte {end}, file holds {data_len})")
-        tensors[name] = TensorInfo(name, str(entry.get("dtype")), tuple(int(d) for d in entry["shape"]))
+        tensors[name] = TensorInfo(name, str(entry.get("dtype")), shape)
     return tensors
 
 

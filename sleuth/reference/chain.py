@@ -8,6 +8,8 @@ pinned facts: no git fetch, no HTTP client, no socket.
 
 from __future__ import annotations
 
+import re
+
 import shutil
 import time
 from collections.abc import Iterator
@@ -42,10 +44,22 @@ def resolve_reference(name: str, *, ref: str | None = None, path: Path | None = 
                       cache_dir: Path | None = None, client: httpx.Client | None = None,
                       needed: list[str] | None = None, policy: http.HttpPolicy | None = None) -> Resolution:
     """Find the reference's needed files, trying each tier in order; see the module docstring."""
+    if ref is not None:
+        check_ref(ref)
     spec = load_reference_spec(name)
     chain = _Chain(spec, list(needed or spec.files), ReferenceCache(cache_root(cache_dir), name), ref=ref,
                    offline=offline, client=client, policy=policy or http.HttpPolicy())
     return chain.run(path)
+
+
+# What git accepts as a branch, tag or SHA, minus everything that could walk a path or a URL: the ref lands
+# in cache paths and in GitHub API URLs.
+_SAFE_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
+
+
+def check_ref(ref: str) -> None:
+    if not _SAFE_REF.fullmatch(ref) or ".." in ref or "//" in ref or ref.endswith((".", "/", ".lock")):
+        raise ReferenceError(f"--ref {ref!r} is not a branch, tag or commit name")
 
 
 class _Chain:
@@ -219,7 +233,7 @@ class _Chain:
             else:
                 record.tried = f"fetch into checkout {state.checkout.path}"
             result = pull(state, self.needed, self.ref, self.spec.default_branch, self.spec.repository,
-                          self.spec.module_dirs)
+                          self.spec.module_dirs, allowed_hosts=self.spec.allowed_hosts)
             record.outcome, record.reason = result.outcome, result.reason  # type: ignore[assignment]
             self.resolution.notes.extend(result.notes)
             if result.commit is not None and self.from_snapshot and result.commit == self.resolution.commit:

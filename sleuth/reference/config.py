@@ -65,7 +65,10 @@ def configured_checkout(name: str, path: Path | None) -> CheckoutChoice | None:
         data = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ReferenceError(f"config file {file} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    entry = (data.get("references") or {}).get(name) if isinstance(data, dict) else None
+    references = data.get("references") if isinstance(data, dict) else None
+    if references is not None and not isinstance(references, dict):
+        raise ReferenceError(f"config file {file}: `references` must map reference names to {{path: ...}}")
+    entry = (references or {}).get(name)
     if isinstance(entry, dict) and entry.get("path"):
         return CheckoutChoice(Path(str(entry["path"])).expanduser(), f"config {file}")
     return None

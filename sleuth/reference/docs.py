@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sleuth.reference.http import FetchFailure, HttpPolicy, get
+from sleuth.reference.http import FetchFailure, HttpPolicy, get, truncation_problem
 
 if TYPE_CHECKING:
     import httpx
@@ -30,9 +30,9 @@ def fetch_docs(client: httpx.Client, urls: list[str], *, allowed_hosts: list[str
         except FetchFailure as exc:
             result.failures[url] = str(exc)
             continue
-        declared = response.headers.get("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) != len(response.content):
-            result.failures[url] = f"truncated: {len(response.content)} of {declared} bytes"
+        truncated = truncation_problem(response)
+        if truncated:
+            result.failures[url] = truncated
         elif not response.content.strip():
             result.failures[url] = "empty page"
         else:

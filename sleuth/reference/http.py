@@ -126,3 +126,24 @@ def get(client: httpx.Client, url: str, *, allowed_hosts: list[str], deadline: f
             raise FetchFailure(f"{last_reason}; retrying after {wait:.0f}s would pass the time bound")
         sleep(wait)
     raise FetchFailure(f"{last_reason} after {attempt} attempts")
+
+
+def truncation_problem(response: httpx.Response) -> str | None:
+    """Why the body is shorter than the server said, or None.
+
+    Content-Length counts the bytes on the wire, which are compressed when the server gzips the reply (raw
+    GitHub does), so it is compared with what was downloaded, not with the decoded body.
+    """
+    declared = response.headers.get("Content-Length")
+    if declared is None or not declared.isdigit():
+        return None
+    # num_bytes_downloaded counts the wire bytes of a streamed reply; a reply built in memory (a transport
+    # that hands over the body whole) has none, and then the body is the wire unless it is encoded.
+    received = response.num_bytes_downloaded
+    if not received:
+        if response.headers.get("Content-Encoding", "identity").lower() not in ("", "identity"):
+            return None  # the wire size is unknown; the body's own checks (HTML, parses) still apply
+        received = len(response.content)
+    if int(declared) != received:
+        return f"truncated: {received} of {declared} bytes"
+    return None

@@ -240,6 +240,18 @@ class PullResult:
     branch: str | None = None  # the upstream branch that was fetched
 
 
+def remote_host(url: str) -> str | None:
+    """The network host of a git remote URL (https://, ssh://, git://, or scp-like user@host:path);
+    None for a local path or file:// URL."""
+    from urllib.parse import urlsplit
+
+    if "://" in url:
+        parts = urlsplit(url)
+        return None if parts.scheme == "file" else parts.hostname
+    scp_like = re.match(r"^(?:[^@/]+@)?([^:/]+):(?!/)", url)
+    return scp_like.group(1) if scp_like else None
+
+
 def choose_upstream(checkout: GitCheckout, ref: str | None, default_branch: str,
                     repository: str) -> tuple[str, str] | None:
     """(remote, branch) to fetch: the branch's own upstream when it has one and no other --ref was asked."""
@@ -256,13 +268,22 @@ def choose_upstream(checkout: GitCheckout, ref: str | None, default_branch: str,
 
 
 def pull(state: LocalState, needed: list[str], ref: str | None, default_branch: str, repository: str,
-         module_dirs: list[str]) -> PullResult:
+         module_dirs: list[str], allowed_hosts: list[str] | None = None) -> PullResult:
     """Fetch the upstream, then decide: local is current, fast-forward, or read the fetched objects."""
     checkout = state.checkout
     upstream = choose_upstream(checkout, ref, default_branch, repository)
     if upstream is None:
         return PullResult("miss", "the checkout has no remote to fetch from", use_local=state.complete)
     remote, branch = upstream
+    host = remote_host(checkout.remote_url(remote))
+    if host is not None and allowed_hosts is not None and host.lower() not in {h.lower() for h in allowed_hosts}:
+        # A network remote the reference does not name: a fork or a mirror would be reported as the
+        # reference, so it is not fetched (local paths and file:// remotes are the user's own copies).
+        return PullResult(
+            "skipped",
+            f"remote {remote} is on host {host}, not among the reference's allowed hosts; not fetched",
+            use_local=state.complete,
+        )
     try:
         checkout.fetch(remote, branch)
     except GitFailure as exc:

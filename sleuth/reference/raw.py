@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sleuth.reference.http import FetchFailure, HttpPolicy, get
+from sleuth.reference.http import FetchFailure, HttpPolicy, get, truncation_problem
 
 if TYPE_CHECKING:
     import httpx
@@ -47,9 +47,9 @@ def resolve_commit(client: httpx.Client, repository: str, revision: str, *, allo
 def validate_body(path: str, response: httpx.Response) -> str | None:
     """None when the body is the file; otherwise why it is not."""
     data = response.content
-    declared = response.headers.get("Content-Length")
-    if declared is not None and declared.isdigit() and int(declared) != len(data):
-        return f"truncated: {len(data)} of {declared} bytes"
+    truncated = truncation_problem(response)
+    if truncated:
+        return truncated
     head = data[:512].lstrip().lower()
     if head.startswith((b"<!doctype html", b"<html")) or b"<head>" in head[:200]:
         return "an HTML page came back, not the file"

@@ -72,3 +72,13 @@ def test_no_torch_import():
     code = "import sys; sys.path.insert(0, %r); import sleuth.invariants, sleuth.evidence.checkpoint; print('torch' in sys.modules)" % str(Path(__file__).resolve().parents[2])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+@pytest.mark.parametrize("shape, offsets", [(["a"], [0, 4]), ([4], ["x", 4]), ([4], [0])])
+def test_a_malformed_shape_or_offset_is_a_checkpoint_error(tmp_path: Path, shape, offsets):
+    # Must become an `unknown` with a reason upstream, never an internal error.
+    header = json.dumps({"fc.weight": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    with pytest.raises(ckpt.CheckpointError, match="malformed shape or offsets"):
+        ckpt.read_header(path)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import respx
 
-from sleuth.reference import http, resolve_reference
+from sleuth.reference import ReferenceError, http, resolve_reference
 from sleuth.reference.http import FetchFailure, check_url
 
 REPO = "vllm-project/speculators"
@@ -240,3 +240,23 @@ def test_docs_are_cached_and_read_offline() -> None:
     assert online.tier == offline.tier == "docs"
     assert offline.docs[0].sha256 == online.docs[0].sha256 == hashlib.sha256(b"<html>DFlash docs v1</html>").hexdigest()
     assert offline.docs[0].source == f"cache (from {DOCS_URL})"
+
+
+@respx.mock(assert_all_called=False)
+def test_a_gzipped_reply_is_not_mistaken_for_a_truncated_one(respx_mock: respx.MockRouter) -> None:
+    # Content-Length counts the compressed bytes on the wire; the decoded body is longer, and complete.
+    import gzip
+
+    serve_good_files(respx_mock, skip=NEEDED[0])
+    packed = gzip.compress(GOOD[NEEDED[0]])
+    respx_mock.get(RAW + NEEDED[0]).respond(
+        200, content=packed, headers={"Content-Encoding": "gzip", "Content-Length": str(len(packed))}
+    )
+    res = resolve_reference("speculators")
+    assert res.tier == "raw", tier(res, "raw").reason
+    assert {f.path for f in res.files} == set(NEEDED)
+
+
+def test_a_ref_that_could_walk_a_path_or_url_is_refused() -> None:
+    with pytest.raises(ReferenceError, match="is not a branch, tag or commit name"):
+        resolve_reference("speculators", ref="../../etc", offline=True)

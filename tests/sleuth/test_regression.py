@@ -250,3 +250,15 @@ def test_a_run_without_metrics_is_unknown_with_the_reason(tmp_path: Path) -> Non
     result = find_regression(read_run(path), [base])
     assert result.verdict == "unknown"
     assert result.reason == "v5 logged no acc, streak, tau or loss to compare"
+
+
+def test_reached_step_is_an_observed_step_not_an_extrapolated_edge() -> None:
+    # A saturating baseline (tau of v3 in the demo): the smoothed curve's leading edge is a fitted line that
+    # runs ahead of the first logged values. "Reached 2.27" must be where a logged value got there.
+    steps = list(range(25, 325, 25))
+    base = (steps, [1.56, 2.57, 4.63, 5.39, 5.64, 5.72, 5.57, 5.47, 5.57, 5.47, 5.69, 5.63])
+    run = (steps, [1.20, 1.59, 2.10, 2.16, 2.27, 2.27, 2.27, 2.27, 2.28, 2.27, 2.27, 2.27])
+    c = compare_metric("tau", run, base, run_name="v5", baseline_name="v3")
+    assert c.baseline_reached_step == 50  # logged 1.56 at step 25 is below 2.27, whatever the fit says
+    assert c.run_reached_step == 125
+    assert c.speedup == 2.5

@@ -104,3 +104,10 @@ def test_saved_config_round_trips():
     config = resolve_for_target(build_config(preset="v5"), 8)
     again = TrainConfig(**json.loads(json.dumps(config.model_dump(mode="json"))))
     assert again == config
+
+
+@pytest.mark.parametrize("override", ["target_logits_source=true", "steps=true", "fc_layers=[true,1]"])
+def test_booleans_are_not_layer_ids_or_counts(override):
+    # pydantic alone would read `true` as 1 and train toward layer 1's logits without a word.
+    with pytest.raises(ConfigError, match="not a boolean"):
+        build_config(overrides=[override])

@@ -245,3 +245,11 @@ def test_chat_heldout_prompts_end_with_the_generation_prompt(tokenizer, tmp_path
     (prompt,) = heldout_prompts(str(path), tokenizer, n=4)
     expected = tokenizer.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(prompt) == expected
+
+
+def test_chat_data_without_assistant_turns_is_refused(tmp_path, tokenizer):
+    # Nothing supervised would train silently at loss 0; the user hears it instead.
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hello there"}]}\n' * 3)
+    with pytest.raises(DataError, match="no token carries a loss"):
+        load_documents(str(path), tokenizer)

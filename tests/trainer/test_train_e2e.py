@@ -142,6 +142,8 @@ def test_kill_at_any_moment_then_resume_equals_an_uninterrupted_run(small_target
         (["run", "x", "--set", "data=/no/such/data.jsonl", "--set", "target=TARGET"], "/no/such/data.jsonl"),
         (["run", "x", "--config", "/no/such/config.yaml"], "cannot read config file"),
         (["run", "--fixed", "--from", "ghost"], "has no diagnosis"),
+        (["run", "..", "--set", "target=TARGET"], "run name '..'"),
+        (["run", "a/b", "--set", "target=TARGET"], "run name 'a/b'"),
     ],
 )
 def test_user_mistakes_are_one_line_and_exit_2(args, message, small_target, tmp_path, monkeypatch):
@@ -198,3 +200,28 @@ def test_fixed_from_v5_applies_sleuths_patch_and_the_new_run_is_clean(small_targ
     clean = sleuth_cli("diagnose", "--run", "v6", "--runs-dir", str(runs), "--offline", "--format", "json")
     assert clean.returncode == 0, clean.stdout[-2000:] + clean.stderr
     assert not [f["id"] for f in json.loads(clean.stdout)["findings"] if f["status"] == "mismatch"]
+
+
+def test_resume_extends_the_saved_config_and_refuses_other_data(small_target, tmp_path):
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    data = tmp_path / "data.txt"
+    data.write_text("\n\n".join(f"line {i} " + " ".join(str(j) for j in range(i, i + 30)) for i in range(40)))
+    config = write_config(tmp_path / "c.json", small_target, steps=2, data=str(data), eval_every=None)
+    runs = ["--runs-dir", str(tmp_path / "runs"), "--quiet"]
+    assert CliRunner().invoke(app, ["run", "r", "--config", str(config), *runs]).exit_code == 0
+
+    extended = CliRunner().invoke(app, ["run", "r", "--resume", "--steps", "3", *runs])
+    assert extended.exit_code == 0, extended.output
+    run = tmp_path / "runs" / "r"
+    assert json.loads((run / "config.json").read_text())["steps"] == 3  # what the run now trains to
+    assert json.loads((run / "run.json").read_text())["steps_done"] == 3
+    assert [r["step"] for r in metric_rows(run)] == [1, 2, 3]
+
+    data.write_text(data.read_text() + "\n\nsomething new entirely")
+    refused = CliRunner().invoke(app, ["run", "r", "--resume", "--steps", "4", *runs])
+    assert refused.exit_code == 2
+    assert "started on another data" in refused.stderr
+    assert [r["step"] for r in metric_rows(run)] == [1, 2, 3]  # nothing was touched

@@ -81,6 +81,9 @@ def load_documents(data: str, tokenizer: Any, split: Literal["train", "heldout"]
         if len(docs) >= USER_HELDOUT_EVERY:
             heldout = split == "heldout"
             docs = [d for i, d in enumerate(docs) if (i % USER_HELDOUT_EVERY == USER_HELDOUT_EVERY - 1) == heldout]
+        if not any(any(doc.loss_mask) for doc in docs):
+            # Otherwise every step trains on nothing and logs loss 0: a silent failure.
+            raise DataError(f"{data}: no token carries a loss (chat data without assistant turns?)")
     return [_with_eos(doc, eos_id) for doc in docs if doc.input_ids]
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.run.rundir import RunError
+
 
 @dataclass(frozen=True)
 class Distributed:
@@ -66,6 +68,8 @@ def init_distributed(device: str) -> Distributed:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return Distributed()
+    if "RANK" not in os.environ:
+        raise RunError("WORLD_SIZE is set but RANK is not: launch distributed runs with torchrun")
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = device != "cpu" and torch.cuda.is_available()

@@ -154,6 +154,10 @@ def _train(
         load_drafter_weights(drafter, checkpoint)
         restore_training_state(checkpoint, optimizer)
         start_step = checkpoint.step
+    # Everything a user can get wrong (held-out prompts included) fails before the run directory is written.
+    evaluator = _Evaluator(config, target) if config.eval_every and dist.is_main else None
+    if resume:
+        _check_same_inputs(run, target.fingerprint, packed.fingerprint)
     if dist.is_main:
         _write_run_header(
             run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created
@@ -165,7 +169,6 @@ def _train(
         device_ids = [torch_device.index] if torch_device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=device_ids)
 
-    evaluator = _Evaluator(config, target) if config.eval_every and dist.is_main else None
     model.train()
     last: dict[str, Any] = {}
     display.start(completed=start_step)
@@ -245,7 +248,9 @@ def _write_run_header(
 ) -> None:
     if resume:
         run.truncate_metrics(start_step)  # rows after the checkpoint are recomputed, never duplicated
-        run.update_info(status="running", resumed_at=now_iso(), world_size=dist.world_size)
+        # --steps may have extended the run: config.json always says what the run trains to.
+        atomic_write_json(run.config_path, config.model_dump(mode="json"))
+        run.update_info(status="running", resumed_at=now_iso(), steps_done=start_step, world_size=dist.world_size)
     else:
         run.path.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run.config_path, config.model_dump(mode="json"))
@@ -268,8 +273,21 @@ def _write_run_header(
                 "data": {"source": config.data, "fingerprint": data_fingerprint},
             }
         )
-    run.write_code_fingerprint()
+    run.write_code_fingerprint(keep_existing=resume)
     run.write_environment(str(device))
+
+
+def _check_same_inputs(run: RunDir, target_fingerprint: str, data_fingerprint: str) -> None:
+    """A resumed run must see the target and data it started with, or it is not the same run."""
+    info = run.read_info()
+    started = {"target": (info.get("target") or {}).get("fingerprint"), "data": (info.get("data") or {}).get("fingerprint")}
+    now = {"target": target_fingerprint, "data": data_fingerprint}
+    for what in ("target", "data"):
+        if started[what] and started[what] != now[what]:
+            raise RunError(
+                f"run {run.name!r} started on another {what} (fingerprint {started[what][:12]}, now "
+                f"{now[what][:12]}); resuming would not continue the same run: start a new one"
+            )
 
 
 class _Evaluator:

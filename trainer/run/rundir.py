@@ -123,19 +123,36 @@ class RunDir:
         return len(kept)
 
     # --- provenance ----------------------------------------------------------------------------------------
-    def write_code_fingerprint(self) -> dict[str, Any]:
-        """sha256 of every trainer source file, and a copy of them: sleuth analyses what actually ran."""
+    def write_code_fingerprint(self, keep_existing: bool = False) -> dict[str, Any]:
+        """sha256 of every trainer source file, and a copy of them: sleuth analyses what actually ran.
+
+        A resumed run keeps the copy it started with (the code most of its steps ran); if the source
+        changed since, run.json records the new fingerprint under `resumed_with_code`.
+        """
         files: dict[str, str] = {}
-        code_root = self.path / "code"
-        if code_root.exists():
-            shutil.rmtree(code_root)
+        sources: dict[Path, bytes] = {}
         for source in sorted(TRAINER_PACKAGE_DIR.rglob("*.py")):
             relative = Path("trainer") / source.relative_to(TRAINER_PACKAGE_DIR)
-            data = source.read_bytes()
-            files[relative.as_posix()] = hashlib.sha256(data).hexdigest()
-            destination = code_root / relative
+            sources[relative] = source.read_bytes()
+            files[relative.as_posix()] = hashlib.sha256(sources[relative]).hexdigest()
+        code_root = self.path / "code"
+        fingerprint_path = self.path / "fingerprint.json"
+        if keep_existing and code_root.is_dir() and fingerprint_path.is_file():
+            started = json.loads(fingerprint_path.read_text())
+            if started.get("files") != files:
+                self.update_info(resumed_with_code={"files": files, "git_commit": _git_commit(TRAINER_PACKAGE_DIR.parent)})
+            return started
+        # Staged and renamed: a kill mid-copy never leaves a partial code/ behind.
+        staging = self.path / ".code.partial"
+        if staging.exists():
+            shutil.rmtree(staging)
+        for relative, data in sources.items():
+            destination = staging / relative
             destination.parent.mkdir(parents=True, exist_ok=True)
             destination.write_bytes(data)
+        if code_root.exists():
+            shutil.rmtree(code_root)
+        os.replace(staging, code_root)
         fingerprint = {
             "package_version": trainer.__version__,
             "git_commit": _git_commit(TRAINER_PACKAGE_DIR.parent),
