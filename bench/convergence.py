@@ -32,10 +32,13 @@ def train(preset: str, runs_dir: Path, steps: int, log_every: int, eval_every: i
     if run.exists() and not fresh and info.exists() and json.loads(info.read_text()).get("status") == "completed":
         print(f"reusing {run}", file=sys.stderr)
         return run
-    if run.exists():
+    if run.exists() and fresh:
         shutil.rmtree(run)
-    command = [sys.executable, "-m", "trainer.cli", "run", "--preset", preset, "--runs-dir", str(runs_dir),
-               "--steps", str(steps), "--set", f"log_every={log_every}", "--set", f"eval_every={eval_every}", "-q"]
+    if run.exists():  # killed earlier: resume it rather than throw away its steps
+        command = [sys.executable, "-m", "trainer.cli", "run", preset, "--resume", "--runs-dir", str(runs_dir), "-q"]
+    else:
+        command = [sys.executable, "-m", "trainer.cli", "run", "--preset", preset, "--runs-dir", str(runs_dir),
+                   "--steps", str(steps), "--set", f"log_every={log_every}", "--set", f"eval_every={eval_every}", "-q"]
     print("$ " + " ".join(command), file=sys.stderr)
     subprocess.run(command, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     return run

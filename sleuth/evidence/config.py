@@ -21,6 +21,7 @@ class ConfigReading:
     confidence: float = 0.95
     detail: str = ""
     notes: list[str] = field(default_factory=list)
+    count: int | None = None  # how many target layers feed fc, for the fc reader
 
 
 @dataclass
@@ -135,14 +136,18 @@ def _read_fc_layers(config: dict, keys: list[str], meta: RunMeta) -> ConfigReadi
     ids = lookup(config, ["target_layer_ids"])
     k = len(ids[1]) if ids and isinstance(ids[1], list) else None
     if value is None:
-        return ConfigReading("all", key, value, detail=f"fc_layers null: all {k or 'k'} selected layers")
+        return ConfigReading("all", key, value, detail=f"fc_layers null: all {k or 'k'} selected layers", count=k)
     if isinstance(value, list):
+        if k is not None and any(not isinstance(i, int) or not 0 <= i < k for i in value):
+            # Indices past the selected layers cannot describe what fc read: the config is broken.
+            return ConfigReading("invalid", key, value, detail=f"fc_layers {value}: indices outside the {k} selected layers")
         if k is not None and sorted(value) == list(range(k)):
-            return ConfigReading("all", key, value, detail=f"fc_layers {value} = all {k} selected layers")
+            return ConfigReading("all", key, value, detail=f"fc_layers {value} = all {k} selected layers", count=k)
         detail = f"fc_layers {value}: {len(value)} of {k if k is not None else '?'} selected layers"
         if k is None:
-            return ConfigReading("subset?", key, value, confidence=0.5, detail=detail + " (target_layer_ids unknown)")
-        return ConfigReading("subset", key, value, detail=detail)
+            return ConfigReading("subset?", key, value, confidence=0.5, detail=detail + " (target_layer_ids unknown)",
+                                 count=len(value))
+        return ConfigReading("subset", key, value, detail=detail, count=len(set(value)))
     return None
 
 

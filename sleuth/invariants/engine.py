@@ -73,6 +73,7 @@ class Observation:
     confidence: float
     evidence: list[Evidence]
     detail: str = ""
+    count: int | None = None  # a layer count the reading implies (fc inputs), to compare sources exactly
 
 
 class _Run:
@@ -309,7 +310,8 @@ def _config_observation(inv: Invariant, run: _Run) -> tuple[Observation | None, 
             extra = [reading.detail] if spec.reader == "target_layer_ids" and reading.detail else []
             return None, reading.notes + extra
         step.outcome = f"{reading.key} = {reading.raw!r} -> {reading.value!r}"
-        return Observation(reading.value, "config", reading.confidence, [evidence], reading.detail), reading.notes
+        observation = Observation(reading.value, "config", reading.confidence, [evidence], reading.detail, reading.count)
+        return observation, reading.notes
 
 
 def _checkpoint_observation(inv: Invariant, run: _Run) -> tuple[Observation | None, str | None]:
@@ -337,7 +339,7 @@ def _checkpoint_observation(inv: Invariant, run: _Run) -> tuple[Observation | No
                 evidence.append(Evidence(kind="config", location=f"{run.config_source}:{ids[0]}", value=_text(ids[1])))
                 value = "all" if k == selected else "subset"
                 step.outcome = f"{fc.name} {list(fc.shape)}: fc reads k={k} layers of {selected} selected -> {value}"
-                return Observation(value, "checkpoint", 0.9, evidence, f"fc reads {k} of {selected} selected layers"), None
+                return Observation(value, "checkpoint", 0.9, evidence, f"fc reads {k} of {selected} selected layers", k), None
             step.outcome = f"{fc.name} {list(fc.shape)}: k={k}; how many layers were selected is unknown"
             return None, f"fc.weight says fc reads k={k} layers, but the number of selected target layers is unknown (no config)"
         if spec.extractor == "fc_norm_present":
@@ -463,10 +465,16 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
         if config_obs is not None:
             chosen = config_obs
             if ckpt_obs is not None:
-                if ok(ckpt_obs.value) == ok(config_obs.value):
+                if ckpt_obs.value == config_obs.value and (ckpt_obs.count is None or config_obs.count is None
+                                                            or ckpt_obs.count == config_obs.count):
                     corroboration += ckpt_obs.evidence
                     chosen = Observation(config_obs.value, "config", min(0.99, config_obs.confidence + 0.03),
                                          config_obs.evidence, config_obs.detail + "; the checkpoint agrees")
+                elif ok(ckpt_obs.value) == ok(config_obs.value):
+                    # Same verdict, different facts: say so rather than call it agreement.
+                    corroboration += ckpt_obs.evidence
+                    notes.append(f"the config ({config_obs.detail}) and the checkpoint ({ckpt_obs.detail}) "
+                                 "reach the same verdict but disagree on the details")
                 else:
                     notes.append(f"the config says {config_obs.value!r} but the checkpoint says {ckpt_obs.value!r}: the weights show what was trained")
                     chosen = Observation(ckpt_obs.value, "checkpoint", ckpt_obs.confidence, ckpt_obs.evidence + config_obs.evidence, ckpt_obs.detail)

@@ -167,3 +167,30 @@ def test_missing_code_and_checkpoint_paths_are_unknown_not_errors(tmp_path: Path
     assert {f.status for f in findings} == {"unknown"}
     fc = next(f for f in findings if f.id == "dflash.fc_input_layers")
     assert "absent" in fc.reason
+
+
+def test_same_verdict_with_different_counts_is_not_called_agreement(tmp_path: Path):
+    run = make_run(tmp_path, "v5", with_code=False)  # config: fc over 4 of 5
+    other = run / "other.safetensors"
+    save_file({"fc.weight": np.zeros((HIDDEN, 3 * HIDDEN), np.float32)}, str(other))  # weights: 3 of 5
+    finding = next(f for f in diagnose(run, code=False, checkpoint=other) if f.id == "dflash.fc_input_layers")
+    assert finding.status == "mismatch"
+    assert "the checkpoint agrees" not in (finding.reason or "")
+    assert any("disagree on the details" in n for n in finding.notes)
+
+
+def test_fc_indices_outside_the_selected_layers_are_flagged(tmp_path: Path):
+    run = make_run(tmp_path, "fixed", with_code=False)
+    config = json.loads((run / "config.json").read_text())
+    config["fc_layers"] = [0, 1, 2, 3, 4, 5]  # "6 of 5": no trainer could have run this
+    (run / "config.json").write_text(json.dumps(config))
+    four = run / "four.safetensors"
+    save_file({"fc.weight": np.zeros((HIDDEN, 4 * HIDDEN), np.float32)}, str(four))
+    finding = next(f for f in diagnose(run, code=False, checkpoint=four) if f.id == "dflash.fc_input_layers")
+    assert finding.status == "mismatch"
+    assert "the checkpoint agrees" not in (finding.reason or "")
+    assert any("indices outside the 5 selected layers" in n for n in finding.notes)
+    # With weights that do read all 5 layers, the weights decide, and the broken config is still named.
+    finding = next(f for f in diagnose(run, code=False) if f.id == "dflash.fc_input_layers")
+    assert finding.status == "match"
+    assert any("'invalid'" in n for n in finding.notes)

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -91,3 +92,18 @@ def test_next_version_name(tmp_path):
     for name in ("v3", "v5", "v6", "fixed", "v10x"):
         os.mkdir(tmp_path / name)
     assert next_version_name(tmp_path) == "v7"
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    from trainer.config import TrainConfig
+    from trainer.run.loop import lr_at
+
+    config = TrainConfig(lr=1e-3, warmup_steps=10, steps=110, min_lr_ratio=0.1, schedule="cosine")
+    assert lr_at(config, 5) == pytest.approx(5e-4)  # linear warmup
+    assert lr_at(config, 10) == pytest.approx(1e-3)
+    assert lr_at(config, 60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # cosine half-way
+    assert lr_at(config, 110) == pytest.approx(1e-4)  # the floor at the last step
+    linear = config.model_copy(update={"schedule": "linear"})
+    assert lr_at(linear, 60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
+    constant = config.model_copy(update={"schedule": "constant"})
+    assert lr_at(constant, 100) == pytest.approx(1e-3)

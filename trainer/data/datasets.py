@@ -191,13 +191,18 @@ def _chat_document(messages: list[dict[str, str]], tokenizer: Any, where: str) -
         raise DataError(f"{where}: chat rows need a tokenizer with a chat template, and this one has none")
     if isinstance(template, dict):  # several named templates: the default one is what chat uses
         template = template.get("default", "")
-    if _GENERATION_TAG.search(template):
-        encoded = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids, mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
-    else:
-        ids, mask = _assistant_mask_from_prefixes(messages, tokenizer, where)
+    try:
+        if _GENERATION_TAG.search(template):
+            encoded = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids, mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
+        else:
+            ids, mask = _assistant_mask_from_prefixes(messages, tokenizer, where)
+    except DataError:
+        raise
+    except Exception as exc:  # a strict template raising on this conversation (jinja's TemplateError, ...)
+        raise DataError(f"{where}: the chat template rejects this conversation: {exc}") from None
     return Document(ids, [int(m) for m in mask])
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -76,5 +77,7 @@ def init_distributed(device: str) -> Distributed:
     if use_cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        # Rank 0 evaluates (speculative decoding) while the others wait at a barrier: allow for a long
+        # eval on a large target instead of NCCL's 10-minute default.
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(hours=1))
     return Distributed(rank=rank, world_size=world_size, local_rank=local_rank)

@@ -317,7 +317,7 @@ class _Evaluator:
             check_lossless=measure_speedup,
             seed=self.config.seed,
         )
-        return report.model_dump() if hasattr(report, "model_dump") else dict(vars(report))
+        return report.model_dump()
 
     def tau(self, drafter: DFlashDrafter) -> float:
         return float(self._run(drafter, measure_speedup=False)["tau"])
