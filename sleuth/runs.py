@@ -17,6 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+EXPORT_WEIGHTS = "model.safetensors"  # what `trainer export` (and z-lab / speculators) write
+
 DEFAULT_RUNS_DIR = Path("runs")
 
 # A safetensors header is a little-endian u64 length followed by that many bytes of JSON. Real drafter
@@ -137,7 +139,7 @@ def read_run(path: Path) -> RunInfo:
     if not any((path / m).exists() for m in markers):
         raise RunError(
             f"{path} is not a run directory: it has none of run.json, config.json, metrics.jsonl, "
-            "checkpoints/, code/"
+            "checkpoints/, code/ (nor an exported drafter's model.safetensors)"
         )
     info = RunInfo(name=path.name, path=path)
     info.run_json = _read_json_object(path / "run.json", info.problems)
@@ -146,7 +148,7 @@ def read_run(path: Path) -> RunInfo:
     info.config = _read_json_object(path / "config.json", info.problems)
     _read_metrics(path / "metrics.jsonl", info)
     info.eval_report = _read_json_object(path / "eval.json", None)
-    if is_export_dir(path):
+    if is_export_dir(path, info.config):
         # A serving export (`trainer export`, z-lab's or speculators' layout): its config and weights are
         # all there is; no metrics, no code, no run.json.
         info.checkpoint = path / EXPORT_WEIGHTS
@@ -161,18 +163,11 @@ def read_run(path: Path) -> RunInfo:
     return info
 
 
-EXPORT_WEIGHTS = "model.safetensors"
-
-
-def is_export_dir(path: Path) -> bool:
-    """A drafter exported for serving: config.json that says DFlash, plus model.safetensors."""
-    if not (path / EXPORT_WEIGHTS).is_file() or (path / "run.json").exists():
+def is_export_dir(path: Path, config: dict[str, Any] | None) -> bool:
+    """A drafter exported for serving: a config.json that says DFlash, plus model.safetensors."""
+    if config is None or not (path / EXPORT_WEIGHTS).is_file() or (path / "run.json").exists():
         return False
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and ("dflash_config" in config or config.get("speculators_model_type") == "dflash")
+    return "dflash_config" in config or config.get("speculators_model_type") == "dflash"
 
 
 def _read_json_object(path: Path, problems: list[str] | None) -> dict[str, Any] | None:

@@ -9,7 +9,6 @@ pinned facts: no git fetch, no HTTP client, no socket.
 from __future__ import annotations
 
 import re
-
 import shutil
 import time
 from collections.abc import Iterator

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from urllib.parse import urlsplit
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,8 +244,6 @@ class PullResult:
 def remote_host(url: str) -> str | None:
     """The network host of a git remote URL (https://, ssh://, git://, or scp-like user@host:path);
     None for a local path or file:// URL."""
-    from urllib.parse import urlsplit
-
     if "://" in url:
         parts = urlsplit(url)
         return None if parts.scheme == "file" else parts.hostname

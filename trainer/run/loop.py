@@ -280,12 +280,12 @@ def _write_run_header(
 def _check_same_inputs(run: RunDir, target_fingerprint: str, data_fingerprint: str) -> None:
     """A resumed run must see the target and data it started with, or it is not the same run."""
     info = run.read_info()
-    started = {"target": (info.get("target") or {}).get("fingerprint"), "data": (info.get("data") or {}).get("fingerprint")}
     now = {"target": target_fingerprint, "data": data_fingerprint}
     for what in ("target", "data"):
-        if started[what] and started[what] != now[what]:
+        started = (info.get(what) or {}).get("fingerprint")
+        if started and started != now[what]:
             raise RunError(
-                f"run {run.name!r} started on another {what} (fingerprint {started[what][:12]}, now "
+                f"run {run.name!r} started on another {what} (fingerprint {started[:12]}, now "
                 f"{now[what][:12]}); resuming would not continue the same run: start a new one"
             )
 
