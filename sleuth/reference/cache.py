@@ -19,7 +19,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from sleuth.redact import redact
 from sleuth.reference.model import ResolvedFile
+
+
+def git_blob_sha(data: bytes) -> str:
+    """The object id git gives these bytes as a file."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # noqa: S324 - git's id, not security
 
 
 def sha256_hex(data: bytes) -> str:
@@ -40,7 +46,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 class ReferenceCache:
     def __init__(self, root: Path, name: str) -> None:
-        self.dir = Path(root) / "references" / name
+        from sleuth.reference.playbook import check_reference_name
+
+        # The name becomes a folder: checked here too, so no caller can make the cache write elsewhere.
+        self.dir = Path(root) / "references" / check_reference_name(name)
 
     @property
     def clone_dir(self) -> Path:
@@ -73,12 +82,16 @@ class ReferenceCache:
         return matches[0] if len(matches) == 1 else None
 
     def write_snapshot(self, commit: str, files: list[tuple[ResolvedFile, bytes]]) -> None:
+        for resolved, data in files:
+            if resolved.git_blob_sha is None or git_blob_sha(data) != resolved.git_blob_sha:
+                raise ValueError(f"{resolved.path}: bytes not checked against git are never cached")
         base = self.snapshot_dir(commit)
         provenance = self._read_provenance(commit)
         for resolved, data in files:
             _atomic_write(self._inside(base, resolved.path), data)
             provenance[resolved.path] = resolved.model_dump(exclude={"text"})
-        _atomic_write(self.dir / "provenance" / f"{commit}.json", json.dumps(provenance, indent=1).encode())
+        _atomic_write(self.dir / "provenance" / f"{commit}.json",
+                      redact(json.dumps(provenance, indent=1)).encode())
 
     def _read_provenance(self, commit: str) -> dict:
         path = self.dir / "provenance" / f"{commit}.json"
@@ -100,8 +113,10 @@ class ReferenceCache:
                 missing.append(path)
                 continue
             data = file.read_bytes()
-            if sha256_hex(data) != record.get("sha256"):
-                missing.append(path)  # a damaged cache entry is treated as absent, never trusted
+            if sha256_hex(data) != record.get("sha256") or git_blob_sha(data) != record.get("git_blob_sha"):
+                # A damaged entry, or one written before bytes were checked against git (an empty or cut
+                # HTTP body could be among those), is treated as absent, never trusted.
+                missing.append(path)
                 continue
             found[path] = (record, data)
         return found, missing
@@ -113,7 +128,7 @@ class ReferenceCache:
     def write_doc(self, resolved: ResolvedFile, data: bytes) -> None:
         key = self._docs_key(resolved.path)
         _atomic_write(key.with_suffix(".html"), data)
-        _atomic_write(key.with_suffix(".json"), json.dumps(resolved.model_dump(exclude={"text"})).encode())
+        _atomic_write(key.with_suffix(".json"), redact(json.dumps(resolved.model_dump(exclude={"text"}))).encode())
 
     def read_doc(self, url: str) -> tuple[dict, bytes] | None:
         key = self._docs_key(url)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from sleuth.redact import redact
 from sleuth.reference import http
 from sleuth.reference.cache import ReferenceCache, sha256_hex
 from sleuth.reference.config import cache_root, checkout_env_var, configured_checkout
@@ -74,6 +75,7 @@ class _Chain:
         self.files: list[tuple[ResolvedFile, bytes]] = []
         self.from_snapshot = False
         self.upstream_confirmed = False  # the commit is what the upstream branch points to
+        self.unreachable: set[str] = set()  # hosts no connection could be made to: not tried again
 
     # bookkeeping --------------------------------------------------------------------------------------
     @contextmanager
@@ -101,11 +103,15 @@ class _Chain:
         self.resolution.tier, self.resolution.commit, self.files = tier, commit, files
 
     def read_git(self, checkout: GitCheckout, commit: str, tier: str, source: str) -> list[tuple[ResolvedFile, bytes]]:
+        from sleuth.reference.raw import git_blob_sha
+
         out = []
         for path in self.needed:
             data = checkout.read(commit, path)
+            # git names objects by their hash, so these bytes are the file at `commit` by construction.
             out.append((ResolvedFile(path=path, tier=tier, source=source.format(commit=commit[:7], path=path),
-                                     commit=commit, sha256=sha256_hex(data), fetched_at=_now(),
+                                     commit=commit, sha256=sha256_hex(data), git_blob_sha=git_blob_sha(data),
+                                     fetched_at=_now(),
                                      text=data.decode("utf-8", errors="replace")), data))
         return out
 
@@ -133,6 +139,7 @@ class _Chain:
             res.tier = "docs" if res.docs else ("pinned" if res.pinned else None)
             res.commit = None
         self.write_cache()
+        res.notes = [redact(note) for note in res.notes]
         return res
 
     def local(self, path: Path | None) -> LocalState | None:
@@ -144,11 +151,12 @@ class _Chain:
             if not choice.path.exists():
                 raise ReferenceError(f"{choice.origin}: {choice.path} does not exist")
             try:
-                checkout = GitCheckout(choice.path, offline=self.offline)
+                checkout = GitCheckout(choice.path, offline=self.offline, allowed_hosts=self.spec.allowed_hosts)
             except ReferenceError:
                 raise ReferenceError(f"{choice.origin}: {choice.path} is not a git checkout") from None
         else:
-            checkout = open_cache_clone(self.cache.clone_dir, self.spec.url, offline=self.offline, create=False)
+            checkout = open_cache_clone(self.cache.clone_dir, self.spec.url, offline=self.offline, create=False,
+                                        allowed_hosts=self.spec.allowed_hosts)
 
         state = None
         if checkout is None:
@@ -222,7 +230,8 @@ class _Chain:
                     record.reason = f"host {host} is not in the reference's allowlist"
                     return
                 created = not (self.cache.clone_dir / "HEAD").is_file()
-                checkout = open_cache_clone(self.cache.clone_dir, self.spec.url, offline=False, create=True)
+                checkout = open_cache_clone(self.cache.clone_dir, self.spec.url, offline=False, create=True,
+                                            allowed_hosts=self.spec.allowed_hosts)
                 assert checkout is not None
                 from sleuth.reference.local import inspect_checkout
 
@@ -265,7 +274,7 @@ class _Chain:
                 result = fetch_raw_files(client, self.spec.repository, revision, self.needed,
                                          allowed_hosts=self.spec.allowed_hosts,
                                          deadline=http.monotonic() + self.policy.total_timeout_s,
-                                         policy=self.policy)
+                                         policy=self.policy, unreachable=self.unreachable)
             finally:
                 if owned:
                     client.close()
@@ -274,10 +283,14 @@ class _Chain:
                 fetched_at = _now()
                 self.accept("raw", result.commit, [
                     (ResolvedFile(path=p, tier="raw", source=url, commit=result.commit, sha256=sha256_hex(data),
-                                  fetched_at=fetched_at, text=data.decode("utf-8", errors="replace")), data)
+                                  git_blob_sha=result.verified.get(p), fetched_at=fetched_at,
+                                  text=data.decode("utf-8", errors="replace")), data)
                     for p, (url, data) in result.found.items()])
                 self.upstream_confirmed = result.commit is not None and not self.ref_is_sha
                 record.outcome, record.reason = "ok", f"all {len(self.needed)} files at {at}"
+                if len(result.verified) < len(self.needed):
+                    record.reason += (f"; {len(self.needed) - len(result.verified)} not checked against the git "
+                                      f"tree ({result.unverified_why}), so not cached")
                 return
             record.outcome = "partial" if result.found else "miss"
             failures = "; ".join(f"{p.rsplit('/', 1)[-1]}: {why}" for p, why in list(result.failures.items())[:3])
@@ -301,7 +314,8 @@ class _Chain:
                 client, owned = self.http_client()
                 try:
                     result = fetch_docs(client, urls, allowed_hosts=self.spec.allowed_hosts,
-                                        deadline=http.monotonic() + self.policy.total_timeout_s, policy=self.policy)
+                                        deadline=http.monotonic() + self.policy.total_timeout_s, policy=self.policy,
+                                        unreachable=self.unreachable)
                 finally:
                     if owned:
                         client.close()
@@ -350,6 +364,10 @@ class _Chain:
     def write_cache(self) -> None:
         commit = self.resolution.commit
         if not self.have_source or self.from_snapshot or commit is None:
+            return
+        if any(resolved.git_blob_sha is None for resolved, _ in self.files):
+            # Bytes nothing vouched for could be an empty or cut reply; cached, every later run (offline
+            # too) would read them as the reference. They serve this run only.
             return
         try:
             self.cache.write_snapshot(commit, self.files)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from sleuth.reference.http import FetchFailure, HttpPolicy, get, truncation_problem
+from sleuth.reference.http import FetchFailure, HttpPolicy, get
 
 if TYPE_CHECKING:
     import httpx
@@ -22,19 +22,18 @@ class DocsResult:
 
 
 def fetch_docs(client: httpx.Client, urls: list[str], *, allowed_hosts: list[str], deadline: float,
-               policy: HttpPolicy) -> DocsResult:
+               policy: HttpPolicy, unreachable: set[str] | None = None) -> DocsResult:
+    """Each page complete (Content-Length, gzip trailer; checked while reading) and not empty."""
     result = DocsResult()
     for url in urls:
         try:
-            response = get(client, url, allowed_hosts=allowed_hosts, deadline=deadline, policy=policy)
+            body = get(client, url, allowed_hosts=allowed_hosts, deadline=deadline, policy=policy,
+                       unreachable=unreachable)
         except FetchFailure as exc:
             result.failures[url] = str(exc)
             continue
-        truncated = truncation_problem(response)
-        if truncated:
-            result.failures[url] = truncated
-        elif not response.content.strip():
-            result.failures[url] = "empty page"
+        if not body.content.strip():
+            result.failures[url] = "empty page (HTTP 200 with no content)"
         else:
-            result.found[url] = response.content
+            result.found[url] = body.content
     return result

@@ -1,7 +1,10 @@
-"""One careful GET for the HTTP tiers: allowlisted hosts, bounded retries, Retry-After, no HTML tree pages.
+"""One careful GET for the HTTP tiers: allowlisted hosts, bounded retries, Retry-After, no HTML tree pages,
+bounded bodies.
 
 Retries cover what is worth retrying (429, 5xx, timeouts, dropped connections) with exponential backoff,
-and honour Retry-After; the whole tier shares one deadline so a slow host cannot stall a diagnosis.
+and honour Retry-After; a host that cannot be connected to at all is not retried (no network: fall back
+at once). The whole tier shares one deadline, checked between body chunks too, so a slow or dripping host
+cannot stall a diagnosis; bodies are capped in size and in gzip inflation ratio.
 The optional GITHUB_TOKEN goes only to GitHub's API and raw hosts and never into a message or a file.
 """
 
@@ -10,9 +13,13 @@ from __future__ import annotations
 import email.utils
 import os
 import time
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit
+
+from sleuth.redact import redact
 
 if TYPE_CHECKING:
     import httpx
@@ -28,22 +35,49 @@ monotonic = time.monotonic
 
 @dataclass(frozen=True)
 class HttpPolicy:
-    request_timeout_s: float = 20.0
-    total_timeout_s: float = 90.0  # one budget for a whole tier
+    request_timeout_s: float = 20.0  # the longest silence on one read
+    connect_timeout_s: float = 5.0  # a black-holed host costs this once, then the host is skipped
+    total_timeout_s: float = 90.0  # one budget for a whole tier, checked between every chunk of a body
     max_attempts: int = 4
     backoff_s: float = 0.5
     max_redirects: int = 5
+    # The largest reference file is a few hundred KiB and a docs page a few MiB; anything far past that
+    # is not the file. The ratio stops a small compressed body that inflates to gigabytes.
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_inflation_ratio: float = 100.0
 
 
 class FetchFailure(Exception):
     """Why a URL gave nothing usable; one line, safe to print (no headers, no token)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
+
+
+class Unreachable(FetchFailure):
+    """The host could not be connected to at all (no DNS, no route, refused, black-holed): not retried,
+    and the host is not tried again in this resolution, so a machine without network falls back at once."""
+
+
+@dataclass
+class Body:
+    """A complete, decoded 200 reply, read within the size, ratio and time bounds."""
+
+    url: str
+    headers: httpx.Headers
+    content: bytes
+    wire_bytes: int  # bytes on the wire (compressed, when the server compressed)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
 
 
 def new_client(policy: HttpPolicy) -> httpx.Client:
     import httpx
 
     return httpx.Client(timeout=policy.request_timeout_s, follow_redirects=False,
-                        headers={"User-Agent": USER_AGENT})
+                        headers={"User-Agent": USER_AGENT, "Accept-Encoding": "gzip, deflate"})
 
 
 def _auth_headers(host: str) -> dict[str, str]:
@@ -81,41 +115,55 @@ def _retry_after_s(response: httpx.Response) -> float | None:
 
 
 def get(client: httpx.Client, url: str, *, allowed_hosts: list[str], deadline: float, policy: HttpPolicy,
-        headers: dict[str, str] | None = None) -> httpx.Response:
-    """GET `url` and return a 200 response, or raise FetchFailure with the reason."""
+        headers: dict[str, str] | None = None, unreachable: set[str] | None = None) -> Body:
+    """GET `url` and return its complete 200 body, or raise FetchFailure with the reason.
+
+    `unreachable` is shared by every request of one resolution: a host that could not be connected to
+    is not tried again, so no network means one failed connection per host, not one per file and retry.
+    """
     import httpx
 
+    unreachable = unreachable if unreachable is not None else set()
     last_reason = "no attempt made"
     redirects = 0
     attempt = 0
     while attempt < policy.max_attempts:
         host = check_url(url, allowed_hosts)
+        if host in unreachable:
+            raise Unreachable(f"{host} could not be reached earlier; not tried again")
         remaining = deadline - monotonic()
         if remaining <= 0:
             raise FetchFailure(f"time bound reached ({last_reason})")
         attempt += 1
         wait: float | None = None
+        timeout = httpx.Timeout(min(policy.request_timeout_s, remaining),
+                                connect=min(policy.connect_timeout_s, remaining))
         try:
-            response = client.get(url, headers={**(headers or {}), **_auth_headers(host)},
-                                  timeout=min(policy.request_timeout_s, remaining))
+            with client.stream("GET", url, headers={**(headers or {}), **_auth_headers(host)},
+                               timeout=timeout) as response:
+                status = response.status_code
+                if status == 200:
+                    return _read_body(response, url, deadline, policy)
+                location = response.headers.get("location")
+                retry_after = _retry_after_s(response)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            unreachable.add(host)
+            raise Unreachable(f"cannot connect to {host} ({type(exc).__name__})") from None
         except httpx.TimeoutException:
             last_reason = "timed out"
         except httpx.TransportError as exc:
             last_reason = f"connection failed ({type(exc).__name__})"
         else:
-            status = response.status_code
-            if status == 200:
-                return response
-            if status in (301, 302, 303, 307, 308) and "location" in response.headers:
+            if status in (301, 302, 303, 307, 308) and location:
                 redirects += 1
                 if redirects > policy.max_redirects:
                     raise FetchFailure("too many redirects")
-                url = urljoin(url, response.headers["location"])
+                url = urljoin(url, location)  # checked against the allowlist at the top of the loop
                 attempt -= 1  # a redirect is not a failed attempt
                 continue
             if status == 429 or status >= 500:
                 last_reason = f"HTTP {status}"
-                wait = _retry_after_s(response)
+                wait = retry_after
             else:
                 raise FetchFailure(f"HTTP {status}")
         if attempt >= policy.max_attempts:
@@ -128,22 +176,67 @@ def get(client: httpx.Client, url: str, *, allowed_hosts: list[str], deadline: f
     raise FetchFailure(f"{last_reason} after {attempt} attempts")
 
 
-def truncation_problem(response: httpx.Response) -> str | None:
-    """Why the body is shorter than the server said, or None.
+class _Inflater:
+    """zlib with a cap on every step: a chunk is decoded in pieces of at most `room + 1` bytes, so a bomb
+    is caught after one piece past the cap, never after inflating a whole chunk."""
 
-    Content-Length counts the bytes on the wire, which are compressed when the server gzips the reply (raw
-    GitHub does), so it is compared with what was downloaded, not with the decoded body.
-    """
-    declared = response.headers.get("Content-Length")
-    if declared is None or not declared.isdigit():
-        return None
-    # num_bytes_downloaded counts the wire bytes of a streamed reply; a reply built in memory (a transport
-    # that hands over the body whole) has none, and then the body is the wire unless it is encoded.
-    received = response.num_bytes_downloaded
-    if not received:
-        if response.headers.get("Content-Encoding", "identity").lower() not in ("", "identity"):
-            return None  # the wire size is unknown; the body's own checks (HTML, parses) still apply
-        received = len(response.content)
-    if int(declared) != received:
-        return f"truncated: {received} of {declared} bytes"
-    return None
+    def __init__(self, encoding: str) -> None:
+        codings = [c.strip() for c in encoding.split(",") if c.strip() and c.strip() != "identity"]
+        if len(codings) > 1 or codings[0] not in ("gzip", "x-gzip", "deflate"):
+            raise FetchFailure(f"unsupported Content-Encoding {encoding!r}")
+        self._z = zlib.decompressobj(zlib.MAX_WBITS | (16 if codings[0] != "deflate" else 0))
+
+    def pieces(self, chunk: bytes, room: int) -> Iterator[bytes]:
+        data = chunk
+        while True:
+            try:
+                piece = self._z.decompress(data, max(room, 0) + 1)  # max_length 0 would mean "no limit"
+            except zlib.error:
+                raise FetchFailure("the compressed body is corrupt") from None
+            room -= len(piece)
+            yield piece
+            data = self._z.unconsumed_tail
+            if not data:
+                return
+
+    @property
+    def complete(self) -> bool:
+        return self._z.eof
+
+
+def _read_body(response: httpx.Response, url: str, deadline: float, policy: HttpPolicy) -> Body:
+    """Read the body chunk by chunk, stopping at the first bound it passes: the tier's deadline (a drip
+    never trips a per-read timeout), the size cap, or the inflation ratio (a gzip bomb stops after a few
+    MiB, whatever it would inflate to). httpx's own decoder inflates each chunk whole, so the raw bytes
+    are decoded here, capped at every step."""
+    declared = response.headers.get("Content-Length", "")
+    cap = policy.max_body_bytes
+    if declared.isdigit() and int(declared) > cap:
+        raise FetchFailure(f"body of {int(declared)} bytes is over the {cap >> 20} MiB cap")
+    encoding = response.headers.get("Content-Encoding", "").strip().lower()
+    inflater = _Inflater(encoding) if encoding not in ("", "identity") else None
+    started = monotonic()
+    wire = size = 0
+    parts: list[bytes] = []
+    for chunk in response.iter_raw():
+        wire += len(chunk)
+        for piece in (inflater.pieces(chunk, cap - size) if inflater else (chunk,)):
+            size += len(piece)
+            parts.append(piece)
+            if size > cap:
+                raise FetchFailure(f"body is over the {cap >> 20} MiB cap; not read further")
+            if inflater and size > _RATIO_FLOOR and size > policy.max_inflation_ratio * wire:
+                raise FetchFailure(f"compressed body inflates over {policy.max_inflation_ratio:.0f}x "
+                                   f"({wire} bytes -> {size}+); refused as a decompression bomb")
+        if monotonic() > deadline:
+            raise FetchFailure(f"time bound reached while reading the body ({wire} bytes in "
+                               f"{monotonic() - started:.0f}s)")
+    if inflater and not inflater.complete:
+        raise FetchFailure(f"truncated: the compressed body ends early ({wire} bytes)")
+    if declared.isdigit() and int(declared) != wire:
+        raise FetchFailure(f"truncated: {wire} of {declared} bytes")
+    return Body(url=url, headers=response.headers, content=b"".join(parts), wire_bytes=wire)
+
+
+# Below this many decoded bytes the ratio is not judged: a small, repetitive file compresses very well.
+_RATIO_FLOOR = 1024 * 1024

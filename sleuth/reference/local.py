@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-from urllib.parse import urlsplit
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from sleuth.redact import redact
 from sleuth.reference.model import ReferenceError
 
 GIT_TIMEOUT_S = 120.0
@@ -30,7 +31,13 @@ class GitFailure(Exception):
     """A git command failed or timed out; the message is one short line."""
 
 
-def _git_env(offline: bool) -> dict[str, str]:
+# GIT_ALLOW_PROTOCOL names the transports git may use; a name no transport has allows none, so a git
+# call that would reach a network (a fetch, or a partial clone's lazy fetch of a missing blob inside
+# `cat-file`, `log`, `ls-tree`) fails at once instead. GIT_NO_LAZY_FETCH says the same to git >= 2.44.
+_NO_TRANSPORT = "sleuth-no-network"
+
+
+def _git_env(network: bool) -> dict[str, str]:
     env = {
         # Never wait for a human: no credential prompts, no ssh passphrase or host-key questions.
         "GIT_TERMINAL_PROMPT": "0",
@@ -39,29 +46,67 @@ def _git_env(offline: bool) -> dict[str, str]:
         "GIT_OPTIONAL_LOCKS": "0",  # a status/diff must not rewrite the user's index stat cache
         "LC_ALL": "C",
     }
-    if offline:
-        # A partial clone fetches missing objects lazily; allowing no transport at all keeps git offline.
-        env["GIT_ALLOW_PROTOCOL"] = "sleuth-offline-none"
+    if not network:
+        env["GIT_ALLOW_PROTOCOL"] = _NO_TRANSPORT
+        env["GIT_NO_LAZY_FETCH"] = "1"
     return env
 
 
 class GitCheckout:
     """A thin, time-bounded wrapper over one repository (a user checkout or the cache's bare clone)."""
 
-    def __init__(self, path: Path, *, offline: bool, is_cache: bool = False) -> None:
+    def __init__(self, path: Path, *, offline: bool, is_cache: bool = False,
+                 allowed_hosts: list[str] | None = None) -> None:
         import git  # gitpython; imported here so `import sleuth.reference` stays light
 
         self._git = git
         self.path = Path(path)
         self.offline = offline
         self.is_cache = is_cache
+        self.allowed_hosts = [h.lower() for h in allowed_hosts or []]
         try:
             self.repo = git.Repo(self.path)
         except (git.InvalidGitRepositoryError, git.NoSuchPathError):
             raise ReferenceError(f"{self.path} is not a git checkout") from None
-        self.env = _git_env(offline)
+        # Every call starts without network; network is allowed only once every remote that git could
+        # contact on its own (a partial clone's promisor remotes) is known to be on an allowed host.
+        self.env = _git_env(network=False)
+        self.repo.git.update_environment(**self.env)
+        self.network_refusal = "--offline" if offline else self._promisor_refusal()
+        if self.network_refusal is None:
+            self.env = _git_env(network=True)
+            # gitpython keeps earlier settings unless told to drop them (None unsets).
+            self.repo.git.update_environment(GIT_ALLOW_PROTOCOL=None, GIT_NO_LAZY_FETCH=None)
         # gitpython's own helpers (is_dirty, config reads) must run under the same rules as `run`.
         self.repo.git.update_environment(**self.env)
+
+    def _promisor_refusal(self) -> str | None:
+        """Why git may not reach a network from this repository, or None when it may."""
+        for remote in self.promisor_remotes():
+            url = self.remote_url(remote)
+            if url == "?":
+                return f"promisor remote {remote} has no URL"
+            host = remote_host(url)
+            if host is not None and host.lower() not in self.allowed_hosts:
+                return f"promisor remote {remote} is on host {host}, not among the reference's allowed hosts"
+        return None
+
+    def promisor_remotes(self) -> list[str]:
+        """The remotes git fetches missing objects from by itself (partial clones): never contacted unchecked."""
+        names: list[str] = []
+        try:
+            listed = str(self.run("config", "--get-regexp", r"^remote\..*\.promisor$"))
+        except GitFailure:
+            listed = ""  # exit 1: no such key
+        for line in listed.splitlines():
+            key, _, value = line.partition(" ")
+            if value.strip().lower() in ("true", "yes", "on", "1"):
+                names.append(key[len("remote."):-len(".promisor")])
+        try:
+            names.append(str(self.run("config", "--get", "extensions.partialclone")).strip())
+        except GitFailure:
+            pass
+        return list(dict.fromkeys(n for n in names if n))
 
     # low level ----------------------------------------------------------------------------------------
     def run(self, *args: str, binary: bool = False, timeout: float = GIT_TIMEOUT_S) -> str | bytes:
@@ -76,7 +121,8 @@ class GitCheckout:
         except self._git.GitCommandError as exc:
             stderr = (exc.stderr or "").strip().replace("stderr:", "").strip(" '\n")
             last = [line.strip() for line in stderr.splitlines() if line.strip()]
-            raise GitFailure(f"git {args[0]} failed: {last[-1] if last else exc.status}") from None
+            # git's stderr names the remote URL, token included when the user put one there.
+            raise GitFailure(redact(f"git {args[0]} failed: {last[-1] if last else exc.status}")) from None
 
     def rev(self, revision: str) -> str | None:
         try:
@@ -128,8 +174,9 @@ class GitCheckout:
         return [r.name for r in self.repo.remotes]
 
     def remote_url(self, remote: str) -> str:
+        """The URL git would contact (insteadOf applied), userinfo redacted: it is printed and written."""
         try:
-            return str(self.run("remote", "get-url", remote))
+            return redact(str(self.run("remote", "get-url", remote)))
         except GitFailure:
             return "?"
 
@@ -149,18 +196,53 @@ class GitCheckout:
                 return f"{what} is in progress"
         # `git status` honours GIT_OPTIONAL_LOCKS=0 and so never rewrites the user's index; `git diff`
         # (behind gitpython's is_dirty) may refresh and write it, which would break our promise.
-        if str(self.run("status", "--porcelain", "--untracked-files=no")).strip():
+        try:
+            status = str(self.run("status", "--porcelain", "--untracked-files=no"))
+        except GitFailure as exc:
+            return f"cannot tell whether the working tree is clean ({exc})"
+        if status.strip():
             return "the working tree or index has uncommitted changes"
         return None
 
+    def paths_in_the_way(self, target: str) -> list[str]:
+        """Files the fast-forward to `target` would create but that already exist untracked (or ignored,
+        which git overwrites silently): the user's, so the fast-forward is not done."""
+        added = str(self.run("diff", "--name-only", "--no-renames", "--diff-filter=A", "HEAD", target, "--"))
+        work_tree = Path(self.repo.working_tree_dir or self.path)
+        in_the_way = []
+        for relative in added.splitlines():
+            path = work_tree / relative
+            parents = [p for p in path.relative_to(work_tree).parents if str(p) != "."]
+            if os.path.lexists(path) or any((work_tree / p).exists() and not (work_tree / p).is_dir()
+                                            for p in parents):
+                in_the_way.append(relative)
+        return in_the_way
+
+    def fast_forward(self, target: str) -> None:
+        """`git merge --ff-only target`, leaving ORIG_HEAD as it was if git refuses after all."""
+        orig_head = Path(self.repo.git_dir) / "ORIG_HEAD"
+        before = orig_head.read_bytes() if orig_head.is_file() else None
+        try:
+            self.run("merge", "--ff-only", "--quiet", target)
+        except GitFailure:
+            # git writes ORIG_HEAD before it tries; a refused merge must leave no trace in the checkout.
+            if before is None:
+                orig_head.unlink(missing_ok=True)
+            elif not orig_head.is_file() or orig_head.read_bytes() != before:
+                orig_head.write_bytes(before)
+            raise
+
     def fetch(self, remote: str, branch: str) -> None:
+        if self.network_refusal is not None:
+            raise GitFailure(f"not fetched: {self.network_refusal}")
         args = ["fetch", "--no-tags", "--no-write-fetch-head", "--quiet"]
         if self.is_cache:
             args.append("--filter=blob:none")
         self.run(*args, remote, f"+refs/heads/{branch}:refs/remotes/{remote}/{branch}")
 
 
-def open_cache_clone(clone_dir: Path, url: str, *, offline: bool, create: bool) -> GitCheckout | None:
+def open_cache_clone(clone_dir: Path, url: str, *, offline: bool, create: bool,
+                     allowed_hosts: list[str] | None = None) -> GitCheckout | None:
     """The tool's own bare partial clone; created (empty, remote configured) only when `create`."""
     if not (clone_dir / "HEAD").is_file():
         if not create:
@@ -170,7 +252,7 @@ def open_cache_clone(clone_dir: Path, url: str, *, offline: bool, create: bool) 
         shutil.rmtree(clone_dir, ignore_errors=True)
         clone_dir.parent.mkdir(parents=True, exist_ok=True)
         git.Repo.init(clone_dir, bare=True)
-    checkout = GitCheckout(clone_dir, offline=offline, is_cache=True)
+    checkout = GitCheckout(clone_dir, offline=offline, is_cache=True, allowed_hosts=allowed_hosts)
     if create:
         if "origin" in checkout.remote_names():
             checkout.run("remote", "set-url", "origin", url)
@@ -179,6 +261,8 @@ def open_cache_clone(clone_dir: Path, url: str, *, offline: bool, create: bool) 
         # Mark origin as a promisor so blobs left out by --filter=blob:none are fetched when read.
         checkout.run("config", "remote.origin.promisor", "true")
         checkout.run("config", "remote.origin.partialclonefilter", "blob:none")
+        # Reopened, so the network rule is decided on the remote just configured.
+        checkout = GitCheckout(clone_dir, offline=offline, is_cache=True, allowed_hosts=allowed_hosts)
     return checkout
 
 
@@ -328,7 +412,7 @@ def _pull_fetched(state: LocalState, needed: list[str], ref: str | None, remote:
     if why_not is None:
         before = checkout.rev("HEAD") or "?"
         try:
-            checkout.run("merge", "--ff-only", "--quiet", target)
+            checkout.fast_forward(target)
         except GitFailure as exc:
             why_not = f"git refused the fast-forward ({exc})"
         else:
@@ -355,6 +439,10 @@ def why_not_fast_forward(checkout: GitCheckout, ref: str | None, remote: str, br
         return dirty
     if not checkout.is_ancestor("HEAD", target):
         return f"branch {checkout.branch} has diverged from {remote}/{branch}"
+    in_the_way = checkout.paths_in_the_way(target)
+    if in_the_way:
+        more = f" and {len(in_the_way) - 1} more" if len(in_the_way) > 1 else ""
+        return f"the fast-forward would overwrite your untracked {in_the_way[0]}{more}"
     return None
 
 

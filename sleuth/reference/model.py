@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sleuth.redact import redact
 
 # The tiers, in the order the chain tries them. The first three give source files; `docs` gives pages
 # whose facts carry lower confidence; `pinned` gives facts written into the playbook at a stated commit.
@@ -28,8 +30,19 @@ class ResolvedFile(BaseModel):
     source: str = Field(description="where they were read: checkout path, git object, URL, cache file")
     commit: str | None = Field(description="full commit SHA the bytes belong to; None for docs or a branch")
     sha256: str
+    git_blob_sha: str | None = Field(
+        None, description="git's object id for these bytes, checked against what git (or GitHub's tree) says the "
+                          "file is; None when nothing could vouch for them (such bytes are never cached)")
     fetched_at: str = Field(description="UTC time, ISO 8601")
     text: str = Field("", exclude=True, description="the content; fetched code is data, never imported")
+
+    # A remote URL may carry a token; whatever enters the model is redacted, so no sink can leak it.
+    model_config = ConfigDict(validate_assignment=True)
+
+    @field_validator("source")
+    @classmethod
+    def _redacted(cls, value: str) -> str:
+        return redact(value)
 
 
 class Attempt(BaseModel):
@@ -38,6 +51,13 @@ class Attempt(BaseModel):
     outcome: Outcome
     reason: str
     duration_s: float = 0.0
+
+    model_config = ConfigDict(validate_assignment=True)  # the chain fills `tried`/`reason` in as it goes
+
+    @field_validator("tried", "reason")
+    @classmethod
+    def _redacted(cls, value: str) -> str:
+        return redact(value)
 
 
 class Resolution(BaseModel):

@@ -7,6 +7,7 @@ hosts the HTTP tiers may talk to, and facts pinned at a stated commit (the offli
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import yaml
@@ -73,14 +74,28 @@ def known_references() -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
 
 
+# A reference name is a file stem in playbooks/references/ and a folder name in the cache: one path
+# segment of plain characters, never `..`, a separator or a drive.
+_REFERENCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_reference_name(name: str) -> str:
+    if not isinstance(name, str) or not _REFERENCE_NAME.fullmatch(name) or ".." in name:
+        known = ", ".join(known_references()) or "none"
+        raise ReferenceError(f"{name!r} is not a reference name (letters, digits, '.', '_', '-'); "
+                             f"known references: {known}")
+    return name
+
+
 def load_reference_spec(name: str) -> ReferenceSpec:
+    check_reference_name(name)
     path = playbooks_dir() / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(known_references()) or "none"
         raise ReferenceError(f"unknown reference {name!r}; known references: {known}")
     try:
         data = yaml.safe_load(path.read_text())
-        return ReferenceSpec.model_validate({"name": name, **(data or {})})
+        return ReferenceSpec.model_validate({**(data if isinstance(data, dict) else {}), "name": name})
     except (yaml.YAMLError, ValidationError, TypeError) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ReferenceError(f"reference definition {path} is invalid: {first_line}") from None

@@ -59,8 +59,18 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return recorded
 
 
+TREE = f"https://api.github.com/repos/{REPO}/git/trees/{SHA}?recursive=1"
+
+
+def git_blob_sha(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 def serve_good_files(mock: respx.MockRouter, skip: str | None = None) -> None:
     mock.get(API).respond(200, text=SHA)
+    mock.get(TREE).respond(200, json={"sha": SHA, "truncated": False, "tree": [
+        {"path": path, "type": "blob", "mode": "100644", "sha": git_blob_sha(body), "size": len(body)}
+        for path, body in GOOD.items()]})
     for path, body in GOOD.items():
         if path != skip:
             mock.get(RAW + path).respond(200, content=body)

@@ -1,0 +1,59 @@
+"""Secrets out of every string sleuth prints or writes: one function, `redact`, used where URLs enter
+(git remotes, git's own error lines, HTTP failures, the reference model) and again at every sink (stdout,
+stderr, report.md/json/sarif, fix.yaml, trace.jsonl, cache metadata).
+
+What counts as a secret: the userinfo of any URL (`https://x-access-token:TOKEN@github.com/...`; a token
+can be the user name alone), credential-like query parameters (`?access_token=`, `&sig=`, ...), bearer
+headers, the well-known token shapes (GitHub's `ghp_`/`github_pat_`, GitLab's `glpat-`), and the value of
+GITHUB_TOKEN itself wherever it appears. Hosts and paths are kept: they are what a reader needs to act.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+MASK = "***"
+
+# scheme://userinfo@ -- userinfo cannot contain '/', '@' or whitespace; the host after '@' is kept.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s'\"<>]+)@")
+_SECRET_QUERY = re.compile(
+    r"(?P<key>[?&;](?:access_token|token|private_token|api_key|apikey|key|password|passwd|pwd|secret|"
+    r"client_secret|sig|signature|x-amz-signature|x-amz-credential|x-amz-security-token|auth|code)=)"
+    r"(?P<value>[^&#\s'\"<>]+)",
+    re.IGNORECASE,
+)
+_BEARER = re.compile(
+    r"(?P<key>(?:\bAuthorization:\s*(?:Bearer|Basic|token)\s+|\bBearer\s+))(?P<value>[A-Za-z0-9._~+/=\-]{8,})",
+    re.IGNORECASE,
+)
+_TOKEN_SHAPES = re.compile(
+    r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_\-]{20,})"
+)
+_TOKEN_ENV_VARS = ("GITHUB_TOKEN", "GH_TOKEN")
+
+
+def redact(text: str) -> str:
+    """`text` with every secret replaced by ***; safe to call twice and on text without URLs."""
+    if not text:
+        return text
+    text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{MASK}@", text)
+    text = _SECRET_QUERY.sub(lambda m: f"{m['key']}{MASK}", text)
+    text = _BEARER.sub(lambda m: f"{m['key']}{MASK}", text)
+    text = _TOKEN_SHAPES.sub(MASK, text)
+    for var in _TOKEN_ENV_VARS:
+        value = os.environ.get(var, "").strip()
+        if len(value) >= 8:  # a short value would mask ordinary words
+            text = text.replace(value, MASK)
+    return text
+
+
+def redact_data(value: object) -> object:
+    """Every string inside a JSON-like value redacted (keys too); other values as they are."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {redact(str(k)) if isinstance(k, str) else k: redact_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_data(v) for v in value]
+    return value
