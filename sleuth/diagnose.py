@@ -463,18 +463,20 @@ class _Investigation:
 
 def load_config_file(path: Path) -> dict[str, Any]:
     """A run configuration from JSON or YAML (a mapping of config keys); DiagnoseError if unreadable."""
+    from sleuth.safe_yaml import YamlLimitError, describe_decode_error, load_yaml, read_text_file
+
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_text_file(path, what="config")
+    except UnicodeDecodeError as exc:
+        raise DiagnoseError(f"config {path} {describe_decode_error(exc)}") from None
+    except (OSError, YamlLimitError) as exc:
         raise DiagnoseError(f"cannot read config {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except (json.JSONDecodeError, ValueError) as exc:
+        # YAML aliases are expanded under a bound: an alias bomb is refused in milliseconds, not hung on.
+        data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
+    except YamlLimitError as exc:
+        raise DiagnoseError(f"config {path}: {exc}") from None
+    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
         raise DiagnoseError(f"config {path} does not parse: {str(exc).splitlines()[0]}") from None
     except Exception as exc:  # yaml.YAMLError, without importing yaml for JSON configs
         raise DiagnoseError(f"config {path} does not parse: {str(exc).splitlines()[0]}") from None

@@ -10,8 +10,10 @@ GITHUB_TOKEN itself wherever it appears. Hosts and paths are kept: they are what
 
 from __future__ import annotations
 
+import io
 import os
 import re
+from typing import TextIO
 
 MASK = "***"
 
@@ -57,3 +59,27 @@ def redact_data(value: object) -> object:
     if isinstance(value, (list, tuple)):
         return [redact_data(v) for v in value]
     return value
+
+
+class RedactingWriter(io.TextIOBase):
+    """A text stream that redacts whatever is written through it: the terminal is a sink too."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")

@@ -21,9 +21,17 @@ EXPORT_WEIGHTS = "model.safetensors"  # what `trainer export` (and z-lab / specu
 
 DEFAULT_RUNS_DIR = Path("runs")
 
+# Metric values past this magnitude are not measurements (an accuracy, a loss, a streak) but overflow or
+# corruption; keeping them would overflow the chart's axis arithmetic and the regression's differences.
+# Steps past MAX_STEP likewise. Both are part of the run-directory contract as sleuth reads it.
+MAX_METRIC_MAGNITUDE = 1e15
+MAX_STEP = 10**12
+
 # A safetensors header is a little-endian u64 length followed by that many bytes of JSON. Real drafter
 # headers are a few KiB; anything past this is a damaged length field, not a header worth reading.
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+# run.json, config.json and eval.json are a few KiB; a file far larger is not one of them.
+_MAX_JSON_FILE = 16 * 1024 * 1024
 
 
 class RunError(Exception):
@@ -94,14 +102,27 @@ class RunInfo:
         """
         by_step: dict[int, float] = {}
         for row in self.metrics:
-            step, value = row.get("step"), row.get(metric)
-            if isinstance(step, bool) or not isinstance(step, int):
+            step, value = row.get("step"), metric_value(row.get(metric))
+            if not _is_step(step) or value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                continue
-            by_step[step] = float(value)
+            by_step[step] = value
         steps = sorted(by_step)
         return steps, [by_step[s] for s in steps]
+
+
+def metric_value(value: object) -> float | None:
+    """The value as a float when it is a usable measurement: a finite number within ±MAX_METRIC_MAGNITUDE."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)  # an int of 400 digits overflows here rather than later
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) and abs(number) <= MAX_METRIC_MAGNITUDE else None
+
+
+def _is_step(step: object) -> bool:
+    return isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP
 
 
 def resolve_run_dir(run: str | Path, runs_dir: Path | None = None) -> Path:
@@ -177,14 +198,24 @@ def _read_json_object(path: Path, problems: list[str] | None) -> dict[str, Any] 
             problems.append(f"{path.name} is missing")
         return None
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
+        if path.stat().st_size > _MAX_JSON_FILE:
+            raise ValueError(f"{path.stat().st_size} bytes, more than such a file can be")
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
         if problems is not None:
-            problems.append(f"{path.name} cannot be read: {exc}")
+            problems.append(f"{path.name} cannot be read: {exc.strerror or exc}")
+        return None
+    except UnicodeDecodeError as exc:
+        if problems is not None:
+            problems.append(f"{path.name} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})")
         return None
     except json.JSONDecodeError as exc:
         if problems is not None:
             problems.append(f"{path.name} is not valid JSON (line {exc.lineno}: {exc.msg})")
+        return None
+    except (ValueError, RecursionError) as exc:  # an int of 5000 digits, nesting too deep, too large
+        if problems is not None:
+            problems.append(f"{path.name} cannot be read as JSON: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
         return None
     if not isinstance(data, dict):
         if problems is not None:
@@ -206,22 +237,35 @@ def _read_metrics(path: Path, info: RunInfo) -> None:
         return
     info.metrics_sha256 = hashlib.sha256(raw).hexdigest()
     skipped: list[int] = []
-    for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+    dropped: list[str] = []
+    for number, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
+            row = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):  # not UTF-8, garbled, a 5000-digit int
             skipped.append(number)
             continue
         step = row.get("step") if isinstance(row, dict) else None
-        if isinstance(step, bool) or not isinstance(step, int):
+        if not _is_step(step):
             skipped.append(number)
             continue
+        # NaN, ±Infinity and overflowed numbers are not measurements: dropped from the row (and named),
+        # so no reader of metrics (chart, regression) meets them.
+        unusable = [k for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+                    and not isinstance(v, bool) and metric_value(v) is None]
+        for key in unusable:
+            row.pop(key)
+            dropped.append(f"{key} at line {number}")
         info.metrics.append(row)
     if skipped:
         numbers = ", ".join(str(n) for n in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        # Non-UTF-8 lines count as garbled: one damaged line costs that line, never the whole file.
         info.problems.append(f"metrics.jsonl: skipped {len(skipped)} truncated or garbled line(s) (line {numbers})")
+    if dropped:
+        more = f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
+        info.problems.append(f"metrics.jsonl: ignored {len(dropped)} value(s) that are not finite numbers within "
+                             f"±{MAX_METRIC_MAGNITUDE:g} ({', '.join(dropped[:5])}{more})")
     if not info.metrics:
         info.problems.append("metrics.jsonl holds no usable metrics rows")
 
@@ -234,8 +278,9 @@ def _find_checkpoint(checkpoints: Path, info: RunInfo) -> None:
     latest_file = checkpoints / "latest"
     step_dir: Path | None = None
     if latest_file.is_file():
-        name = latest_file.read_text(errors="replace").strip()
-        if name and (checkpoints / name).is_dir():
+        name = latest_file.read_bytes()[:256].decode("utf-8", errors="replace").strip()
+        # `latest` names a directory inside checkpoints/, nothing else: a path in it could point anywhere.
+        if name and "/" not in name and "\\" not in name and name not in (".", "..") and (checkpoints / name).is_dir():
             step_dir = checkpoints / name
         else:
             info.problems.append(f"checkpoints/latest names {name!r}, which does not exist")

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sleuth.findings import TraceStep
+from sleuth.redact import redact, redact_data
 
 
 class Trace:
@@ -23,7 +24,8 @@ class Trace:
     @contextmanager
     def step(self, name: str, **inputs: object) -> Iterator[TraceStep]:
         """Time a step; the body sets `.outcome`. An exception is recorded, then re-raised."""
-        record = TraceStep(step=name, inputs={k: _jsonable(v) for k, v in inputs.items()})
+        # Inputs and outcomes can name a remote URL; they are shown live and saved, so redacted here.
+        record = TraceStep(step=name, inputs={k: redact_data(_jsonable(v)) for k, v in inputs.items()})
         start = time.perf_counter()
         try:
             yield record
@@ -31,13 +33,14 @@ class Trace:
             record.outcome = record.outcome or f"error: {exc}"
             raise
         finally:
+            record.outcome = redact(record.outcome)
             record.duration_s = round(time.perf_counter() - start, 6)
             self.steps.append(record)
             if self._listener is not None:
                 self._listener(record)
 
     def write_jsonl(self, path: Path) -> None:
-        path.write_text("".join(json.dumps(s.model_dump()) + "\n" for s in self.steps))
+        path.write_text("".join(redact(json.dumps(s.model_dump())) + "\n" for s in self.steps))
 
 
 def _jsonable(value: object) -> object:

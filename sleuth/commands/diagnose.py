@@ -69,8 +69,9 @@ def diagnose_command(
     from rich.console import Console
 
     from sleuth.diagnose import DiagnoseError, DiagnoseRequest, diagnose, live_listener
+    from sleuth.redact import RedactingWriter
 
-    errors = Console(stderr=True, highlight=False)
+    errors = Console(file=RedactingWriter(sys.stderr), highlight=False)
     request = DiagnoseRequest(
         run=run,
         runs_dir=runs_dir,
@@ -120,7 +121,9 @@ def _print(result, output_format: OutputFormat) -> None:  # noqa: ANN001 - Diagn
 
         from sleuth.report.text import print_text
 
-        print_text(result.report, Console(highlight=False), result.files)
+        from sleuth.redact import RedactingWriter
+
+        print_text(result.report, Console(file=RedactingWriter(sys.stdout), highlight=False), result.files)
     elif output_format is OutputFormat.json:
         sys.stdout.write(result.files["report.json"].read_text())
     elif output_format is OutputFormat.md:

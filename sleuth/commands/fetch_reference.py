@@ -6,12 +6,15 @@ Exit 0 when the source files resolved, 1 when only docs or pinned facts did, 2 o
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 EXIT_SOURCE, EXIT_DOCS_OR_PINNED, EXIT_ERROR = 0, 1, 2
+DEBUG_ENV = "SLEUTH_DEBUG"
 
 _OUTCOME_STYLE = {"ok": "green", "partial": "yellow", "miss": "yellow", "error": "red", "skipped": "dim"}
 
@@ -27,14 +30,27 @@ def fetch_reference(
 ) -> None:
     """Resolve a reference through local -> git-pull -> raw -> docs -> pinned, and show what each tier gave."""
     from rich.console import Console
+    from rich.markup import escape
 
+    from sleuth.redact import RedactingWriter, redact
     from sleuth.reference import ReferenceError, resolve_reference
 
-    errors = Console(stderr=True)
+    errors = Console(file=RedactingWriter(sys.stderr))
     try:
         resolution = resolve_reference(name, ref=ref, path=path, offline=offline)
     except ReferenceError as exc:
-        errors.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_ERROR) from None
+    except KeyboardInterrupt:
+        errors.print("[red]error:[/red] interrupted", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_ERROR) from None
+    except Exception as exc:
+        # A bug in sleuth, not the user's mistake: still one line; SLEUTH_DEBUG=1 shows the traceback.
+        if os.environ.get(DEBUG_ENV):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        errors.print(f"[red]error:[/red] internal error ({type(exc).__name__}{escape(': ' + first) if first else ''}); "
+                     f"rerun with {DEBUG_ENV}=1 for the traceback", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_ERROR) from None
 
     if resolution.has_source:
@@ -45,7 +61,7 @@ def fetch_reference(
         code = EXIT_ERROR
 
     if json_output:
-        typer.echo(json.dumps(resolution.model_dump(mode="json"), indent=2))
+        typer.echo(redact(json.dumps(resolution.model_dump(mode="json"), indent=2)))
     else:
         _print_human(resolution)
     if code == EXIT_ERROR and not json_output:
@@ -59,7 +75,9 @@ def _print_human(resolution) -> None:  # noqa: ANN001 - Resolution, imported laz
     from rich.console import Console
     from rich.table import Table
 
-    out = Console()
+    from sleuth.redact import RedactingWriter
+
+    out = Console(file=RedactingWriter(sys.stdout))
     tiers = Table(title=f"fetch-reference {resolution.reference}", title_justify="left")
     for column in ("tier", "tried", "outcome", "reason", "time"):
         tiers.add_column(column, overflow="fold", justify="right" if column == "time" else "left")

@@ -125,8 +125,8 @@ class ReferenceCache:
     def _docs_key(self, url: str) -> Path:
         return self.dir / "docs" / hashlib.sha256(url.encode()).hexdigest()[:32]
 
-    def write_doc(self, resolved: ResolvedFile, data: bytes) -> None:
-        key = self._docs_key(resolved.path)
+    def write_doc(self, url: str, resolved: ResolvedFile, data: bytes) -> None:
+        key = self._docs_key(url)
         _atomic_write(key.with_suffix(".html"), data)
         _atomic_write(key.with_suffix(".json"), redact(json.dumps(resolved.model_dump(exclude={"text"}))).encode())
 

@@ -327,7 +327,7 @@ class _Chain:
                     page = ResolvedFile(path=url, tier="docs", source=url, commit=None, sha256=sha256_hex(data),
                                         fetched_at=_now(), text=data.decode("utf-8", errors="replace"))
                     try:
-                        self.cache.write_doc(page, data)
+                        self.cache.write_doc(url, page, data)
                     except OSError:
                         pass  # the cache is an optimisation; a read-only cache dir must not fail the tier
                     pages.append(page)

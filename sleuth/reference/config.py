@@ -12,8 +12,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from sleuth.reference.model import ReferenceError
 
 CACHE_DIR_ENV = "SLEUTH_CACHE_DIR"
@@ -61,10 +59,7 @@ def configured_checkout(name: str, path: Path | None) -> CheckoutChoice | None:
     file = config_file()
     if not file.is_file():
         return None
-    try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ReferenceError(f"config file {file} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    data = read_config_file(file)
     references = data.get("references") if isinstance(data, dict) else None
     if references is not None and not isinstance(references, dict):
         raise ReferenceError(f"config file {file}: `references` must map reference names to {{path: ...}}")
@@ -72,3 +67,21 @@ def configured_checkout(name: str, path: Path | None) -> CheckoutChoice | None:
     if isinstance(entry, dict) and entry.get("path"):
         return CheckoutChoice(Path(str(entry["path"])).expanduser(), f"config {file}")
     return None
+
+
+def read_config_file(file: Path) -> object:
+    """sleuth's config file as data; ReferenceError (one line) when it cannot be read as YAML."""
+    import yaml
+
+    from sleuth.safe_yaml import YamlLimitError, describe_decode_error, load_yaml, read_text_file
+
+    try:
+        return load_yaml(read_text_file(file, what="config file")) or {}
+    except UnicodeDecodeError as exc:
+        raise ReferenceError(f"config file {file} {describe_decode_error(exc)}") from None
+    except OSError as exc:
+        raise ReferenceError(f"config file {file} cannot be read: {exc.strerror or exc}") from None
+    except YamlLimitError as exc:
+        raise ReferenceError(f"config file {file}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ReferenceError(f"config file {file} is not valid YAML: {str(exc).splitlines()[0]}") from None

@@ -39,7 +39,7 @@ class ResolvedFile(BaseModel):
     # A remote URL may carry a token; whatever enters the model is redacted, so no sink can leak it.
     model_config = ConfigDict(validate_assignment=True)
 
-    @field_validator("source")
+    @field_validator("path", "source")
     @classmethod
     def _redacted(cls, value: str) -> str:
         return redact(value)

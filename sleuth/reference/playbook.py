@@ -93,9 +93,11 @@ def load_reference_spec(name: str) -> ReferenceSpec:
     if not path.is_file():
         known = ", ".join(known_references()) or "none"
         raise ReferenceError(f"unknown reference {name!r}; known references: {known}")
+    from sleuth.safe_yaml import YamlLimitError, load_yaml, read_text_file
+
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(read_text_file(path, what="reference definition"))
         return ReferenceSpec.model_validate({**(data if isinstance(data, dict) else {}), "name": name})
-    except (yaml.YAMLError, ValidationError, TypeError) as exc:
+    except (yaml.YAMLError, ValidationError, TypeError, YamlLimitError, UnicodeDecodeError, OSError) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ReferenceError(f"reference definition {path} is invalid: {first_line}") from None

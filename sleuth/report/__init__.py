@@ -46,6 +46,9 @@ def write_report(report: Report, out_dir: Path) -> dict[str, Path]:
 
 def _write_atomic(path: Path, text: str) -> None:
     # A reader (the trainer's --fixed, an editor's SARIF viewer) never sees a half-written file.
+    # The last gate before disk: no URL secret reaches a report, whatever path it took into the model.
+    from sleuth.redact import redact
+
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(text)
+    partial.write_text(redact(text))
     partial.replace(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -17,6 +18,7 @@ CHART_VERSION = 1
 CHART_METRICS = ("acc", "streak", "tau", "loss")
 _KEY_NAME = "sleuth-chart-key"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_MAX_PLOTTABLE = 1e15
 
 # label -> metric -> (steps, values)
 Series = dict[str, dict[str, tuple[list[int], list[float]]]]
@@ -27,8 +29,27 @@ def chart_key(series: Series) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def plottable(series: Series) -> Series:
+    """Only points matplotlib can place: finite values and steps within ±1e15. Past that, axis limits
+    overflow (1e308 - -1e308 is inf) and the drawing fails; such values are damage, not measurements."""
+    def ok(x: float) -> bool:
+        try:
+            return math.isfinite(float(x)) and abs(float(x)) <= _MAX_PLOTTABLE
+        except (TypeError, ValueError, OverflowError):
+            return False
+
+    clean: Series = {}
+    for label, runs in series.items():
+        clean[label] = {}
+        for metric, (steps, values) in runs.items():
+            points = [(s, v) for s, v in zip(steps, values) if ok(s) and ok(v)]
+            clean[label][metric] = ([s for s, _ in points], [float(v) for _, v in points])
+    return clean
+
+
 def write_chart(path: Path, series: Series, *, main_label: str) -> str:
     """Draw the chart at `path` unless an up-to-date one is there; returns 'drawn', 'cached' or 'empty'."""
+    series = plottable(series)
     metrics = [m for m in CHART_METRICS if any(len(runs.get(m, ([], []))[0]) for runs in series.values())]
     if not metrics:
         return "empty"
