@@ -190,7 +190,8 @@ class _Inflater:
         data = chunk
         while True:
             try:
-                piece = self._z.decompress(data, max(room, 0) + 1)  # max_length 0 would mean "no limit"
+                # max_length 0 would mean "no limit"; pieces of at most 1 MiB let the ratio be judged early.
+                piece = self._z.decompress(data, min(max(room, 0), _PIECE) + 1)
             except zlib.error:
                 raise FetchFailure("the compressed body is corrupt") from None
             room -= len(piece)
@@ -240,3 +241,4 @@ def _read_body(response: httpx.Response, url: str, deadline: float, policy: Http
 
 # Below this many decoded bytes the ratio is not judged: a small, repetitive file compresses very well.
 _RATIO_FLOOR = 1024 * 1024
+_PIECE = 1024 * 1024
