@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import shutil
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 import git
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
 REPO = "vllm-project/speculators"
 DFLASH = "src/speculators/models/dflash/"
 NEEDED = [DFLASH + "__init__.py", DFLASH + "core.py", "src/speculators/losses/utils.py"]
@@ -60,6 +62,9 @@ def isolate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, url: str, allowe
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     playbooks = tmp_path / "playbooks"
     (playbooks / "references").mkdir(parents=True, exist_ok=True)
+    # The invariants playbooks move with SLEUTH_PLAYBOOKS_DIR too; the shipped ones are copied beside ours.
+    for shipped in (ROOT / "playbooks").glob("*.yaml"):
+        shutil.copy(shipped, playbooks / shipped.name)
     docs_yaml = json.dumps([{"url": u} for u in (docs or [])])
     (playbooks / "references" / "speculators.yaml").write_text(f"""\
 repository: {REPO}
