@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -30,6 +31,10 @@ MAX_STEP = 10**12
 # A safetensors header is a little-endian u64 length followed by that many bytes of JSON. Real drafter
 # headers are a few KiB; anything past this is a damaged length field, not a header worth reading.
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+# checkpoints/latest holds one directory name, like `step-300`.
+_CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_MAX_LATEST = 4096
+
 # run.json, config.json and eval.json are a few KiB; a file far larger is not one of them.
 _MAX_JSON_FILE = 16 * 1024 * 1024
 
@@ -278,11 +283,12 @@ def _find_checkpoint(checkpoints: Path, info: RunInfo) -> None:
     latest_file = checkpoints / "latest"
     step_dir: Path | None = None
     if latest_file.is_file():
-        name = latest_file.read_bytes()[:256].decode("utf-8", errors="replace").strip()
+        name = latest_file.read_bytes()[:_MAX_LATEST].decode("utf-8", errors="replace").strip()
         # `latest` names a directory inside checkpoints/, nothing else: a path in it could point anywhere.
-        if name and "/" not in name and "\\" not in name and name not in (".", "..") and (checkpoints / name).is_dir():
+        if _CHECKPOINT_NAME.fullmatch(name) and name not in (".", "..") and (checkpoints / name).is_dir():
             step_dir = checkpoints / name
         else:
+            name = name if len(name) <= 80 else name[:77] + "..."
             info.problems.append(f"checkpoints/latest names {name!r}, which does not exist")
     # Without a usable pointer, the highest-numbered step directory is the best guess; say so.
     if step_dir is None:

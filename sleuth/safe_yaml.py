@@ -39,6 +39,11 @@ def load_yaml(text: str, *, max_nodes: int = MAX_EXPANDED_NODES) -> object:
             return loader.construct_document(node)
         except RecursionError:
             raise YamlLimitError("YAML nested too deeply to read") from None
+        except yaml.YAMLError:
+            raise
+        except (ValueError, OverflowError) as exc:  # an integer of 5000 digits, a timestamp out of range
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise YamlLimitError(f"YAML holds a value that cannot be read: {first}") from None
     finally:
         loader.dispose()
 

@@ -241,7 +241,7 @@ class _Chain:
             else:
                 record.tried = f"fetch into checkout {state.checkout.path}"
             result = pull(state, self.needed, self.ref, self.spec.default_branch, self.spec.repository,
-                          self.spec.module_dirs, allowed_hosts=self.spec.allowed_hosts)
+                          self.spec.module_dirs, allowed_hosts=self.spec.allowed_hosts, unreachable=self.unreachable)
             record.outcome, record.reason = result.outcome, result.reason  # type: ignore[assignment]
             self.resolution.notes.extend(result.notes)
             if result.commit is not None and self.from_snapshot and result.commit == self.resolution.commit:

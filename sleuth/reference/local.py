@@ -42,7 +42,7 @@ def _git_env(network: bool) -> dict[str, str]:
         # Never wait for a human: no credential prompts, no ssh passphrase or host-key questions.
         "GIT_TERMINAL_PROMPT": "0",
         "GCM_INTERACTIVE": "never",
-        "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=15",
+        "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=5",
         "GIT_OPTIONAL_LOCKS": "0",  # a status/diff must not rewrite the user's index stat cache
         "LC_ALL": "C",
     }
@@ -335,6 +335,42 @@ def remote_host(url: str) -> str | None:
     return scp_like.group(1) if scp_like else None
 
 
+# How long a TCP connection to the remote may take before the host counts as unreachable. git's own
+# https transport (curl) waits up to 300 s to connect; a user behind a firewall would wait that long.
+CONNECT_PROBE_S = 3.0
+_PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def unreachable_reason(checkout: GitCheckout, url: str, unreachable: set[str] | None) -> str | None:
+    """Why the remote's host cannot be connected to (no DNS, no route, refused, silent), found in at most
+    CONNECT_PROBE_S; None when it can, or when a proxy stands between (then git's own errors apply)."""
+    import socket
+
+    parts = urlsplit(url) if "://" in url else None
+    if parts is None or parts.scheme not in ("https", "http") or not parts.hostname:
+        return None  # ssh remotes are bounded by GIT_SSH_COMMAND's ConnectTimeout; local paths need no network
+    if any(os.environ.get(var) for var in _PROXY_ENV) or _git_proxy_configured(checkout):
+        return None
+    host = parts.hostname.lower()
+    if unreachable is not None and host in unreachable:
+        return f"{host} could not be reached earlier"
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((host, port), timeout=CONNECT_PROBE_S):
+            return None
+    except (OSError, ValueError) as exc:
+        if unreachable is not None:
+            unreachable.add(host)
+        return f"cannot connect to {host} ({getattr(exc, 'strerror', None) or exc or type(exc).__name__})"
+
+
+def _git_proxy_configured(checkout: GitCheckout) -> bool:
+    try:
+        return bool(str(checkout.run("config", "--get-regexp", r"^(http\..*proxy|remote\..*\.proxy)$")).strip())
+    except GitFailure:
+        return False  # exit 1: no proxy setting
+
+
 def choose_upstream(checkout: GitCheckout, ref: str | None, default_branch: str,
                     repository: str) -> tuple[str, str] | None:
     """(remote, branch) to fetch: the branch's own upstream when it has one and no other --ref was asked."""
@@ -351,7 +387,8 @@ def choose_upstream(checkout: GitCheckout, ref: str | None, default_branch: str,
 
 
 def pull(state: LocalState, needed: list[str], ref: str | None, default_branch: str, repository: str,
-         module_dirs: list[str], allowed_hosts: list[str] | None = None) -> PullResult:
+         module_dirs: list[str], allowed_hosts: list[str] | None = None,
+         unreachable: set[str] | None = None) -> PullResult:
     """Fetch the upstream, then decide: local is current, fast-forward, or read the fetched objects."""
     checkout = state.checkout
     upstream = choose_upstream(checkout, ref, default_branch, repository)
@@ -367,10 +404,13 @@ def pull(state: LocalState, needed: list[str], ref: str | None, default_branch: 
             f"remote {remote} is on host {host}, not among the reference's allowed hosts; not fetched",
             use_local=state.complete,
         )
+    url = checkout.remote_url(remote)
+    refusal = checkout.network_refusal or unreachable_reason(checkout, url, unreachable)
+    if refusal is not None:
+        return PullResult("error", f"fetch {remote} ({url}) {branch}: not tried: {refusal}", use_local=state.complete)
     try:
         checkout.fetch(remote, branch)
     except GitFailure as exc:
-        url = checkout.remote_url(remote)
         return PullResult("error", f"fetch {remote} ({url}) {branch}: {exc}", use_local=state.complete)
     result = _pull_fetched(state, needed, ref, remote, branch, module_dirs)
     result.branch = branch

@@ -284,3 +284,24 @@ def test_a_docs_url_with_a_token_in_its_query_is_never_shown(tmp_path: Path, mon
     from sleuth_helpers import assert_no_secret_under
 
     assert_no_secret_under(secret, tmp_path / "cache")
+
+
+def test_an_unreachable_git_host_is_not_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """git's https transport waits up to 300 s to connect; the git-pull tier probes the host first."""
+    from sleuth_helpers import closed_port
+
+    for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    url = f"https://127.0.0.1:{closed_port()}/vllm-project/speculators.git"
+    isolate(tmp_path, monkeypatch, url=url, allowed_hosts=[*ALLOWED, "127.0.0.1"], docs=[DOCS])
+    with respx.mock(assert_all_called=False) as mock:
+        for host in ("api.github.com", "raw.githubusercontent.com", "docs.example.test"):
+            mock.route(host=host).mock(side_effect=httpx.ConnectError("[Errno 101] Network is unreachable"))
+        start = time.perf_counter()
+        res = resolve_reference("speculators")
+        elapsed = time.perf_counter() - start
+    pull = next(a for a in res.trace if a.tier == "git-pull")
+    print(f"no network (git host refused, HTTP hosts unreachable): pinned after {elapsed:.3f} s")
+    assert "not tried: cannot connect to 127.0.0.1" in pull.reason
+    assert res.tier == "pinned" and elapsed < 3.0
+    assert not (tmp_path / "cache" / "references" / "speculators" / "git").exists()  # no empty clone left
