@@ -207,10 +207,10 @@ class GitCheckout:
     def paths_in_the_way(self, target: str) -> list[str]:
         """Files the fast-forward to `target` would create but that already exist untracked (or ignored,
         which git overwrites silently): the user's, so the fast-forward is not done."""
-        added = str(self.run("diff", "--name-only", "--no-renames", "--diff-filter=A", "HEAD", target, "--"))
+        added = str(self.run("diff", "-z", "--name-only", "--no-renames", "--diff-filter=A", "HEAD", target, "--"))
         work_tree = Path(self.repo.working_tree_dir or self.path)
         in_the_way = []
-        for relative in added.splitlines():
+        for relative in filter(None, added.split("\0")):  # -z: names as they are, never quoted
             path = work_tree / relative
             parents = [p for p in path.relative_to(work_tree).parents if str(p) != "."]
             if os.path.lexists(path) or any((work_tree / p).exists() and not (work_tree / p).is_dir()

@@ -118,7 +118,7 @@ def stale_checkout(tmp_path: Path, upstream: Upstream) -> tuple[Path, str]:
     user = tmp_path / "user"
     repo = upstream.clone(user)
     old_head = repo.head.commit.hexsha
-    upstream.commit({p: stand_in(p, 2) for p in NEEDED} | {"notes/new.txt": b"upstream's\n"}, "v2")
+    upstream.commit({p: stand_in(p, 2) for p in NEEDED} | {"notes/new file ü.txt": b"upstream's\n"}, "v2")
     (user / ".git" / "ORIG_HEAD").write_text(repo.head.commit.parents[0].hexsha + "\n")
     return user, old_head
 
@@ -127,14 +127,14 @@ def test_an_untracked_file_in_the_way_stops_the_fast_forward_before_git_runs(tmp
                                                                               upstream: Upstream) -> None:
     user, old_head = stale_checkout(tmp_path, upstream)
     (user / "notes").mkdir()
-    (user / "notes" / "new.txt").write_text("mine, not committed\n")
+    (user / "notes" / "new file ü.txt").write_text("mine, not committed\n")
     before = user_state(user)
 
     res = resolve_reference("speculators", path=user)
 
     assert user_state(user) == before
     pull = tier(res, "git-pull")
-    assert "left your checkout untouched (the fast-forward would overwrite your untracked notes/new.txt)" in pull.reason
+    assert "left your checkout untouched (the fast-forward would overwrite your untracked notes/new file ü.txt)" in pull.reason
     assert res.tier == "git-pull" and git.Repo(user).head.commit.hexsha == old_head
 
 
@@ -233,3 +233,29 @@ def test_a_token_in_the_remote_url_is_written_nowhere(tmp_path: Path, upstream: 
     assert {"report.md", "report.json", "trace.jsonl"} <= {p.name for p in out_dir.iterdir()}
     for secret in (SECRET, "E" * 36):
         assert_no_secret_under(secret, out_dir, tmp_path / "cache")
+
+
+@pytest.mark.parametrize("text, secret", [
+    ("fetch origin (https://x-access-token:SEKRET1234@github.com/o/r.git) main", "SEKRET1234"),
+    ("https://SEKRET1234@github.com/o/r.git", "SEKRET1234"),
+    ("https://h.test/p?a=1&access_token=SEKRET1234&b=2", "SEKRET1234"),
+    ("https://h.test/p?sig=SEKRET1234", "SEKRET1234"),
+    ("Authorization: Bearer SEKRET1234", "SEKRET1234"),
+    ("token ghp_" + "A1b2" * 9 + " leaked", "ghp_" + "A1b2" * 9),
+    ("github_pat_" + "x" * 30, "github_pat_" + "x" * 30),
+])
+def test_redact_takes_the_secret_and_keeps_the_host(text: str, secret: str) -> None:
+    from sleuth.redact import redact
+
+    assert secret not in redact(text)
+    assert redact(redact(text)) == redact(text)
+    if "github.com" in text:
+        assert "github.com/o/r.git" in redact(text)
+
+
+def test_redact_leaves_ordinary_text_and_ssh_remotes_alone() -> None:
+    from sleuth.redact import redact
+
+    for text in ("git@github.com:vllm-project/speculators.git", "the token representations are fine",
+                 "https://github.com/vllm-project/speculators.git", "src/speculators/models/dflash/core.py:17"):
+        assert redact(text) == text
