@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from sleuth.redact import redact
 from sleuth.reference import http
-from sleuth.reference.cache import ReferenceCache, sha256_hex
+from sleuth.reference.cache import ReferenceCache, git_blob_sha, sha256_hex
 from sleuth.reference.config import cache_root, checkout_env_var, configured_checkout
 from sleuth.reference.model import SOURCE_TIERS, Attempt, ReferenceError, Resolution, ResolvedFile
 from sleuth.reference.playbook import ReferenceSpec, load_reference_spec
@@ -103,8 +103,6 @@ class _Chain:
         self.resolution.tier, self.resolution.commit, self.files = tier, commit, files
 
     def read_git(self, checkout: GitCheckout, commit: str, tier: str, source: str) -> list[tuple[ResolvedFile, bytes]]:
-        from sleuth.reference.raw import git_blob_sha
-
         out = []
         for path in self.needed:
             data = checkout.read(commit, path)

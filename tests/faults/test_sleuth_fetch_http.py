@@ -23,6 +23,7 @@ from sleuth_helpers import (
     NEEDED,
     REPO,
     LoopbackServer,
+    assert_no_secret_under,
     closed_port,
     drip,
     git_blob_sha,
@@ -281,15 +282,11 @@ def test_a_docs_url_with_a_token_in_its_query_is_never_shown(tmp_path: Path, mon
         res = resolve_reference("speculators")
     assert res.tier == "docs"
     assert secret not in res.model_dump_json()
-    from sleuth_helpers import assert_no_secret_under
-
     assert_no_secret_under(secret, tmp_path / "cache")
 
 
 def test_an_unreachable_git_host_is_not_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """git's https transport waits up to 300 s to connect; the git-pull tier probes the host first."""
-    from sleuth_helpers import closed_port
-
     for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
     url = f"https://127.0.0.1:{closed_port()}/vllm-project/speculators.git"

@@ -14,7 +14,7 @@ import pytest
 from sleuth_helpers import assert_one_line_error, invoke, isolate, write_run
 
 BILLION_LAUGHS = "\n".join(
-    [f'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
     + [f"{b}: &{b} [{', '.join(['*' + a] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi")]
 ) + "\nreferences: {speculators: {path: *i}}\n"
 
