@@ -16,11 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
 from sleuth.redact import redact
 from sleuth.reference.model import ResolvedFile
+
+_FULL_SHA = re.compile(r"[0-9a-f]{40}")
 
 
 def git_blob_sha(data: bytes) -> str:
@@ -63,8 +66,13 @@ class ReferenceCache:
 
     # refs -------------------------------------------------------------------------------------------
     def read_ref(self, branch: str) -> str | None:
+        """The SHA the branch pointed to, or None when absent or not a SHA (a damaged ref is no ref)."""
         path = self._inside(self.dir / "refs", branch)
-        return path.read_text().strip() if path.is_file() else None
+        try:
+            text = path.read_bytes()[:100].decode("ascii").strip() if path.is_file() else ""
+        except (OSError, UnicodeDecodeError):
+            return None
+        return text.lower() if _FULL_SHA.fullmatch(text.lower()) else None
 
     def write_ref(self, branch: str, commit: str) -> None:
         _atomic_write(self._inside(self.dir / "refs", branch), commit.encode())
@@ -78,7 +86,7 @@ class ReferenceCache:
         snapshots = self.dir / "snapshots"
         if not snapshots.is_dir() or len(prefix) < 4:
             return None
-        matches = [p.name for p in snapshots.iterdir() if p.name.startswith(prefix.lower())]
+        matches = [p.name for p in snapshots.iterdir() if p.name.startswith(prefix.lower()) and _FULL_SHA.fullmatch(p.name)]
         return matches[0] if len(matches) == 1 else None
 
     def write_snapshot(self, commit: str, files: list[tuple[ResolvedFile, bytes]]) -> None:
@@ -96,9 +104,11 @@ class ReferenceCache:
     def _read_provenance(self, commit: str) -> dict:
         path = self.dir / "provenance" / f"{commit}.json"
         try:
-            return json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, json.JSONDecodeError):
+            data = json.loads(path.read_bytes()) if path.is_file() else {}
+        except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, not JSON
             return {}
+        # Damaged provenance is no provenance: its files count as not cached.
+        return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
 
     def read_snapshot(self, commit: str, paths: list[str]) -> tuple[dict[str, tuple[dict, bytes]], list[str]]:
         """(found: path -> (original provenance, bytes), missing paths). Bytes are re-hashed on read."""
@@ -112,7 +122,11 @@ class ReferenceCache:
             if not file.is_file() or record is None:
                 missing.append(path)
                 continue
-            data = file.read_bytes()
+            try:
+                data = file.read_bytes()
+            except OSError:
+                missing.append(path)
+                continue
             if sha256_hex(data) != record.get("sha256") or git_blob_sha(data) != record.get("git_blob_sha"):
                 # A damaged entry, or one written before bytes were checked against git (an empty or cut
                 # HTTP body could be among those), is treated as absent, never trusted.
@@ -133,8 +147,8 @@ class ReferenceCache:
     def read_doc(self, url: str) -> tuple[dict, bytes] | None:
         key = self._docs_key(url)
         try:
-            record = json.loads(key.with_suffix(".json").read_text())
+            record = json.loads(key.with_suffix(".json").read_bytes())
             data = key.with_suffix(".html").read_bytes()
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, RecursionError):
             return None
-        return (record, data) if sha256_hex(data) == record.get("sha256") else None
+        return (record, data) if isinstance(record, dict) and sha256_hex(data) == record.get("sha256") else None

@@ -11,7 +11,9 @@ exactly one line, or a byte of the run directory changed (diagnosis writes only 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,3 +140,44 @@ def test_every_command_survives_a_damaged_sleuth_config_file(tmp_path: Path, mon
                  ["diagnose", "--code", str(code_file), "--offline", "--out", str(tmp_path / "out")]):
         code, out, err, exc = invoke(args)
         assert_calm(code, out, err, exc, f"{args[0]} with a config file {damage}")
+
+
+def _cached_reference(tmp_path: Path) -> Path:
+    """A cache holding a verified snapshot of the reference, as a successful online run leaves it."""
+    from sleuth_helpers import NEEDED, git_blob_sha, stand_in
+
+    from sleuth.reference.cache import ReferenceCache
+    from sleuth.reference.model import ResolvedFile
+
+    commit = "b" * 40
+    cache = ReferenceCache(tmp_path / "cache", "speculators")
+    files = [(ResolvedFile(path=p, tier="raw", source=f"https://raw.githubusercontent.com/x/{commit}/{p}",
+                           commit=commit, sha256=hashlib.sha256(stand_in(p)).hexdigest(),
+                           git_blob_sha=git_blob_sha(stand_in(p)), fetched_at="2026-11-01T00:00:00+00:00"),
+              stand_in(p)) for p in NEEDED]
+    cache.write_snapshot(commit, files)
+    cache.write_ref("main", commit)
+    return cache.dir
+
+
+CACHE_DAMAGES: dict[str, Callable[[Path], None]] = {
+    "ref non-UTF-8": lambda d: (d / "refs" / "main").write_bytes(b"\xff\xfe"),
+    "ref a path": lambda d: (d / "refs" / "main").write_text("../../../../etc\n"),
+    "ref a directory": lambda d: ((d / "refs" / "main").unlink(), (d / "refs" / "main").mkdir()),
+    "provenance a list": lambda d: next((d / "provenance").glob("*.json")).write_text("[1, 2]"),
+    "provenance entry a string": lambda d: next((d / "provenance").glob("*.json")).write_text(
+        json.dumps({p: "x" for p in ["src/speculators/models/dflash/__init__.py"]})),
+    "provenance non-UTF-8": lambda d: next((d / "provenance").glob("*.json")).write_bytes(b"\xff{"),
+    "snapshot file a directory": lambda d: next(p for p in (d / "snapshots").rglob("*.py")).unlink()
+    or next(iter((d / "snapshots").iterdir())).joinpath("src/speculators/losses/utils.py").mkdir(),
+    "snapshots a file": lambda d: (shutil.rmtree(d / "snapshots"), (d / "snapshots").write_text("x")),
+}
+
+
+@pytest.mark.parametrize("damage", list(CACHE_DAMAGES))
+def test_offline_fetch_survives_a_damaged_cache(tmp_path: Path, damage: str) -> None:
+    CACHE_DAMAGES[damage](_cached_reference(tmp_path))
+    for args in (["fetch-reference", "speculators", "--offline"], ["fetch-reference", "speculators", "--offline",
+                                                                    "--json"]):
+        code, out, err, exc = invoke(args)
+        assert_calm(code, out, err, exc, f"{' '.join(args)} with the cache's {damage}")
