@@ -147,6 +147,8 @@ def get(client: httpx.Client, url: str, *, allowed_hosts: list[str], deadline: f
                 location = response.headers.get("location")
                 retry_after = _retry_after_s(response)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            if isinstance(exc, httpx.ConnectTimeout) and remaining < policy.connect_timeout_s:
+                raise FetchFailure(f"time bound reached while connecting to {host}") from None
             unreachable.add(host)
             raise Unreachable(f"cannot connect to {host} ({type(exc).__name__})") from None
         except httpx.TimeoutException:
