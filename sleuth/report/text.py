@@ -49,4 +49,5 @@ def print_text(report: Report, console: Console, files: dict[str, Path] | None =
         line.append(", ".join(f.id.removeprefix("dflash.") for f in unknown))
         console.print(line)
     if files:
-        console.print(Text("report: ", style="bold") + Text(str(files.get("report.md", ""))))
+        # A path is copied, never read as prose: it must not be wrapped at the terminal's width.
+        console.print(Text("report: ", style="bold") + Text(str(files.get("report.md", ""))), soft_wrap=True)
