@@ -63,6 +63,13 @@ class TrainConfig(BaseModel):
     loss_decay_gamma: float | None = Field(
         4.0, gt=0, description="Slot k >= 1 weighs exp(-(k-1)/gamma); None disables the decay."
     )
+    loss_weighting: Literal["decay", "dpace"] = Field(
+        "decay",
+        description="'decay': slot k >= 1 weighs exp(-(k-1)/loss_decay_gamma) (DFlash as published). "
+        "'dpace': D-PACE, weights from the drafter's own confidence (speculators' current DFlash default; "
+        "needs loss: ce; loss_decay_gamma is then unused).",
+    )
+    dpace_alpha: float = Field(0.5, gt=0, le=1, description="D-PACE confidence smoothing, in (0, 1].")
     context_includes_anchor: bool = Field(
         False,
         description="False (reference): a block sees context strictly before its anchor. True lets it see "
@@ -74,7 +81,18 @@ class TrainConfig(BaseModel):
     )
 
     # --- optimisation ----------------------------------------------------------------------------------
-    optimizer: Literal["adamw"] = "adamw"
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="'adamw' for every weight; 'muon': torch.optim.Muon for the 2-D weight matrices, AdamW "
+        "for the rest (norms), as speculators splits them.",
+    )
+    muon_lr: float | None = Field(None, gt=0, description="Peak lr of the Muon group; None: lr (speculators).")
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_weight_decay: float = Field(0.1, ge=0)
+    muon_ns_steps: int = Field(5, ge=1, le=20, description="Newton-Schulz iterations.")
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = Field(
+        "match_rms_adamw", description="Muon's lr adjustment; 'match_rms_adamw' matches AdamW's update RMS."
+    )
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -132,6 +150,8 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"fc_layers {self.fc_layers} index outside the {k} selected target layers")
         if isinstance(self.target_logits_source, int) and self.target_logits_source < 0:
             raise ValueError("target_logits_source must be 'final' or a non-negative layer id")
+        if self.loss_weighting == "dpace" and self.loss != "ce":
+            raise ValueError("loss_weighting 'dpace' needs loss 'ce' (D-PACE weighs cross-entropy confidences)")
         if self.seq_len <= self.block_size:
             raise ValueError(f"seq_len {self.seq_len} must exceed block_size {self.block_size}")
         return self
@@ -179,6 +199,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "v5": {"fc_layers": [0, 1, 2, 3], "target_logits_source": "last_selected", "loss_decay_gamma": 7.0},
     # The seed's attempted fix: all fc layers, final logits, gamma 4, but the context includes the anchor.
     "v6": {"context_includes_anchor": True},
+    # The reference's current recipe (speculators 0.9.0 `train --speculator-type dflash` defaults, from its
+    # RFC "DFlash Training Best Practices", speculators #979): block 16, D-PACE (alpha 0.5) with CE, Muon on
+    # the 2-D weights at the base lr with match_rms_adamw, AdamW weight decay 0.01, 5 draft layers. Its
+    # 512 anchors per sequence keep their density at our CPU-sized seq_len (32, our default); lr stays ours.
+    "recipe-2026": {
+        "block_size": 16,
+        "loss_weighting": "dpace",
+        "dpace_alpha": 0.5,
+        "loss": "ce",
+        "optimizer": "muon",
+        "muon_adjust_lr_fn": "match_rms_adamw",
+        "weight_decay": 0.01,
+        "draft_layers": 5,
+    },
 }
 
 def parse_override(item: str) -> tuple[str, Any]:

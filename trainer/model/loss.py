@@ -6,7 +6,8 @@ position p+j-1, whose next-token prediction is token p+j (rule `dflash.target_sh
 src/speculators/models/dflash/core.py rolls the verifier logits by one for exactly this).
 Slot 0 predicts nothing and gets weight 0 (`dflash.anchor_slot_untrained`); slot k >= 1 weighs
 exp(-(k-1)/gamma) (`dflash.loss_decay_gamma`; speculators src/speculators/losses/utils.py
-`dflash_loss_decay`).
+`dflash_loss_decay`), or, with D-PACE weighting, a weight that depends on the drafter's own confidence
+(speculators `dpace_loss_decay`, its current DFlash default: `dpace_weights` below).
 """
 
 from __future__ import annotations
@@ -30,6 +31,28 @@ def decay_weights(block_size: int, gamma: float | None) -> Tensor:  # [B] float3
         weights = torch.exp(-(slot - 1).clamp(min=0) / gamma)
     weights[0] = 0.0  # the anchor slot is an input, not a prediction
     return weights
+
+
+@torch.no_grad()
+def dpace_weights(
+    per_slot_ce: Tensor,  # [N, A, B] cross entropy of every slot (any value where not label-valid)
+    label_valid: Tensor,  # [N, A, B] bool: slot k >= 1 with a supervised label in the anchor's document
+    alpha: float,
+) -> Tensor:  # [N, A, B] float32, no grad
+    """D-PACE per-slot weights, exactly speculators' `dpace_loss_decay` (losses/utils.py) per block.
+
+    q_k = exp(-CE_k) is the drafter's confidence in the target's token at slot k, smoothed to
+    s_k = (1 - alpha) q_k + alpha (1 where the slot has no label); prefix_k = prod_{i<=k} s_i estimates the
+    chance that the draft is still accepted at slot k, and slot k weighs the expected number of accepted
+    tokens that depend on it: sum_{j>=k} prefix_j over labelled slots. Weights are data: they move with the
+    drafter's confidence, so no single gamma describes them (a probe sees that, not a wrong gamma).
+    """
+    mask = label_valid.float()
+    confidence = torch.exp(-(per_slot_ce.float() * mask))
+    smooth = torch.where(label_valid, (1.0 - alpha) * confidence + alpha, torch.ones_like(confidence))
+    prefix = torch.cumprod(smooth, dim=-1)  # [N, A, B]
+    suffix = torch.flip(torch.cumsum(torch.flip(prefix * mask, dims=[-1]), dim=-1), dims=[-1])
+    return suffix * mask
 
 
 def block_positions(anchors: Tensor, block_size: int) -> Tensor:  # [N, A, B] long: p + j
@@ -84,6 +107,8 @@ def dflash_loss(
     target_block_logits: Tensor,  # [N, A, B, V] from gather_block_logits
     weights: Tensor,  # [N, A, B] from slot_weights
     kind: Literal["ce", "kl"],
+    weighting: Literal["decay", "dpace"] = "decay",
+    dpace_alpha: float = 0.5,
 ) -> tuple[Tensor, dict[str, Any]]:
     """Per-slot loss, decay-weighted and normalised the way speculators does it.
 
@@ -94,6 +119,9 @@ def dflash_loss(
 
     kind "ce": cross entropy against the target's argmax (speculators' DFlash default, rule
     `dflash.loss_kind`); "kl": KL(target softmax || draft softmax), speculators losses/eager.py kl_div_loss.
+    weighting "decay": `weights` as given (fixed exponential decay); "dpace": `weights` only says which slots
+    are label-valid (build them with gamma None) and D-PACE replaces the decay (CE only, as speculators
+    requires).
     """
     draft_logp = F.log_softmax(draft_logits.float(), dim=-1)  # [N, A, B, V]
     target_logits = target_block_logits.float().detach()
@@ -108,6 +136,12 @@ def dflash_loss(
 
     weights = weights.float()
     label_valid = weights > 0  # [N, A, B]
+    if weighting == "dpace":
+        if kind != "ce":
+            raise ValueError("D-PACE weighting needs the cross-entropy loss (loss: ce), as speculators requires")
+        weights = dpace_weights(per_slot.detach(), label_valid, dpace_alpha)
+    elif weighting != "decay":
+        raise ValueError(f"loss weighting must be 'decay' or 'dpace', got {weighting!r}")
     row_sum = (weights * per_slot).flatten(1).sum(dim=1)  # [N]
     row_count = label_valid.flatten(1).sum(dim=1).float()  # [N]
     loss = (row_sum / (row_count + LOSS_REDUCTION_EPS)).mean()

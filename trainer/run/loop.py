@@ -27,6 +27,7 @@ from trainer.run.checkpoint import (
     save_checkpoint,
 )
 from trainer.run.distributed import Distributed, init_distributed
+from trainer.run.optim import build_optimizer
 from trainer.run.progress import RunProgress
 from trainer.run.rundir import RUN_FORMAT_VERSION, RunDir, RunError, atomic_write_json, now_iso
 from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
@@ -143,9 +144,7 @@ def _train(
     packed = pack_documents(documents, config.seq_len, target.pad_token_id)
 
     drafter = build_drafter(config, target, plan)
-    optimizer = torch.optim.AdamW(
-        drafter.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
-    )
+    optimizer = build_optimizer(config, drafter)
 
     start_step = 0
     checkpoint = latest_checkpoint(run.checkpoints_dir) if resume else None
@@ -176,8 +175,8 @@ def _train(
     started = time.perf_counter()
     for step in range(start_step + 1, config.steps + 1):
         lr = lr_at(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        for group in optimizer.param_groups:  # the schedule scales every group's own peak lr (Muon's may differ)
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         global_batch = batch_for_step(packed, step, config.batch_size, config.seed)
         anchors, anchor_valid = sample_step_anchors(global_batch, plan, config.seed, step)
         rows = dist.rows(config.batch_size)

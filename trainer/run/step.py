@@ -29,6 +29,8 @@ class StepPlan:
     loss_kind: str
     context_includes_anchor: bool
     mask_token_id: int
+    loss_weighting: str = "decay"  # "decay" (fixed gamma) | "dpace" (speculators' current default)
+    dpace_alpha: float = 0.5
 
     @classmethod
     def from_config(cls, config: TrainConfig, target: FrozenTarget) -> StepPlan:
@@ -41,6 +43,8 @@ class StepPlan:
             loss_kind=config.loss,
             context_includes_anchor=config.context_includes_anchor,
             mask_token_id=config.mask_token_id if config.mask_token_id is not None else target.mask_token_id,
+            loss_weighting=config.loss_weighting,
+            dpace_alpha=config.dpace_alpha,
         )
 
 
@@ -94,7 +98,10 @@ def dflash_step(
     # dflash.target_shift: slot j of the block at p learns the target's prediction at p+j-1.
     target_block_logits = gather_block_logits(target_logits, anchors, B)  # (N, A, B, V)
     del target_logits  # (N, S, V) is the largest tensor of the step; only the gathered blocks are needed
-    weights = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, plan.gamma)  # (N, A, B)
-    loss, metrics = dflash_loss(draft_logits.float(), target_block_logits.float(), weights, plan.loss_kind)
+    # D-PACE computes its own weights from the drafter's confidence: the slot weights then only mark labels.
+    gamma = plan.gamma if plan.loss_weighting == "decay" else None
+    weights = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, gamma)  # (N, A, B)
+    loss, metrics = dflash_loss(draft_logits.float(), target_block_logits.float(), weights, plan.loss_kind,
+                                plan.loss_weighting, plan.dpace_alpha)
     metrics["tokens"] = int((doc_ids >= 0).sum())
     return loss, metrics
