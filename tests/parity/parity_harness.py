@@ -18,8 +18,9 @@ What "identical" means here, and the conventions we line up on purpose:
     loss and gradients over rows: our loss is the mean of per-row losses, the same reduction.
   * gamma None (no decay) is gamma = inf for speculators: exp(-(k-1)/inf) = 1 for every slot k >= 1.
   * speculators' loss is given explicitly: `resolve_loss_config(name, "eager")` (its default "fused"
-    losses need Triton) and per_position_loss_weight="fixed-exp-decay" (its training CLI can default to
-    D-PACE weighting; the model-level default is fixed decay, which is what our trainer implements).
+    losses need Triton) and per_position_loss_weight "fixed-exp-decay" or "dpace" with dpace_alpha, as the
+    case's `weighting` says (its training CLI defaults DFlash to D-PACE; the model-level default is fixed
+    decay).
   * speculators' dataloader adds uniform noise to the aux hidden states by default; that lives in its
     data pipeline, not in the model, so feeding tensors directly already leaves it out.
   * Documents: speculators' loss mask for slot j is loss_mask[p+j] with no document check, so a block
@@ -91,6 +92,8 @@ class ParityCase:
     attn: str  # speculators' attention implementation: "eager" | "sdpa"
     seed: int
     dims: ModelDims = field(default_factory=ModelDims)
+    weighting: str = "decay"  # "decay" (fixed-exp-decay) | "dpace" (speculators' current DFlash default)
+    dpace_alpha: float = 0.5
 
     @property
     def mask_token_id(self) -> int:
@@ -250,6 +253,7 @@ def run_ours(case: ParityCase, drafter: DFlashDrafter, inputs: Inputs, anchor_se
         feature_layer_ids=list(range(1, case.dims.num_features + 1)), logits_source="final",
         block_size=case.block_size, max_anchors=case.max_anchors, gamma=case.gamma, loss_kind=case.loss_kind,
         context_includes_anchor=context_includes_anchor, mask_token_id=case.mask_token_id,
+        loss_weighting=case.weighting, dpace_alpha=case.dpace_alpha,
     )
     batch = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "doc_ids": inputs.doc_ids,
              "loss_mask": inputs.loss_mask}
@@ -286,7 +290,8 @@ def speculators_forward_row(model, case: ParityCase, inputs: Inputs, row: int, a
             loss_config=loss_config or speculators_loss_config(case.loss_kind),
             gamma=gamma,
             max_anchors=case.max_anchors,
-            per_position_loss_weight="fixed-exp-decay",
+            per_position_loss_weight="dpace" if case.weighting == "dpace" else "fixed-exp-decay",
+            dpace_alpha=case.dpace_alpha,
         )
     return loss, metrics
 
@@ -368,7 +373,7 @@ def run_parity(case: ParityCase, *, cross_document_labels: bool = False,
 
 
 # Several random tiny configs: block sizes, anchor counts (some above the eligible positions, so padding
-# anchors occur), 1-3 documents per row, 1-2 rows, gamma 4 / 7 / None, CE and KL, eager and SDPA attention
+# anchors occur), 1-3 documents per row, 1-2 rows, gamma 4 / 7 / None or D-PACE, CE and KL, eager and SDPA attention
 # on speculators' side, A*B below and above S (speculators gathers or rolls the targets), two model shapes.
 SMALL_DIMS = ModelDims(hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64, draft_layers=1, vocab=96,
                        num_features=3)
@@ -381,4 +386,10 @@ PARITY_CASES: list[ParityCase] = [
     ParityCase("b8-rows3+2doc-nogamma-kl-sdpa", 8, 6, (3, 2), 72, None, "kl", "sdpa", seed=16),
     ParityCase("b6-2doc-g4-ce-sdpa-smalldims", 6, 5, (2,), 48, 4.0, "ce", "sdpa", seed=17, dims=SMALL_DIMS),
     ParityCase("b16-2doc-g7-kl-eager-smalldims", 16, 3, (2,), 80, 7.0, "kl", "eager", seed=18, dims=SMALL_DIMS),
+    # D-PACE (speculators' current DFlash default; CE only): weights from the drafter's own confidence.
+    ParityCase("b8-2doc-dpace-ce-sdpa", 8, 5, (2,), 64, None, "ce", "sdpa", seed=19, weighting="dpace"),
+    ParityCase("b16-rows1+2doc-dpace-a0.2-ce-eager", 16, 3, (1, 2), 80, None, "ce", "eager", seed=20,
+               dims=SMALL_DIMS, weighting="dpace", dpace_alpha=0.2),
+    ParityCase("b4-3doc-dpace-a1-ce-sdpa-padanchors", 4, 30, (3,), 48, None, "ce", "sdpa", seed=21,
+               weighting="dpace", dpace_alpha=1.0),
 ]
