@@ -170,9 +170,11 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
         model.to(device=device, dtype=dtype)
 
     target = StandInTarget(inputs, size.dims.rms_eps)
+    recipe = args.recipe == "recipe-2026"  # D-PACE weighting + Muon/AdamW on both sides (speculators' defaults)
     plan = StepPlan(feature_layer_ids=list(range(1, size.dims.num_features + 1)), logits_source="final",
                     block_size=size.block_size, max_anchors=size.max_anchors, gamma=4.0, loss_kind=args.loss,
-                    context_includes_anchor=False, mask_token_id=case.mask_token_id)
+                    context_includes_anchor=False, mask_token_id=case.mask_token_id,
+                    loss_weighting="dpace" if recipe else "decay")
     batch = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "doc_ids": inputs.doc_ids,
              "loss_mask": inputs.loss_mask}
     tokens = int((inputs.doc_ids >= 0).sum())
@@ -203,17 +205,44 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
                 hidden_states=inputs.features, input_ids=inputs.input_ids, loss_mask=inputs.loss_mask,
                 verifier_last_hidden_states=inputs.last_hidden, document_ids=inputs.doc_ids,
                 position_ids=inputs.position_ids, loss_config=loss_config, gamma=4.0,
-                max_anchors=size.max_anchors, per_position_loss_weight="fixed-exp-decay",
+                max_anchors=size.max_anchors, per_position_loss_weight="dpace" if recipe else "fixed-exp-decay",
             )
         loss.backward()
         their_opt.step()
         their_opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    our_opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    class Chain:  # speculators' trainer steps its optimizer list in tandem
+        def __init__(self, parts):
+            self.parts = parts
+
+        def step(self):
+            for part in self.parts:
+                part.step()
+
+        def zero_grad(self, set_to_none=True):
+            for part in self.parts:
+                part.zero_grad(set_to_none=set_to_none)
+
+    if recipe:
+        from trainer.config import build_config
+        from trainer.run.optim import build_optimizer
+
+        our_opt = build_optimizer(build_config(preset="recipe-2026", overrides=["lr=1e-4"]), drafter)
+    else:
+        our_opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     runners = {"ours": ours}
     if model is not None:
-        their_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        if recipe:
+            from types import SimpleNamespace
+
+            from speculators.train.optimizers import build_optimizers
+
+            their_opt = Chain(build_optimizers(model, SimpleNamespace(
+                optimizer="muon", lr=1e-4, weight_decay=0.01, muon_lr=1e-4, muon_momentum=0.95,
+                muon_weight_decay=0.1, muon_ns_steps=5, muon_adjust_lr_fn="match_rms_adamw")))
+        else:
+            their_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         runners["speculators"] = theirs
 
     def sync() -> None:
@@ -334,6 +363,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="accelerator peak for MFU (default: 989 for H100/H200 bf16 dense)")
+    parser.add_argument("--recipe", default="decay", choices=["decay", "recipe-2026"],
+                        help="decay: fixed gamma + AdamW; recipe-2026: D-PACE + Muon/AdamW on both sides")
     parser.add_argument("--json", type=Path, default=None, help="also write all results here")
     args = parser.parse_args()
     if args.threads:
