@@ -112,6 +112,17 @@ class TrainConfig(BaseModel):
     eval_every: int | None = Field(
         25, ge=1, description="Speculative-decoding eval every N steps (tau in metrics.jsonl); None: off."
     )
+    val_every: int | None = Field(
+        None, ge=1,
+        description="Validation every N steps on the held-out documents: loss, acc, position_acc, streak and "
+        "eal as `split: val` rows in metrics.jsonl (the same batches every time). None: off.",
+    )
+    val_batches: int = Field(2, ge=1, le=1000, description="Held-out batches (of batch_size rows) per validation.")
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="Also log metrics to these trackers (their libraries must be installed; wandb runs offline "
+        "unless WANDB_MODE says otherwise). metrics.jsonl is always written.",
+    )
     eval_prompts: int = Field(8, ge=1)
     eval_max_new_tokens: int = Field(64, ge=1)
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -212,6 +223,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "muon_adjust_lr_fn": "match_rms_adamw",
         "weight_decay": 0.01,
         "draft_layers": 5,
+        "val_every": 25,  # speculators validates every epoch (--train-data-ratio 0.9); we have steps, not epochs
     },
 }
 

@@ -28,6 +28,7 @@ from trainer.run.checkpoint import (
 )
 from trainer.run.distributed import Distributed, init_distributed
 from trainer.run.optim import build_optimizer
+from trainer.run.trackers import open_trackers, require_trackers
 from trainer.run.progress import RunProgress
 from trainer.run.rundir import RUN_FORMAT_VERSION, RunDir, RunError, atomic_write_json, now_iso
 from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
@@ -155,6 +156,8 @@ def _train(
         start_step = checkpoint.step
     # Everything a user can get wrong (held-out prompts included) fails before the run directory is written.
     evaluator = _Evaluator(config, target) if config.eval_every and dist.is_main else None
+    validator = _Validator(config, target, plan, dist, torch_device) if config.val_every else None
+    require_trackers(config)
     if resume:
         _check_same_inputs(run, target.fingerprint, packed.fingerprint)
     if dist.is_main:
@@ -162,6 +165,7 @@ def _train(
             run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created
         )
     dist.barrier()
+    trackers = open_trackers(config, run) if dist.is_main else None
 
     model = drafter
     if dist.enabled:
@@ -210,9 +214,15 @@ def _train(
                 drafter.train()
             if dist.is_main:
                 run.append_metrics(row)
+                trackers.log(row, "train")
             last = row
             tokens_since, clock = 0, time.perf_counter()
             display.metrics(row)
+        if validator is not None and (step % config.val_every == 0 or step == config.steps):
+            val_row = {"step": step, "split": "val", **validator.metrics(model)}
+            if dist.is_main:
+                run.append_metrics(val_row)
+                trackers.log(val_row, "val")
         if step % config.checkpoint_every == 0 or step == config.steps:
             if dist.is_main:
                 state = {"config_steps": config.steps, "world_size": dist.world_size}
@@ -228,6 +238,7 @@ def _train(
         atomic_write_json(run.eval_path, {"step": config.steps, **report})
         last = {**last, "eval_tau": report.get("tau")}
     if dist.is_main:
+        trackers.close()
         run.update_info(status="completed", steps_done=config.steps, finished=now_iso())
     dist.barrier()
     return TrainResult(run=run, steps_done=config.steps, last_metrics=last)
@@ -287,6 +298,44 @@ def _check_same_inputs(run: RunDir, target_fingerprint: str, data_fingerprint: s
                 f"run {run.name!r} started on another {what} (fingerprint {started[:12]}, now "
                 f"{now[what][:12]}); resuming would not continue the same run: start a new one"
             )
+
+
+class _Validator:
+    """Loss and accuracy on held-out documents, with the training step itself (no grad).
+
+    The batches and their anchors are the same at every validation (drawn from (seed, index) over the
+    held-out rows), so successive rows measure the drafter, not the sample. Under torchrun every rank
+    takes its slice and the numbers are summed over ranks exactly as training's are.
+    """
+
+    def __init__(self, config: TrainConfig, target: FrozenTarget, plan: StepPlan, dist: Distributed,
+                 device: torch.device) -> None:
+        documents = load_documents(config.data, target.tokenizer, split="heldout")
+        self.packed = pack_documents(documents, config.seq_len, target.pad_token_id)
+        self.config, self.target, self.plan, self.dist, self.device = config, target, plan, dist, device
+
+    @torch.no_grad()
+    def metrics(self, model: torch.nn.Module) -> dict[str, Any]:
+        was_training = model.training
+        model.eval()
+        rows = self.dist.rows(self.config.batch_size)
+        totals: dict[str, Any] = {}
+        loss_sum = 0.0
+        for index in range(1, self.config.val_batches + 1):
+            batch = batch_for_step(self.packed, index, self.config.batch_size, self.config.seed)
+            anchors, anchor_valid = sample_step_anchors(batch, self.plan, self.config.seed, index)
+            local = {key: value[rows].to(self.device) for key, value in batch.items()}
+            loss, metrics = dflash_step(self.target, model, local, anchors[rows], anchor_valid[rows], self.plan)
+            loss_sum += float(loss)
+            for key, value in metrics["counts"].items():
+                if isinstance(value, list):
+                    totals[key] = [a + b for a, b in zip(totals.get(key, [0.0] * len(value)), value)]
+                else:
+                    totals[key] = totals.get(key, 0.0) + value
+        model.train(was_training)
+        summed = self.dist.sum({"loss": loss_sum, **totals})
+        loss = summed.pop("loss") / (self.dist.world_size * self.config.val_batches)
+        return {key: _round(value) for key, value in {"loss": loss, **metrics_from_counts(summed)}.items()}
 
 
 class _Evaluator:
