@@ -31,11 +31,11 @@ from pydantic import BaseModel, Field
 
 from sleuth.runs import RunInfo
 
-METRICS = ("acc", "streak", "tau", "loss")
-LOWER_IS_BETTER = frozenset({"loss"})
+METRICS = ("acc", "streak", "tau", "loss", "val_acc", "val_loss")
+LOWER_IS_BETTER = frozenset({"loss", "val_loss"})  # val_*: the `split: val` rows (held-out data)
 # Loss scales with the loss weighting (gamma, CE vs KL), which comparable runs may legitimately differ in;
 # the acceptance metrics do not, so they decide the verdict and loss only decides when none is available.
-DECIDING_METRICS = ("acc", "streak", "tau")
+DECIDING_METRICS = ("acc", "streak", "tau", "val_acc")
 MIN_POINTS = 3
 _EDGE_FIT_POINTS = 7
 # Fewer second differences than this give a noise estimate too rough to trust alone.
@@ -232,7 +232,7 @@ def find_regression(run: RunInfo, others: list[RunInfo], baseline: RunInfo | Non
         return _verdict(run, baseline, compare_runs(run, baseline), [candidate], "explicit")
 
     if not any(run.series(metric)[0] for metric in METRICS):
-        reason = f"{run.name} logged no {', '.join(METRICS[:-1])} or {METRICS[-1]} to compare"
+        reason = f"{run.name} logged no acc, streak, tau or loss to compare"
         return Regression(run=run.name, verdict="unknown", reason=reason, summary=reason)
     candidates: list[Candidate] = []
     scored: list[tuple[float, RunInfo, list[MetricComparison], Candidate]] = []

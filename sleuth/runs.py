@@ -104,10 +104,16 @@ class RunInfo:
         """(steps, values) of one metric, in step order; rows without a finite number for it are skipped.
 
         A step logged twice (a resumed run re-logs the steps after its checkpoint) keeps the later row.
+        `val_<name>` reads the validation rows (`"split": "val"`, held-out data); any other name reads the
+        training rows (no `split`, or `"split": "train"`), so the two never overwrite each other.
         """
+        split = "val" if metric.startswith("val_") else "train"
+        name = metric.removeprefix("val_")
         by_step: dict[int, float] = {}
         for row in self.metrics:
-            step, value = row.get("step"), metric_value(row.get(metric))
+            if row.get("split", "train") != split:
+                continue
+            step, value = row.get("step"), metric_value(row.get(name))
             if not _is_step(step) or value is None:
                 continue
             by_step[step] = value

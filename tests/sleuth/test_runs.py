@@ -215,3 +215,12 @@ def test_a_bare_name_prefers_the_run_over_a_folder_in_the_working_directory(tmp_
     monkeypatch.chdir(tmp_path)
     assert resolve_run_dir("v5", runs) == runs / "v5"
     assert resolve_run_dir("./v5", runs) == Path("v5")
+
+
+def test_validation_rows_are_their_own_series_and_never_overwrite_training(tmp_path: Path) -> None:
+    rows = metrics_rows([1, 2], acc=[0.2, 0.3], loss=[2.0, 1.5])
+    rows.insert(2, {"step": 2, "split": "val", "acc": 0.25, "loss": 1.9})
+    info = read_run(write_run(tmp_path, "r", rows=rows))
+    assert info.series("acc") == ([1, 2], [0.2, 0.3])
+    assert info.series("val_acc") == ([2], [0.25])
+    assert info.series("val_loss") == ([2], [1.9])
