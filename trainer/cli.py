@@ -30,6 +30,9 @@ app = typer.Typer(
 )
 target_app = typer.Typer(help="The embedded default target.", no_args_is_help=True)
 app.add_typer(target_app, name="target")
+from trainer.commands.hidden_states import hidden_states_app  # noqa: E402  (after `app`: it registers on it)
+
+app.add_typer(hidden_states_app, name="hidden-states")
 
 stderr = Console(stderr=True)
 stdout = Console()

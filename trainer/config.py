@@ -40,6 +40,13 @@ class TrainConfig(BaseModel):
         "{'text': ...} rows, or a .txt file (documents separated by blank lines).",
     )
 
+    hidden_states: str | None = Field(
+        None,
+        description="A directory written by `trainer hidden-states generate` for this target, data and "
+        "seq_len: the run reads the target's layers from it and loads only the target's embeddings, final "
+        "norm and lm_head (eval, when on, loads the whole target when it first runs).",
+    )
+
     # --- DFlash architecture: the invariants sleuth checks ---------------------------------------------
     block_size: int = Field(8, ge=1, le=64, description="Tokens per draft block: slot 0 anchor + B-1 masks.")
     draft_layers: int = Field(5, ge=1, le=64, description="Qwen3-style decoder layers in the drafter.")

@@ -135,14 +135,24 @@ def _train(
 
     display = RunProgress(run.name, total=config.steps, enabled=progress and dist.is_main)
     display.message(f"loading target {config.target}")
-    target = FrozenTarget.load(
-        config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
-    )
+    if config.hidden_states:
+        from trainer.hidden_states.offline import OfflineTarget
+
+        target = OfflineTarget.load(config.hidden_states, config.target, torch_device,
+                                    compute_dtype(config, torch_device), mask_token_id=config.mask_token_id)
+    else:
+        target = FrozenTarget.load(
+            config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
+        )
     config = resolve_for_target(config, target.num_layers)
     plan = StepPlan.from_config(config, target)
 
     documents = load_documents(config.data, target.tokenizer, split="train")
     packed = pack_documents(documents, config.seq_len, target.pad_token_id)
+    if config.hidden_states:  # the cache must be of this target, these rows and every layer the run reads
+        needed = sorted(set(plan.feature_layer_ids) | ({plan.logits_source} if isinstance(plan.logits_source, int) else set()))
+        target.cache.check_serves(target_fingerprint=target.fingerprint, data_fingerprint=packed.fingerprint,
+                                  seq_len=config.seq_len, layers=needed)
 
     drafter = build_drafter(config, target, plan)
     optimizer = build_optimizer(config, drafter)
@@ -354,9 +364,11 @@ class _Evaluator:
         # decoding (speedup) and checks losslessness against it.
         from trainer.eval.speculative import evaluate
 
+        # Offline hidden states: generation needs the whole target, loaded when eval first runs.
+        target = self.target.full_target() if hasattr(self.target, "full_target") else self.target
         report = evaluate(
             drafter,
-            self.target,
+            target,
             self.prompts,
             feature_layer_ids=self.feature_layer_ids,
             block_size=self.config.block_size,

@@ -1,0 +1,139 @@
+"""The offline hidden-state cache: what is stored, and the checks that keep a run from misreading it.
+
+Layout of a cache directory:
+    manifest.json                 format_version, target (path, fingerprint, num_layers, hidden_size),
+                                  data (source, fingerprint of the packed rows), seq_len, layers (z-lab ids
+                                  stored: layer i is HF hidden_states[i + 1]), rows, rows_per_shard, dtype,
+                                  logits_check (the head recomputation checked against the model's own
+                                  logits), complete
+    shard-00000.safetensors       rows [k*rows_per_shard, (k+1)*rows_per_shard) of the packed data:
+                                  `input_ids`, `position_ids` [n, S] (the key a training batch is found by)
+                                  and `layer.<i>` [n, S, H] for every stored layer i
+
+The final layer's entry (`layer.<L-1>`, HF hidden_states[L]) is always stored: transformers hands it out
+already through the final norm, so the teacher's logits are the target's lm_head over it (plus the
+family's final soft-capping), which generation verified against the model's own logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from trainer.target.frozen import TargetError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class HiddenStateError(TargetError):
+    """The cache cannot serve this run; one line saying why and what to do (a target problem to the CLI)."""
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def row_key(input_ids: Tensor, position_ids: Tensor) -> str:
+    """A packed row's identity: the target's hidden states are a function of its tokens and positions
+    (positions restart at every document, so they also fix the document boundaries)."""
+    digest = hashlib.sha256(input_ids.to(torch.int64).contiguous().numpy().tobytes())
+    digest.update(position_ids.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HiddenStateError(f"{directory} is not a hidden-state cache (no {MANIFEST}): make one with "
+                               "`trainer hidden-states generate --out DIR`") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HiddenStateError(f"{path} cannot be read: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        raise HiddenStateError(f"{path} is not a hidden-state manifest of format {FORMAT_VERSION}")
+    return manifest
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    os.replace(tmp, directory / MANIFEST)
+
+
+@dataclass
+class HiddenStateCache:
+    directory: Path
+    manifest: dict[str, Any]
+    index: dict[str, tuple[int, int]]  # row key -> (shard, row within the shard)
+
+    @classmethod
+    def open(cls, directory: Path) -> HiddenStateCache:
+        directory = Path(directory).expanduser().resolve()
+        manifest = read_manifest(directory)
+        if not manifest.get("complete"):
+            raise HiddenStateError(f"hidden-state cache {directory} is incomplete: run the same "
+                                   "`trainer hidden-states generate` again to finish it")
+        index: dict[str, tuple[int, int]] = {}
+        for shard in range(int(manifest["shards"])):
+            path = directory / shard_name(shard)
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    ids, positions = handle.get_tensor("input_ids"), handle.get_tensor("position_ids")
+            except Exception as exc:  # safetensors raises several types for a missing or damaged file
+                raise HiddenStateError(f"{path} cannot be read ({type(exc).__name__}): regenerate the cache") from None
+            for row in range(ids.shape[0]):
+                index[row_key(ids[row], positions[row])] = (shard, row)
+        return cls(directory, manifest, index)
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.manifest["layers"])
+
+    def check_serves(self, *, target_fingerprint: str, data_fingerprint: str, seq_len: int,
+                     layers: list[int]) -> None:
+        """Refuse a cache made for another target, other data or without a layer the run reads."""
+        made = self.manifest
+        if made["target"]["fingerprint"] != target_fingerprint:
+            raise HiddenStateError(f"hidden states in {self.directory} come from another target "
+                                   f"(fingerprint {made['target']['fingerprint'][:12]}, this run's {target_fingerprint[:12]})")
+        if made["seq_len"] != seq_len or made["data"]["fingerprint"] != data_fingerprint:
+            raise HiddenStateError(f"hidden states in {self.directory} were made for other packed data "
+                                   f"(seq_len {made['seq_len']}, data {made['data']['fingerprint'][:12]}; this run: "
+                                   f"seq_len {seq_len}, data {data_fingerprint[:12]})")
+        missing = sorted(set(layers) - set(self.layers))
+        if missing:
+            raise HiddenStateError(f"hidden states in {self.directory} lack layer(s) {missing} that this run reads "
+                                   f"(stored: {self.layers}); regenerate with those target_layer_ids")
+
+    def gather(self, input_ids: Tensor, position_ids: Tensor, layers: list[int]) -> dict[int, Tensor]:
+        """{layer: [N, S, H]} for the rows of a batch, found by content."""
+        locations = []
+        for row in range(input_ids.shape[0]):
+            key = row_key(input_ids[row].cpu(), position_ids[row].cpu())
+            if key not in self.index:
+                raise HiddenStateError(f"a training row is not in the hidden-state cache {self.directory}: "
+                                       "it was made for other data")
+            locations.append(self.index[key])
+        out: dict[int, list[Tensor]] = {layer: [] for layer in layers}
+        for shard, row in locations:
+            handle = self._handle(shard)
+            for layer in layers:
+                out[layer].append(handle.get_slice(f"layer.{layer}")[row : row + 1])
+        return {layer: torch.cat(parts) for layer, parts in out.items()}
+
+    def _handle(self, shard: int) -> Any:
+        # Shards are memory-mapped once and read row by row: a batch touches a few rows of a few shards.
+        handles = self.__dict__.setdefault("_handles", {})
+        if shard not in handles:
+            handles[shard] = safe_open(str(self.directory / shard_name(shard)), framework="pt")
+        return handles[shard]
