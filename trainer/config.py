@@ -112,6 +112,12 @@ class TrainConfig(BaseModel):
     seq_len: int = Field(256, ge=8)
     seed: int = 0
 
+    parallelism: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="Under torchrun: 'ddp' replicates the drafter on every rank; 'fsdp2' shards its weights "
+        "and optimizer state (torch's fully_shard). Checkpoints are the same either way.",
+    )
+
     # --- bookkeeping -----------------------------------------------------------------------------------
     log_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(50, ge=1)
@@ -168,6 +174,9 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"fc_layers {self.fc_layers} index outside the {k} selected target layers")
         if isinstance(self.target_logits_source, int) and self.target_logits_source < 0:
             raise ValueError("target_logits_source must be 'final' or a non-negative layer id")
+        if self.parallelism == "fsdp2" and self.optimizer != "adamw":
+            raise ValueError("parallelism 'fsdp2' is implemented with optimizer 'adamw' only (Muon's chained "
+                             "optimizer state is not gathered yet)")
         if self.loss_weighting == "dpace" and self.loss != "ce":
             raise ValueError("loss_weighting 'dpace' needs loss 'ce' (D-PACE weighs cross-entropy confidences)")
         if self.seq_len <= self.block_size:

@@ -4,6 +4,7 @@ and a checkpoint written by two processes resumes in one."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -63,3 +64,32 @@ def test_global_batch_must_split_evenly(small_target, tmp_path):
     result = torchrun("run", "odd", "--config", str(config), "--runs-dir", str(tmp_path / "runs"), "--quiet")
     assert result.returncode != 0
     assert "batch_size 3 must divide evenly over 2 processes" in result.stderr
+
+
+def test_fsdp2_two_processes_match_one_and_resume_in_one(small_target, tmp_path):
+    """parallelism: fsdp2 shards the drafter and its AdamW state; losses agree with one process as DDP's
+    do, and its checkpoint (gathered to full tensors) resumes in one process."""
+    config = write_config(tmp_path / "c.json", small_target, steps=4, checkpoint_every=2, schedule="constant",
+                          warmup_steps=0, batch_size=4, parallelism="fsdp2", eval_every=4, eval_prompts=2,
+                          eval_max_new_tokens=8)
+    runs = tmp_path / "runs"
+    single = trainer_cli("run", "one", "--config", str(config), "--runs-dir", str(runs), "--steps", "6", "--quiet")
+    assert single.returncode == 0, single.stderr
+    double = torchrun("run", "two", "--config", str(config), "--runs-dir", str(runs), "--quiet")
+    assert double.returncode == 0, double.stderr[-3000:]
+    one, two = metric_rows(runs / "one"), metric_rows(runs / "two")
+    for (step, a), (_, b) in zip(losses(one[:4]), losses(two)):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, 2 FSDP2 processes {b}"
+    assert_same_metrics(one[:4], two)
+    assert two[3]["tau"] == pytest.approx(one[3]["tau"], abs=1e-6)  # eval on the gathered drafter
+    state = json.loads((runs / "two" / "checkpoints" / "step-00000004" / "state.json").read_text())
+    assert state["parallelism"] == "fsdp2"
+
+    shutil.copytree(runs / "two", runs / "three")
+    resumed = trainer_cli("run", "three", "--resume", "--steps", "6", "--runs-dir", str(runs), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    sharded = torchrun("run", "two", "--resume", "--steps", "6", "--runs-dir", str(runs), "--quiet")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]  # the saved AdamW state loaded into shards
+    for name in ("three", "two"):
+        for (step, a), (_, b) in zip(losses(one), losses(metric_rows(runs / name))):
+            assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, {name} resumed {b}"

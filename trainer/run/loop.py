@@ -8,6 +8,7 @@ stopped.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from trainer.run.checkpoint import (
 )
 from trainer.run.distributed import Distributed, init_distributed
 from trainer.run.optim import build_optimizer
+from trainer.run.sharding import ShardedOptimizerLoader, gather_full_state, shard_drafter, unsharded_copy
 from trainer.run.trackers import open_trackers, require_trackers
 from trainer.run.progress import RunProgress
 from trainer.run.rundir import RUN_FORMAT_VERSION, RunDir, RunError, atomic_write_json, now_iso
@@ -155,15 +157,24 @@ def _train(
                                   seq_len=config.seq_len, layers=needed)
 
     drafter = build_drafter(config, target, plan)
-    optimizer = build_optimizer(config, drafter)
-
     start_step = 0
     checkpoint = latest_checkpoint(run.checkpoints_dir) if resume else None
     if checkpoint is not None:
-        # Weights and optimizer state are replicated, so a checkpoint resumes under any world size.
+        # Checkpoints hold full tensors, so they resume under any world size and either parallelism.
         load_drafter_weights(drafter, checkpoint)
-        restore_training_state(checkpoint, optimizer)
+    fsdp = dist.enabled and config.parallelism == "fsdp2"
+    eval_template = copy.deepcopy(drafter) if fsdp and dist.is_main else None  # unsharded shape for eval
+    param_names = shard_drafter(drafter) if fsdp else []
+    optimizer = build_optimizer(config, drafter)  # after sharding: FSDP2 optimizers hold shards
+    if checkpoint is not None:
+        restore_training_state(checkpoint, ShardedOptimizerLoader(drafter, optimizer, param_names) if fsdp else optimizer)
         start_step = checkpoint.step
+
+    def full_drafter() -> torch.nn.Module | None:
+        """The drafter as one process holds it, for eval (rank 0); a collective under FSDP2."""
+        if not fsdp:
+            return drafter
+        return unsharded_copy(eval_template, drafter)  # None on the ranks that only took part in the gather
     # Everything a user can get wrong (held-out prompts included) fails before the run directory is written.
     evaluator = _Evaluator(config, target) if config.eval_every and dist.is_main else None
     validator = _Validator(config, target, plan, dist, torch_device) if config.val_every else None
@@ -178,7 +189,7 @@ def _train(
     trackers = open_trackers(config, run) if dist.is_main else None
 
     model = drafter
-    if dist.enabled:
+    if dist.enabled and not fsdp:
         device_ids = [torch_device.index] if torch_device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=device_ids)
 
@@ -218,10 +229,11 @@ def _train(
                 "tokens_per_s": round(summed["tokens"] / elapsed, 1) if elapsed > 0 else None,
                 "elapsed_s": round(time.perf_counter() - started, 3),
             }
-            if eval_due and evaluator is not None:
-                drafter.eval()
-                row["tau"] = round(evaluator.tau(drafter), 4)
-                drafter.train()
+            evaluated = full_drafter() if eval_due and (fsdp or evaluator is not None) else None
+            if eval_due and evaluator is not None and evaluated is not None:
+                evaluated.eval()
+                row["tau"] = round(evaluator.tau(evaluated), 4)
+                evaluated.train()
             if dist.is_main:
                 run.append_metrics(row)
                 trackers.log(row, "train")
@@ -234,17 +246,20 @@ def _train(
                 run.append_metrics(val_row)
                 trackers.log(val_row, "val")
         if step % config.checkpoint_every == 0 or step == config.steps:
+            weights, optimizer_state = gather_full_state(drafter, optimizer, param_names) if fsdp else (drafter, optimizer)
             if dist.is_main:
-                state = {"config_steps": config.steps, "world_size": dist.world_size}
-                save_checkpoint(run.checkpoints_dir, step, drafter, optimizer, state, config.keep_checkpoints)
+                state = {"config_steps": config.steps, "world_size": dist.world_size,
+                         "parallelism": "fsdp2" if fsdp else "ddp"}
+                save_checkpoint(run.checkpoints_dir, step, weights, optimizer_state, state, config.keep_checkpoints)
                 run.update_info(steps_done=step)
             dist.barrier()
         display.advance(step)
     display.stop()
 
-    if evaluator is not None:
-        drafter.eval()
-        report = evaluator.full(drafter)
+    final_drafter = full_drafter() if (fsdp or evaluator is not None) else None
+    if evaluator is not None and final_drafter is not None:
+        final_drafter.eval()
+        report = evaluator.full(final_drafter)
         atomic_write_json(run.eval_path, {"step": config.steps, **report})
         last = {**last, "eval_tau": report.get("tau")}
     if dist.is_main:
