@@ -83,6 +83,11 @@ class TrainConfig(BaseModel):
         "the anchor's own hidden state, which does not exist at inference (the v6 bug).",
     )
     max_anchors: int = Field(32, ge=1, description="Anchors sampled per packed sequence (reference: 512).")
+    draft_vocab_size: int | None = Field(
+        None, ge=2,
+        description="Reduced draft vocabulary: the drafter predicts only the N most frequent supervised tokens "
+        "of the training data (speculators' --draft-vocab-size; d2t/t2d saved with the run). None: the target's.",
+    )
     mask_token_id: int | None = Field(
         None, description="None: the tokenizer's mask token, else an unused embedding row."
     )

@@ -357,7 +357,12 @@ def export_run(
         raise ExportError(str(exc)) from None
     if checkpoint is None:
         raise ExportError(f"run {run.name!r} has no checkpoint yet ({run.checkpoints_dir})")
-    spec, _ = drafter_spec_for_run(run)
+    spec, run_config = drafter_spec_for_run(run)
+    if run_config.draft_vocab_size:
+        # The drafter is only half of such an export: its head is the target's lm_head restricted to the
+        # draft vocabulary, with d2t/t2d beside it, and that layout is not written yet.
+        raise ExportError(f"run {run.name!r} trains a draft vocabulary of {run_config.draft_vocab_size} tokens; "
+                          "exporting it (reduced lm_head + d2t/t2d) is not implemented yet")
     weights = _checked_weights(spec, checkpoint.path / DRAFTER_FILE)
     out_dtype = DTYPES[dtype] if dtype != "auto" else weights["fc.weight"].dtype
     if export_format == "zlab":

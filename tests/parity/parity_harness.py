@@ -94,6 +94,7 @@ class ParityCase:
     dims: ModelDims = field(default_factory=ModelDims)
     weighting: str = "decay"  # "decay" (fixed-exp-decay) | "dpace" (speculators' current DFlash default)
     dpace_alpha: float = 0.5
+    draft_vocab: int | None = None  # a reduced draft vocabulary of this size (speculators' d2t/t2d)
 
     @property
     def mask_token_id(self) -> int:
@@ -179,8 +180,9 @@ class StandInTarget:
     def embed(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.inputs.embed_weight)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, self.inputs.lm_head_weight)
+    def logits(self, hidden: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+        weight = self.inputs.lm_head_weight
+        return F.linear(hidden, weight if vocab_ids is None else weight[vocab_ids])
 
 
 def build_our_drafter(case: ParityCase) -> DFlashDrafter:
@@ -206,6 +208,15 @@ def speculators_loss_config(loss_kind: str):
     return resolve_loss_config({"ce": "ce", "kl": "kl_div"}[loss_kind], "eager")
 
 
+def case_vocab_ids(case: ParityCase, inputs: Inputs) -> Tensor | None:
+    """The draft vocabulary of the case, built by our trainer's rule from the inputs' supervised tokens."""
+    if case.draft_vocab is None:
+        return None
+    from trainer.data.draft_vocab import draft_token_ids, token_frequencies
+
+    return draft_token_ids(token_frequencies(inputs.input_ids, inputs.loss_mask), case.draft_vocab, case.dims.vocab)
+
+
 def build_speculators_model(case: ParityCase, drafter: DFlashDrafter, inputs: Inputs):
     """speculators' DFlashDraftModel with our drafter's weights and the stand-in target's frozen tensors."""
     from speculators.models.dflash import DFlashSpeculatorConfig
@@ -215,16 +226,24 @@ def build_speculators_model(case: ParityCase, drafter: DFlashDrafter, inputs: In
     config = DFlashSpeculatorConfig(
         # speculators encodes the number of DRAFT layers in the verifier-shaped layer config.
         transformer_layer_config=d.target_config(num_hidden_layers=d.draft_layers, attn=case.attn),
-        draft_vocab_size=d.vocab,  # full vocabulary: no t2d/d2t mapping
+        draft_vocab_size=case.draft_vocab or d.vocab,  # full vocabulary: no t2d/d2t mapping
         block_size=case.block_size,
         aux_hidden_state_layer_ids=list(range(1, d.num_features + 1)),  # only its length matters here
         mask_token_id=case.mask_token_id,
     )
     model = DFlashDraftModel(config)
+    head = inputs.lm_head_weight
+    vocab_ids = case_vocab_ids(case, inputs)
+    if vocab_ids is not None:  # speculators' own maps (its loader checks them), and its reduced heads
+        from trainer.data.draft_vocab import vocab_maps
+
+        d2t, t2d = vocab_maps(vocab_ids, d.vocab)
+        model.load_vocab_mappings(t2d, d2t)
+        head = head[t2d]
     state = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
     state["embed_tokens.weight"] = inputs.embed_weight.clone()
-    state["lm_head.weight"] = inputs.lm_head_weight.clone()
-    state["verifier_lm_head.weight"] = inputs.lm_head_weight.clone()
+    state["lm_head.weight"] = head.clone()
+    state["verifier_lm_head.weight"] = head.clone()
     state["verifier_norm.weight"] = inputs.verifier_norm_weight.clone()
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys:
@@ -254,6 +273,7 @@ def run_ours(case: ParityCase, drafter: DFlashDrafter, inputs: Inputs, anchor_se
         block_size=case.block_size, max_anchors=case.max_anchors, gamma=case.gamma, loss_kind=case.loss_kind,
         context_includes_anchor=context_includes_anchor, mask_token_id=case.mask_token_id,
         loss_weighting=case.weighting, dpace_alpha=case.dpace_alpha,
+        draft_token_ids=case_vocab_ids(case, inputs),
     )
     batch = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "doc_ids": inputs.doc_ids,
              "loss_mask": inputs.loss_mask}
@@ -392,4 +412,9 @@ PARITY_CASES: list[ParityCase] = [
                dims=SMALL_DIMS, weighting="dpace", dpace_alpha=0.2),
     ParityCase("b4-3doc-dpace-a1-ce-sdpa-padanchors", 4, 30, (3,), 48, None, "ce", "sdpa", seed=21,
                weighting="dpace", dpace_alpha=1.0),
+    # A reduced draft vocabulary (speculators' --draft-vocab-size, d2t/t2d): heads and teacher on its rows.
+    ParityCase("b8-2doc-g4-ce-sdpa-vocab40", 8, 5, (2,), 64, 4.0, "ce", "sdpa", seed=22, draft_vocab=40),
+    ParityCase("b8-rows2+1doc-dpace-ce-eager-vocab64", 8, 4, (2, 1), 64, None, "ce", "eager", seed=23,
+               weighting="dpace", draft_vocab=64),
+    ParityCase("b4-2doc-g7-kl-sdpa-vocab24", 4, 6, (2,), 48, 7.0, "kl", "sdpa", seed=24, draft_vocab=24),
 ]

@@ -179,3 +179,45 @@ def _header(run: Path) -> str:
     latest = (run / "checkpoints" / "latest").read_text().strip()
     with open(run / "checkpoints" / latest / "optimizer.safetensors", "rb") as handle:
         return handle.read(int.from_bytes(handle.read(8), "little")).decode()
+
+
+def test_draft_vocabulary_is_speculators_rule():
+    from collections import Counter
+
+    from trainer.data.draft_vocab import draft_token_ids, vocab_maps
+
+    frequencies = Counter({7: 5, 3: 5, 9: 1, 2: 8})
+    ids = draft_token_ids(frequencies, 3, 12)  # the 3 most frequent, ties by id, sorted
+    assert ids.tolist() == [2, 3, 7]
+    padded = draft_token_ids(frequencies, 6, 12)  # fewer distinct tokens than asked: smallest unused ids
+    assert padded.tolist() == [0, 1, 2, 3, 7, 9]
+    d2t, t2d = vocab_maps(ids, 12)
+    assert (torch.arange(3) + d2t).tolist() == [2, 3, 7] and t2d.nonzero().flatten().tolist() == [2, 3, 7]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        draft_token_ids(frequencies, 13, 12)
+
+
+@pytest.mark.slow
+def test_a_draft_vocabulary_run_trains_evaluates_losslessly_and_refuses_export(tmp_path):
+    from trainer.target.embedded import build_embedded_target
+
+    target = build_embedded_target(tmp_path / "target", small=True, progress=False)
+    runs = tmp_path / "runs"
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    args = ["run", "dv", "--runs-dir", str(runs), "--quiet", "--steps", "4"]
+    for key, value in {"target": target, "seq_len": 64, "batch_size": 2, "block_size": 4, "max_anchors": 4,
+                       "draft_layers": 2, "eval_every": 4, "eval_prompts": 2, "eval_max_new_tokens": 8,
+                       "draft_vocab_size": 48, "warmup_steps": 1}.items():
+        args += ["--set", f"{key}={value}"]
+    result = subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+
+    maps = load_file(str(runs / "dv" / "draft_vocab.safetensors"))
+    assert maps["token_ids"].numel() == 48 and int(maps["t2d"].sum()) == 48
+    report = json.loads((runs / "dv" / "eval.json").read_text())
+    assert report["lossless"] is True and report["tau"] >= 1.0
+    export = subprocess.run([sys.executable, "-m", "trainer.cli", "export", "dv", "--runs-dir", str(runs), "--out",
+                             str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert export.returncode == 2 and "draft vocabulary" in export.stderr and "Traceback" not in export.stderr

@@ -137,7 +137,7 @@ def _evaluate_run(
     ) as progress:
         task = progress.add_task("decoding", total=len(prompt_ids))
         report = evaluate(
-            loaded.drafter,
+            loaded.proposer(),
             loaded.target,
             prompt_ids,
             feature_layer_ids=loaded.feature_layer_ids,

@@ -63,10 +63,12 @@ class DraftProposer(Protocol):
 class DFlashProposer:
     """A DFlashDrafter on its frozen target: target embeddings in, target lm_head out."""
 
-    def __init__(self, drafter: nn.Module, target: Any) -> None:
+    def __init__(self, drafter: nn.Module, target: Any, vocab_ids: Tensor | None = None) -> None:
         self.drafter = drafter
         self.target = target
         self.dtype = next(drafter.parameters()).dtype
+        self.vocab_ids = vocab_ids  # a reduced draft vocabulary: proposals only among these target ids
+        self.mask_token_id = getattr(drafter, "mask_token_id", None)
 
     def propose(self, block_ids: Tensor, context_features: Tensor, position_ids: Tensor, cache: DynamicCache) -> Tensor:
         block_embeds = self.target.embed(block_ids).to(self.dtype)  # [1, B, H] frozen target embeddings
@@ -78,7 +80,15 @@ class DFlashProposer:
             past_key_values=cache,
             use_cache=True,
         )  # [1, B, H]
-        return self.target.logits(hidden[:, 1:].to(self.target.dtype))  # [1, B-1, V]
+        hidden = hidden[:, 1:].to(self.target.dtype)
+        if self.vocab_ids is None:
+            return self.target.logits(hidden)  # [1, B-1, V]
+        # A draft vocabulary: its logits placed at their target ids, -inf elsewhere, so argmax and the
+        # draft distribution q live in the target's vocabulary, as vLLM's d2t mapping serves them.
+        draft = self.target.logits(hidden, self.vocab_ids)  # [1, B-1, Vd]
+        full = draft.new_full((*draft.shape[:-1], self.target.vocab_size), float("-inf"))
+        full[..., self.vocab_ids.to(draft.device)] = draft
+        return full
 
 
 @dataclass

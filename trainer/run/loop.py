@@ -19,6 +19,7 @@ import torch
 
 from trainer.config import ConfigError, TrainConfig, resolve_for_target, validate_config
 from trainer.data.datasets import batch_for_step, load_documents, pack_documents
+from trainer.data.draft_vocab import VOCAB_FILE, draft_token_ids, load_vocab, save_vocab, token_frequencies
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import metrics_from_counts
 from trainer.run.checkpoint import (
@@ -147,10 +148,14 @@ def _train(
             config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
         )
     config = resolve_for_target(config, target.num_layers)
-    plan = StepPlan.from_config(config, target)
 
     documents = load_documents(config.data, target.tokenizer, split="train")
     packed = pack_documents(documents, config.seq_len, target.pad_token_id)
+    vocab_ids = None
+    if config.draft_vocab_size:  # from the supervised tokens of exactly these rows: a resume rebuilds the same
+        vocab_ids = draft_token_ids(token_frequencies(packed.input_ids, packed.loss_mask), config.draft_vocab_size,
+                                    target.vocab_size)
+    plan = StepPlan.from_config(config, target, vocab_ids)
     if config.hidden_states:  # the cache must be of this target, these rows and every layer the run reads
         needed = sorted(set(plan.feature_layer_ids) | ({plan.logits_source} if isinstance(plan.logits_source, int) else set()))
         target.cache.check_serves(target_fingerprint=target.fingerprint, data_fingerprint=packed.fingerprint,
@@ -176,7 +181,7 @@ def _train(
             return drafter
         return unsharded_copy(eval_template, drafter)  # None on the ranks that only took part in the gather
     # Everything a user can get wrong (held-out prompts included) fails before the run directory is written.
-    evaluator = _Evaluator(config, target) if config.eval_every and dist.is_main else None
+    evaluator = _Evaluator(config, target, vocab_ids) if config.eval_every and dist.is_main else None
     validator = _Validator(config, target, plan, dist, torch_device) if config.val_every else None
     require_trackers(config)
     if resume:
@@ -185,6 +190,8 @@ def _train(
         _write_run_header(
             run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created
         )
+    if dist.is_main and vocab_ids is not None:
+        save_vocab(run.path / VOCAB_FILE, vocab_ids, target.vocab_size)
     dist.barrier()
     trackers = open_trackers(config, run) if dist.is_main else None
 
@@ -366,11 +373,12 @@ class _Validator:
 class _Evaluator:
     """Real speculative decoding on held-out prompts: tau every eval_every steps, full report at the end."""
 
-    def __init__(self, config: TrainConfig, target: FrozenTarget) -> None:
+    def __init__(self, config: TrainConfig, target: FrozenTarget, vocab_ids: torch.Tensor | None = None) -> None:
         from trainer.data.datasets import heldout_prompts
 
         self.config = config
         self.target = target
+        self.vocab_ids = vocab_ids
         self.prompts = heldout_prompts(config.data, target.tokenizer, config.eval_prompts)
         self.feature_layer_ids = config.fc_layer_ids(target.num_layers)
 
@@ -381,8 +389,10 @@ class _Evaluator:
 
         # Offline hidden states: generation needs the whole target, loaded when eval first runs.
         target = self.target.full_target() if hasattr(self.target, "full_target") else self.target
+        from trainer.eval.speculative import DFlashProposer
+
         report = evaluate(
-            drafter,
+            DFlashProposer(drafter, target, self.vocab_ids),
             target,
             self.prompts,
             feature_layer_ids=self.feature_layer_ids,
@@ -417,6 +427,13 @@ class LoadedRun:
     step: int
     feature_layer_ids: list[int]
     run: RunDir
+    draft_token_ids: torch.Tensor | None = None  # a reduced draft vocabulary's target ids
+
+    def proposer(self) -> Any:
+        """What speculative decoding drafts with: the drafter on the target's embeddings and head."""
+        from trainer.eval.speculative import DFlashProposer
+
+        return DFlashProposer(self.drafter, self.target, self.draft_token_ids)
 
 
 def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:
@@ -431,11 +448,18 @@ def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:
         config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
     )
     config = resolve_for_target(config, target.num_layers)
-    plan = StepPlan.from_config(config, target)
+    vocab_ids = None
+    if config.draft_vocab_size:
+        vocab_file = run.path / VOCAB_FILE
+        if not vocab_file.is_file():
+            raise RunError(f"run {run.name!r} has a draft vocabulary but no {VOCAB_FILE}")
+        vocab_ids = load_vocab(vocab_file)
+    plan = StepPlan.from_config(config, target, vocab_ids)
     drafter = build_drafter(config, target, plan)
     load_drafter_weights(drafter, checkpoint)
     drafter.eval()
     return LoadedRun(
+        draft_token_ids=vocab_ids,
         config=config,
         target=target,
         drafter=drafter,

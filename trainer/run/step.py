@@ -31,9 +31,11 @@ class StepPlan:
     mask_token_id: int
     loss_weighting: str = "decay"  # "decay" (fixed gamma) | "dpace" (speculators' current default)
     dpace_alpha: float = 0.5
+    draft_token_ids: torch.Tensor | None = None  # [Vd] target ids of a reduced draft vocabulary (sorted)
 
     @classmethod
-    def from_config(cls, config: TrainConfig, target: FrozenTarget) -> StepPlan:
+    def from_config(cls, config: TrainConfig, target: FrozenTarget,
+                    draft_token_ids: torch.Tensor | None = None) -> StepPlan:
         return cls(
             feature_layer_ids=config.fc_layer_ids(target.num_layers),
             logits_source=config.target_logits_source,
@@ -45,6 +47,7 @@ class StepPlan:
             mask_token_id=config.mask_token_id if config.mask_token_id is not None else target.mask_token_id,
             loss_weighting=config.loss_weighting,
             dpace_alpha=config.dpace_alpha,
+            draft_token_ids=draft_token_ids,
         )
 
 
@@ -93,10 +96,14 @@ def dflash_step(
     )
     block_embeds = target.embed(block_ids.reshape(N, A * B))  # (N, A*B, H), frozen embeddings
     hidden = drafter(block_embeds, features, all_positions, attention_mask=mask)  # (N, A*B, H)
-    draft_logits = target.logits(hidden).reshape(N, A, B, -1)  # frozen lm_head (dflash.frozen_embed_head)
+    vocab = plan.draft_token_ids
+    # frozen lm_head (dflash.frozen_embed_head); with a draft vocabulary, only its rows of those tokens
+    draft_logits = target.logits(hidden, vocab).reshape(N, A, B, -1)  # (N, A, B, V or Vd)
+    if vocab is not None:  # the teacher restricted to the same tokens, as speculators' verifier_lm_head[t2d]
+        target_logits = target_logits[..., vocab.to(target_logits.device)]
 
     # dflash.target_shift: slot j of the block at p learns the target's prediction at p+j-1.
-    target_block_logits = gather_block_logits(target_logits, anchors, B)  # (N, A, B, V)
+    target_block_logits = gather_block_logits(target_logits, anchors, B)  # (N, A, B, V or Vd)
     del target_logits  # (N, S, V) is the largest tensor of the step; only the gathered blocks are needed
     # D-PACE computes its own weights from the drafter's confidence: the slot weights then only mark labels.
     gamma = plan.gamma if plan.loss_weighting == "decay" else None

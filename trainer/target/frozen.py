@@ -217,9 +217,14 @@ class FrozenTarget:
         """Frozen target token embeddings: [..] ids -> [.., H]."""
         return self.model.get_input_embeddings()(ids)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Frozen target lm_head, no final norm (the drafter applies its own): [.., H] -> [.., V]."""
-        return self.lm_head(hidden)
+    def logits(self, hidden: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+        """Frozen target lm_head, no final norm (the drafter applies its own): [.., H] -> [.., V], or only
+        the rows of `vocab_ids` (a draft vocabulary) -> [.., Vd]."""
+        if vocab_ids is None:
+            return self.lm_head(hidden)
+        vocab_ids = vocab_ids.to(self.lm_head.weight.device)
+        bias = self.lm_head.bias[vocab_ids] if getattr(self.lm_head, "bias", None) is not None else None
+        return torch.nn.functional.linear(hidden, self.lm_head.weight[vocab_ids], bias)
 
 
 def _first_line(exc: BaseException | None) -> str:
