@@ -3,7 +3,9 @@
 #   1. parity with speculators on the flex-attention paths, float32 (bench/gpu_parity.py);
 #   2. training-step throughput, bf16, ours (flex BlockMask + compiled flex_attention) against speculators
 #      (simple_flex_attention, its compiled forward) in the same process: tokens/s, peak memory, model FLOPs
-#      utilisation against the bf16 dense peak (989 TFLOPS on H100/H200; --peak-tflops otherwise).
+#      utilisation against the bf16 dense peak (989 TFLOPS on H100/H200; --peak-tflops otherwise);
+#   3. the same for the current recipe (D-PACE + Muon), and offline hidden states against the online target.
+# FSDP2 needs two GPUs; with one it is covered by the CPU/gloo test (tests/trainer/test_distributed.py).
 # The machine reaches no network: PYTHON must already have torch (CUDA), transformers and, for the
 # comparison, speculators 0.9.0 (pip install speculators==0.9.0 where a network exists). Without
 # speculators, step 1 is skipped and step 2 times ours alone.
@@ -45,4 +47,10 @@ deadline 140 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --size
     --json "$RESULTS/train_step_medium.json" 2>&1 | grep -v Warning | tee "$RESULTS/train_step_medium.txt"
 deadline 170 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --sizes large --repeats 20 --warmup 3 \
     --json "$RESULTS/train_step_large.json" 2>&1 | grep -v Warning | tee "$RESULTS/train_step_large.txt"
+echo "== the current recipe (D-PACE + Muon/AdamW on both sides), bf16, medium"
+deadline 120 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --sizes medium --repeats 20 --warmup 3 \
+    --recipe recipe-2026 --json "$RESULTS/train_step_recipe.json" 2>&1 | grep -v Warning | tee "$RESULTS/train_step_recipe.txt"
+echo "== offline hidden states vs the target run online, bf16 (embedded target, or TARGET=DIR)"
+deadline 90 "$PYTHON" bench/offline_step.py --device cuda --dtype bfloat16 --target "${TARGET:-embedded}" \
+    --seq-len 1024 --batch-size 8 2>&1 | grep -v Warning | tee "$RESULTS/offline_step.txt"
 date -u | tee -a "$RESULTS/env.txt"
