@@ -164,6 +164,9 @@ class _Investigation:
         self.resolution: Any = None
         self.config: dict[str, Any] | None = None
         self.config_source: str | None = None
+        # Why the run's config.json could not be read (missing, not JSON, not a mapping, not UTF-8): the run
+        # ran with a config we cannot see, so config-level checks must stay unknown.
+        self.config_problem: str | None = None
         self.checkpoint: Path | None = None
         self.code: Path | None = None
 
@@ -290,8 +293,9 @@ class _Investigation:
                 assert info is not None
                 self.config = info.config
             if self.config is None:
-                reason = next((p for p in info.problems if p.startswith("config.json")), "unreadable") if info else ""
-                step.outcome = f"{reason}: checks that need the config will be unknown"
+                reason = next((p for p in info.problems if p.startswith("config.json")), "config.json is unreadable") if info else ""
+                self.config_problem = f"the run's {reason}"
+                step.outcome = f"{reason}: checks that need the config will be unknown (the code's defaults are not what ran)"
                 return
             self.config_source = str(source)
             keys = ("block_size", "target_layer_ids", "loss_decay_gamma")
@@ -334,6 +338,8 @@ class _Investigation:
         config_source = config_source if config_source is not None else self.config_source
         checkpoint = checkpoint if checkpoint is not None else self.checkpoint
         name = "check-invariants" if config is self.config and checkpoint is self.checkpoint else "recheck-invariants"
+        # Only a problem with the run's own config is passed on (keeps fakes of the engine signature working).
+        extra = {"config_problem": self.config_problem} if self.config_problem is not None and config is None else {}
         with self.trace.step(
             name, config=config_source, checkpoint=checkpoint, code=self.code, reference=_tier_of(self.resolution)
         ) as step:
@@ -346,6 +352,7 @@ class _Investigation:
                     checkpoint=checkpoint,
                     code=self.code,
                     trace=self.trace,
+                    **extra,
                 )
             )
             counts: dict[str, int] = {}
@@ -361,7 +368,8 @@ class _Investigation:
             return findings
         extra_config = extra_checkpoint = None
         with self.trace.step("look-for-evidence", weak=[f.id for f in weak], near=self.code) as step:
-            if self.config is None:
+            # A run whose own config is lost is not rescued by a config file lying in its code/ copy.
+            if self.config is None and self.config_problem is None:
                 extra_config = discover_config(self.code)
             if self.checkpoint is None:
                 extra_checkpoint = discover_checkpoint(self.code)
@@ -420,10 +428,12 @@ class _Investigation:
             findings=findings,
             rules=self.rules,
             counts=counts,
-            summary=build_summary(self.regression, findings, self.run_info),
+            summary=build_summary(self.regression, findings, self.run_info, self.config_problem),
+            input_problems=[f"{self.config_problem}: the checks the config decides are unknown"] if self.config_problem else [],
             chart=chart_name,
             trace=list(self.trace.steps),
-            exit_status=1 if counts.get("mismatch") else 0,
+            # A run whose config cannot be read is not clean, whatever the code-level checks say.
+            exit_status=1 if counts.get("mismatch") or self.config_problem else 0,
         )
         with self.trace.step("write-report", out=out_dir) as step:
             try:
@@ -552,9 +562,13 @@ def discover_checkpoint(code: Path) -> Path | None:
     return None
 
 
-def build_summary(regression: Regression | None, findings: list[Finding], run: RunInfo | None) -> str:
+def build_summary(
+    regression: Regression | None, findings: list[Finding], run: RunInfo | None, config_problem: str | None = None
+) -> str:
     """One paragraph: the regression verdict with numbers, then the mismatches and what stayed unknown."""
     parts: list[str] = []
+    if config_problem is not None:
+        parts.append(f"Not a clean bill: {config_problem}, so the checks the config decides are unknown (exit 1).")
     if regression is not None:
         parts.append(regression.summary.rstrip(".") + "." if regression.summary else "")
     mismatches = [f for f in findings if f.status == "mismatch"]
@@ -564,7 +578,7 @@ def build_summary(regression: Regression | None, findings: list[Finding], run: R
             f"{f.title} ({f.id}, {f.severity}" + (f": {f.observed}" if f.observed else "") + ")" for f in mismatches
         )
         parts.append(f"{len(mismatches)} mismatch(es) with the reference: {named}.")
-    elif findings:
+    elif findings and config_problem is None:
         parts.append("No mismatch with the reference.")
     if unknown:
         parts.append(f"{len(unknown)} check(s) stayed unknown: " + ", ".join(f.id for f in unknown) + ".")

@@ -29,6 +29,9 @@ from pathlib import Path
 Mode = str  # "hardcoded" | "default" | "switch"
 
 MAX_FILES = 400
+# The analysis recurses over the tree: deeper files (generated code, long chained expressions) are skipped
+# with an error entry, far below Python's recursion limit, so one odd file never stops the others.
+MAX_TREE_DEPTH = 120
 MAX_FILE_BYTES = 2_000_000
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", "node_modules", ".tox", "build", "dist", "site-packages"}
 
@@ -113,8 +116,29 @@ def parse_texts(texts: Iterable[tuple[str, str, str | None]]) -> tuple[list[Unit
             line = getattr(exc, "lineno", None)
             errors.append(SourceError(label, f"does not parse ({exc.__class__.__name__} at line {line})"))
             continue
+        except (RecursionError, MemoryError):
+            # A 200,000-term expression: the parser itself gives up; that file is skipped, the rest is read.
+            errors.append(SourceError(label, "too deeply nested for Python's parser"))
+            continue
+        depth = tree_depth(tree)
+        if depth > MAX_TREE_DEPTH:
+            errors.append(SourceError(label, f"nested {depth} levels deep (more than {MAX_TREE_DEPTH}): not analysed"))
+            continue
         units.append(Unit(label, text, tree, commit, text.splitlines()))
     return units, errors
+
+
+def tree_depth(tree: ast.AST) -> int:
+    """The deepest nesting of a syntax tree, counted without recursion."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_TREE_DEPTH:
+                return deepest
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # the source analyser is imported only when there is source t
 SOURCE_TIERS = ("local", "git-pull", "raw")
 # How much an expected value is trusted, by where it came from.
 EXPECTED_FACTOR = {"reference": 1.0, "docs": 0.6, "pinned": 0.85, "playbook": 0.8}
+# Marks a config note that says the run's value for a rule is present but unreadable.
+CONFIG_VALUE_INVALID = "config value invalid: "
 # Code readings at or above this confidence may overrule a config that claims the reference behaviour.
 HARDCODED_OVERRULE = 0.75
 
@@ -74,15 +76,21 @@ class Observation:
     evidence: list[Evidence]
     detail: str = ""
     count: int | None = None  # a layer count the reading implies (fc inputs), to compare sources exactly
+    mode: str = "read"  # for code: hardcoded | default | switch (how the behaviour is set)
 
 
 class _Run:
     """Everything read once per check: run metadata, code facts, checkpoint header, reference facts."""
 
-    def __init__(self, reference, config, config_source, checkpoint, code, trace: Trace):
+    def __init__(self, reference, config, config_source, checkpoint, code, trace: Trace, config_problem: str | None = None):
         self.reference = reference
         self.config = config if isinstance(config, dict) else None
         self.config_source = config_source or "config"
+        # Why the run's own config could not be read, when it should have been there: what ran is then
+        # unknown, and the code's defaults must not stand in for it.
+        if config_problem is None and config is not None and not isinstance(config, dict):
+            config_problem = f"the run's config is a {type(config).__name__}, not a mapping of config keys"
+        self.config_problem = config_problem
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.code = Path(code) if code is not None else None
         self.trace = trace
@@ -154,7 +162,7 @@ class _Run:
         if found is not None and isinstance(found[1], int):
             return found[1], Evidence(kind="config", location=f"{self.config_source}:{found[0]}", value=str(found[1]))
         facts = self.code_facts
-        if facts is not None:
+        if facts is not None and self.config_problem is None:
             readings = facts.readings.get("block_size", [])
             if readings:
                 r = readings[0]
@@ -171,10 +179,14 @@ def check_invariants(
     checkpoint: Path | None = None,
     code: Path | None = None,
     trace: Trace | None = None,
+    config_problem: str | None = None,
 ) -> list[Finding]:
-    """One Finding per invariant of the playbook, in rank order (largest expected impact first)."""
+    """One Finding per invariant of the playbook, in rank order (largest expected impact first).
+
+    `config_problem` says why a run's config, which should exist, could not be read: every invariant the
+    config decides is then `unknown` with that reason (the code's defaults are not what ran)."""
     trace = trace if trace is not None else Trace()
-    run = _Run(reference, config, config_source, checkpoint, code, trace)
+    run = _Run(reference, config, config_source, checkpoint, code, trace, config_problem)
     return [_evaluate(invariant, run) for invariant in sorted(playbook.invariants, key=lambda i: i.rank)]
 
 
@@ -300,6 +312,13 @@ def _config_observation(inv: Invariant, run: _Run) -> tuple[Observation | None, 
     with run.trace.step("read-observed", invariant=inv.id, source="config", keys=spec.keys) as step:
         reading: ConfigReading | None = read_config(spec.reader, run.config, spec.keys, run.meta)
         if reading is None:
+            present = lookup(run.config, spec.keys)
+            if present is not None:
+                # The key is there but its value is not one this rule knows (wrong type, unknown word):
+                # what ran is unreadable, and the code's default must not stand in for it.
+                problem = f"{run.config_source}:{present[0]} = {_text(present[1])[:80]!r} is not a valid value for this rule"
+                step.outcome = problem
+                return None, [CONFIG_VALUE_INVALID + problem]
             step.outcome = f"none of {spec.keys} in {run.config_source}"
             return None, []
         evidence = Evidence(kind="config", location=f"{run.config_source}:{reading.key}", value=_text(reading.raw))
@@ -387,18 +406,18 @@ def _code_observation(inv: Invariant, run: _Run, ok) -> tuple[Observation | None
                     notes.append("other code agrees with the rule: " + ", ".join(f"{r.path}:{r.line}" for r in agree[:3]))
                 conf = top.confidence * (0.8 if top.mode == "default" else 1.0)
                 step.outcome = f"{top.value!r} at {top.path}:{top.line} ({top.mode}, confidence {conf:.2f})"
-                return Observation(top.value, "code", conf, [_code_evidence(top)] + [_code_evidence(r) for r in disagree if r is not top][:2], top.detail), None, notes
+                return Observation(top.value, "code", conf, [_code_evidence(top)] + [_code_evidence(r) for r in disagree if r is not top][:2], top.detail, mode=top.mode), None, notes
             if agree:
                 top = max(agree, key=lambda r: (r.mode == "hardcoded", r.confidence))
                 if disagree:
                     notes.append("some code disagrees (lower confidence): " + ", ".join(f"{r.path}:{r.line} {r.value!r}" for r in disagree[:3]))
                 conf = top.confidence * (0.8 if top.mode == "default" else 1.0)
                 step.outcome = f"{top.value!r} at {top.path}:{top.line} ({top.mode}, confidence {conf:.2f})"
-                return Observation(top.value, "code", conf, [_code_evidence(top)], top.detail), None, notes
+                return Observation(top.value, "code", conf, [_code_evidence(top)], top.detail, mode=top.mode), None, notes
             if undecided:
                 top = undecided[0]
                 step.outcome = f"{top.value!r} at {top.path}:{top.line}: cannot be judged without more context"
-                return Observation(top.value, "code", top.confidence * 0.5, [_code_evidence(top)], top.detail), None, notes
+                return Observation(top.value, "code", top.confidence * 0.5, [_code_evidence(top)], top.detail, mode=top.mode), None, notes
         if switches:
             values = {str(r.value) for r in switches if r.value is not None}
             where = ", ".join(f"{r.path}:{r.line}" for r in switches[:3])
@@ -407,7 +426,7 @@ def _code_observation(inv: Invariant, run: _Run, ok) -> tuple[Observation | None
             if oks and all(o is True for o in oks) and len(values) == 1:
                 top = switches[0]
                 step.outcome = f"{top.value!r} behind `{top.switch}` at {top.path}:{top.line}; no alternative seen"
-                return Observation(top.value, "code", 0.55, [_code_evidence(r) for r in switches[:2]],
+                return Observation(top.value, "code", 0.55, [_code_evidence(r) for r in switches[:2]], mode="switch", detail=
                                    f"{top.detail} (behind `{top.switch}`; no other branch seen)"), None, []
             off_by_default = [r for r in switches if r.mode == "default" and r.value is None]
             if off_by_default and len(off_by_default) == len(switches):
@@ -442,6 +461,8 @@ def _resolve_fc_count(r: CodeReading, run: _Run) -> CodeReading:
 def _evaluate(inv: Invariant, run: _Run) -> Finding:
     expected = _expected(inv, run)
     notes = list(expected.notes) + list(inv.notes)
+    if run.config_problem is not None and inv.observed.config is not None:
+        return _config_unreadable(inv, run, expected, notes, run.config_problem)
     block_size, block_evidence = run.block_size() if inv.expected.conditional_accept else (None, None)
 
     def ok(value: object) -> bool | None:
@@ -456,6 +477,9 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
             step.outcome = (code_reason or f"code reading has low confidence ({code_obs.confidence:.2f})") + \
                 " -> reading the run's config / checkpoint"
     config_obs, config_notes = _config_observation(inv, run)
+    invalid = [n.removeprefix(CONFIG_VALUE_INVALID) for n in config_notes if n.startswith(CONFIG_VALUE_INVALID)]
+    if invalid:
+        return _config_unreadable(inv, run, expected, notes + code_notes, invalid[0])
     ckpt_obs, ckpt_reason = _checkpoint_observation(inv, run)
     notes += config_notes + code_notes
 
@@ -525,6 +549,33 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
                     notes.append(f"{chosen.value} would be right only at block size {cond.block_size}; this run uses {block_size}")
         step.outcome = f"{status} from {chosen.source} ({chosen.value!r} vs {expected.value!r}, confidence {confidence})"
         return _finding(inv, status, expected, chosen, corroboration, confidence, reason, notes, run, block_evidence)
+
+
+def _config_unreadable(inv: Invariant, run: _Run, expected: ExpectedValue, notes: list[str], problem: str) -> Finding:
+    """A config-level rule on a run whose config cannot be read.
+
+    A default in the code is what the code does when the config does not say otherwise, and the config that
+    ran is lost: so a default (or a switch) is never the observation, and agreement is never a `match`.
+    Only code that hard-codes a violation, whatever any config says, is still a mismatch."""
+    reason = f"{problem}: what this run used for {inv.observed.config.keys[0]} is unknown"
+
+    def ok(value: object) -> bool | None:
+        return _satisfies(inv, expected, value, None)
+
+    code_obs, _, code_notes = _code_observation(inv, run, ok)
+    with run.trace.step("decide", invariant=inv.id) as step:
+        if (code_obs is not None and code_obs.mode == "hardcoded" and ok(code_obs.value) is False
+                and code_obs.confidence >= HARDCODED_OVERRULE):
+            notes = notes + code_notes + [f"{problem}; the code hard-codes this, so no config could change it"]
+            confidence = round(max(0.05, min(1.0, code_obs.confidence * expected.factor * 0.9)), 2)
+            step.outcome = f"mismatch from hard-coded code ({code_obs.value!r}); the config is unreadable"
+            return _finding(inv, "mismatch", expected, code_obs, [], confidence,
+                            _reason("mismatch", inv, expected, code_obs), notes, run, None)
+        if code_obs is not None:
+            where = code_obs.evidence[0].location if code_obs.evidence else "the code"
+            notes.append(f"the code's reading {code_obs.value!r} at {where} is not evidence of what ran")
+        step.outcome = f"unknown: {reason}"
+    return _finding(inv, "unknown", expected, None, [], 0.0, reason, notes, run, None)
 
 
 def _satisfies(inv: Invariant, expected: ExpectedValue, value: object, block_size: int | None) -> bool | None:

@@ -85,6 +85,9 @@ class Report(BaseModel):
     summary: str = ""
     chart: str | None = Field(None, description="file name of the regression chart, beside the report")
     trace: list[TraceStep] = Field(default_factory=list)
+    input_problems: list[str] = Field(
+        default_factory=list, description="inputs the run must have but that could not be read; any makes exit 1"
+    )
     exit_status: Literal[0, 1] = 0
 
     @property

@@ -23,6 +23,8 @@ def print_text(report: Report, console: Console, files: dict[str, Path] | None =
     head.append(f"{counts.get('mismatch', 0)} mismatch(es)", style=_STYLE["mismatch"] if counts.get("mismatch") else "")
     head.append(f", {counts.get('unknown', 0)} unknown, {counts.get('match', 0)} match")
     console.print(head)
+    for problem in report.input_problems:
+        console.print(Text("not clean: ", style="bold red") + Text(problem))
     if report.regression is not None:
         style = {"regression": "red", "improvement": "green"}.get(report.regression.verdict, "")
         console.print(Text("regression: ", style="bold") + Text(report.regression.summary, style=style))

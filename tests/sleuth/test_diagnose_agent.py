@@ -68,9 +68,10 @@ class FakeEngine:
         return self.resolution
 
     def check_invariants(self, playbook: Any, *, reference: Any, config: dict | None, config_source: str | None,
-                         checkpoint: Path | None, code: Path | None, trace: Any) -> list[Finding]:
+                         checkpoint: Path | None, code: Path | None, trace: Any,
+                         config_problem: str | None = None) -> list[Finding]:
         self.calls.append({"config": config, "config_source": config_source, "checkpoint": checkpoint,
-                           "code": code, "reference": reference})
+                           "code": code, "reference": reference, "config_problem": config_problem})
         with trace.step("fake-read-sources", code=code) as step:
             step.outcome = "ok"
         findings = []
@@ -212,12 +213,17 @@ def test_missing_config_and_checkpoint_make_unknown_findings_with_reasons(tmp_pa
     (path / "config.json").unlink()
     with (path / "metrics.jsonl").open("a") as handle:
         handle.write('{"step": 310, "acc": 0.')
-    result = diagnose(DiagnoseRequest(run="broken", runs_dir=runs), engine=FakeEngine().engine())
+    fake = FakeEngine()
+    result = diagnose(DiagnoseRequest(run="broken", runs_dir=runs), engine=fake.engine())
     by_id = {f.id: f for f in result.report.findings}
     assert by_id["dflash.loss_decay_gamma"].status == "unknown"
     assert by_id["dflash.loss_decay_gamma"].reason == "no run configuration"
     assert by_id["dflash.fc_norm"].status == "unknown"
-    assert result.exit_code == 0
+    # A run without its config is not clean: exit 1, and the engine is told why the config is missing.
+    assert result.exit_code == 1
+    assert fake.calls[0]["config_problem"] == "the run's config.json is missing"
+    assert result.report.input_problems and "config.json is missing" in result.report.input_problems[0]
+    assert "No mismatch" not in result.report.summary
     problems = result.report.run.problems if result.report.run else []
     assert "config.json is missing" in problems
     assert any("skipped 1 truncated or garbled line(s)" in p for p in problems)
