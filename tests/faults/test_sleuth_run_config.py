@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
+
+from sleuth.commands.diagnose import app
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -65,15 +68,26 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return target
 
 
-def _diagnose(run: Path, tmp_path: Path) -> tuple[int, dict, str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "sleuth.cli", "diagnose", "--run", str(run), "--offline", "--format", "json",
-         "--out", str(tmp_path / "diagnosis")],
-        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300,
-    )
-    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-2000:]
-    report = json.loads(done.stdout) if done.stdout.strip() else {}
-    return done.returncode, report, done.stderr
+def _diagnose(run: Path, tmp_path: Path, *, subprocess_cli: bool = False) -> tuple[int, dict, str]:
+    """The CLI on `run`: in process (fast), or as a real subprocess for the exit code a shell sees."""
+    args = ["--run", str(run), "--offline", "--format", "json", "--out", str(tmp_path / "diagnosis")]
+    if subprocess_cli:
+        done = subprocess.run([sys.executable, "-m", "sleuth.cli", "diagnose", *args], cwd=tmp_path,
+                              env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+        code, out, err = done.returncode, done.stdout, done.stderr
+    else:
+        result = CliRunner().invoke(app, args)
+        code, out, err = result.exit_code, result.stdout, result.stderr
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in out + err, err[-2000:]
+    return code, (json.loads(out) if out.strip() else {}), err
+
+
+@pytest.fixture(autouse=True)
+def _isolated_sleuth(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLEUTH_CACHE_DIR", str(tmp_path / "sleuth-cache"))
+    monkeypatch.setenv("SLEUTH_CONFIG_FILE", str(tmp_path / "no-sleuth-config.yaml"))
+    monkeypatch.delenv("SLEUTH_SPECULATORS_PATH", raising=False)
 
 
 def _config_level_ids() -> set[str]:
@@ -104,7 +118,8 @@ DAMAGES = {
 def test_a_run_whose_config_cannot_be_read_is_not_reported_clean(damage: str, real_v5: Path, tmp_path: Path) -> None:
     run = _copy(real_v5, tmp_path)
     DAMAGES[damage](run / "config.json")
-    code, report, stderr = _diagnose(run, tmp_path)
+    # One case through a real subprocess: the exit status a shell or CI sees.
+    code, report, stderr = _diagnose(run, tmp_path, subprocess_cli=damage == "missing")
     assert code == 1, f"{damage}: exit {code}, {stderr}"
     assert report["input_problems"] and "config.json" in report["input_problems"][0]
     by_id = {f["id"]: f for f in report["findings"]}

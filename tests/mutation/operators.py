@@ -155,7 +155,8 @@ def remove_shift(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, Edit,
     """x - 1 -> x where the target index is built; roll(x, 1) -> roll(x, 0)."""
     for node in _region_nodes(src, lines):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and isinstance(node.right, ast.Constant) \
-                and node.right.value == 1 and not re.search(r"gamma|decay|len|size|shape|num|\bk\b", src.seg(node.left)):
+                and node.right.value == 1 and not re.search(r"gamma|decay|len|size|shape|num|\bk\b", src.seg(node.left)) \
+                and not _inside_call(src, node, {"exp", "pow", "range", "arange"}) and _feeds_an_index(src, node):
             yield node, _edit(node, f"({src.seg(node.left)})"), f"`{src.seg(node)}` -> `{src.seg(node.left)}`"
         if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)) and \
                 (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "roll":
@@ -166,6 +167,43 @@ def remove_shift(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, Edit,
             for arg in args[:1]:
                 if isinstance(arg, ast.Constant) and arg.value == 1:
                     yield node, _edit(arg, "0"), "roll shift 1 -> 0"
+
+
+def _inside_call(src: Source, node: ast.AST, names: set[str]) -> bool:
+    current = src.parents.get(node)
+    while current is not None and not isinstance(current, ast.stmt):
+        if isinstance(current, ast.Call) and _call_name(current) in names:
+            return True
+        current = src.parents.get(current)
+    return False
+
+
+def _call_name(node: ast.Call) -> str:
+    return node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id if isinstance(node.func, ast.Name) else ""
+
+
+def _feeds_an_index(src: Source, node: ast.AST) -> bool:
+    """The shifted value is used to index the target: it sits in a subscript's index or a gather, or the
+    variable it is assigned to does, later in the same function."""
+    current = src.parents.get(node)
+    while current is not None and not isinstance(current, ast.stmt):
+        parent = src.parents.get(current)
+        if isinstance(parent, ast.Subscript) and current is parent.slice:
+            return True
+        if isinstance(parent, ast.Call) and _call_name(parent) in {"gather", "take_along_dim", "take_along_axis", "index_select", "take"}:
+            return True
+        current = parent
+    stmt = src.statement(node)
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        name = stmt.targets[0].id
+        scope = src.parents.get(stmt)
+        for other in ast.walk(scope) if scope is not None else []:
+            if isinstance(other, ast.Subscript) and any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(other.slice)):
+                return True
+            if isinstance(other, ast.Call) and _call_name(other) in {"gather", "take_along_dim", "index_select", "take"} and \
+                    any(isinstance(n, ast.Name) and n.id == name for a in other.args for n in ast.walk(a)):
+                return True
+    return False
 
 
 def _is_module_call(node: ast.Call) -> bool:
@@ -219,6 +257,10 @@ def intermediate_teacher(src: Source, lines: list[int]) -> Iterator[tuple[ast.AS
     """outputs.logits / hidden_states[-1] -> lm_head(norm(hidden_states[LAYER_IDS[-1] + 1])): the teacher
     becomes the last selected layer, projected."""
     for node in _region_nodes(src, lines):
+        stmt = src.statement(node)
+        # only the teacher's expression: its statement names logits or the head (not the drafter's context)
+        if stmt is None or not re.search(r"logit|lm_head|teacher|target_prob|soft", src.seg(stmt), re.I):
+            continue
         if isinstance(node, ast.Attribute) and node.attr == "logits" and isinstance(node.ctx, ast.Load) \
                 and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
             recv = src.seg(node.value)
@@ -234,7 +276,7 @@ def helper_arg_offset(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, 
     """anchor + j -> _slot_position(anchor + 1, j), the offset inside a helper: positions one too far."""
     for node in _region_nodes(src, lines):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and ANCHOR_WORDS.search(src.seg(node.left)) \
-                and not isinstance(node.right, ast.Constant):
+                and re.search(r"arange|offset|offs|slot|\bj\b|range|\bk\b", src.seg(node.right)):
             left, right = src.seg(node.left), src.seg(node.right)
             helper = "def _slot_position(start, offset):\n    return start + offset"
             yield node, _edit(node, f"_slot_position({left} + 1, {right})", append=helper), \

@@ -210,7 +210,9 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                 last = parts[-1]
                 # every B-th entry from 0 is slot 0 of each block, whatever the tensor is called
                 strided = isinstance(last, ast.Slice) and last.step is not None and an.is_blocksize(last.step) and last.lower is None
-                if not strided and not toks & (WEIGHTISH_TOKENS | LOGITS_TOKENS | {"target", "targets", "gathered", "labels"}):
+                # Zeroing slot 0 of the targets or logits is not a weight of 0: slot 0 is still trained
+                # (toward a zero target); only the weights (or the mask) that multiply the loss count.
+                if not strided and not toks & WEIGHTISH_TOKENS:
                     continue
                 zero_slot = const_number(last) == 0 and (len(parts) > 1 or toks & WEIGHTISH_TOKENS)
                 if zero_slot or strided:
@@ -410,30 +412,102 @@ def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
     return readings
 
 
-def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
-    readings = []
+EMBED_SOURCES = {"get_input_embeddings", "embed_tokens", "Embedding", "wte", "tok_embeddings", "embed_in", "word_embeddings"}
+HEAD_SOURCES = {"get_output_embeddings", "lm_head", "embed_out", "output_layer"}
+HEAD_ATTR = re.compile(r"head|unembed|vocab_proj|output_proj", re.I)
+
+
+def _freeze_sites(an: Analyzer) -> list[tuple[ast.AST, str]]:
+    """Every statement that freezes something, with the expression it freezes (the loop's iterable for
+    `for p in X.parameters(): p.requires_grad = False`)."""
+    sites: list[tuple[ast.AST, str]] = []
     for node in _walk_all(an, ast.Call):
-        name = call_name(node)
-        if name in {"requires_grad_"} and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value is False:
-            owner = ast.unparse(node.func.value) if isinstance(node.func, ast.Attribute) else ""
-            if re.search(r"embed|lm_head|head|target|teacher|verifier|base", owner, re.I):
-                readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.7, detail=f"{owner}.requires_grad_(False)"))
-        elif isinstance(node.func, ast.Attribute):
-            owner_toks = set(tokens(leaf_name(node.func.value)))
-            attr = node.func.attr.lower()
-            if owner_toks & {"target", "teacher", "verifier", "base"} and (attr in {"embed", "embed_tokens", "lm_head", "logits", "get_input_embeddings", "get_output_embeddings"}):
-                readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.65,
-                                         detail=f"uses the target's own {node.func.attr} (shared, not a drafter parameter)"))
+        if call_name(node) == "requires_grad_" and node.args and isinstance(node.args[0], ast.Constant) \
+                and node.args[0].value is False and isinstance(node.func, ast.Attribute):
+            sites.append((node, ast.unparse(node.func.value)))
+            holder = an.parents.get(node)
+            if isinstance(holder, ast.Assign) and len(holder.targets) == 1:
+                sites.append((node, ast.unparse(holder.targets[0])))  # self.verifier = verifier.requires_grad_(False)
     for node in _walk_all(an, ast.Assign):
         for target in node.targets:
-            if isinstance(target, ast.Attribute) and target.attr == "requires_grad" and isinstance(node.value, ast.Constant) and node.value.value is False:
+            if isinstance(target, ast.Attribute) and target.attr == "requires_grad" and isinstance(node.value, ast.Constant) \
+                    and node.value.value is False:
                 owner = ast.unparse(target.value)
                 loop = an.enclosing(node, (ast.For,))
                 if isinstance(loop, ast.For) and isinstance(target.value, ast.Name) and any(
                         isinstance(n, ast.Name) and n.id == target.value.id for n in ast.walk(loop.target)):
-                    owner = ast.unparse(loop.iter)  # for p in embed.parameters(): p.requires_grad = False
-                if re.search(r"embed|lm_head|head", owner, re.I):
-                    readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.7, detail=f"{owner}.requires_grad = False"))
+                    owner = ast.unparse(loop.iter)
+                sites.append((node, owner))
+    return sites
+
+
+def _component_holders(an: Analyzer) -> list[tuple[str, str, ast.Assign, str]]:
+    """`self.X = <embedding or head>` inside a module class: (kind, attr, statement, source expression).
+
+    Such an attribute is a registered submodule: its weights are among the drafter's parameters, trained
+    unless something freezes that very object (or the whole model it was taken from)."""
+    out: list[tuple[str, str, ast.Assign, str]] = []
+    for node in _walk_all(an, ast.Assign):
+        if len(node.targets) != 1:
+            continue
+        target = node.targets[0]
+        if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"):
+            continue
+        if an.enclosing(node, (ast.ClassDef,)) is None:
+            continue
+        value = node.value
+        leaf = leaf_name(value)
+        if isinstance(value, ast.Call) and leaf == "Linear" and HEAD_ATTR.search(target.attr):
+            out.append(("lm_head", target.attr, node, ast.unparse(value)))
+        elif leaf in EMBED_SOURCES:
+            out.append(("embeddings", target.attr, node, ast.unparse(value)))
+        elif leaf in HEAD_SOURCES:
+            out.append(("lm_head", target.attr, node, ast.unparse(value)))
+    return out
+
+
+def _root_object(text: str) -> str:
+    """`self.target.get_output_embeddings()` -> `self.target`; `teacher.eval()` -> `teacher`."""
+    text = re.sub(r"\.(eval|train|to|cuda|cpu|float|half|bfloat16|requires_grad_)\([^()]*\)", "", text)
+    parts = text.split(".")
+    keep = 2 if parts[0] == "self" and len(parts) > 1 else 1
+    return ".".join(parts[:keep])
+
+
+def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
+    """All sites must agree: every embedding / lm_head the drafter holds as a submodule is frozen at its own
+    object (or through the whole model it came from); one unfrozen holder is `trained` at its location.
+    When the drafter holds none, the target's own embedding / head used in place counts (shared, frozen)."""
+    readings = []
+    freezes = _freeze_sites(an)
+    holders = _component_holders(an)
+    for kind, attr, stmt, source in holders:
+        own = re.compile(rf"\bself\.{re.escape(attr)}\b")
+        root = _root_object(source)
+        covering = [(n, o) for n, o in freezes if own.search(o) or (root not in {"self", ""} and _root_object(o) == root)]
+        if covering:
+            node, owner = covering[0]
+            readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.7,
+                                     detail=f"the drafter's {kind} `self.{attr}` is frozen here ({owner})"))
+        else:
+            readings.append(_reading(an, "dflash.frozen_embed_head", "trained", stmt, 0.75,
+                                     detail=f"the drafter holds the {kind} `self.{attr}` = {source[:60]} as a submodule "
+                                            "(its weights join the drafter's parameters) and nothing freezes it"))
+    if holders:
+        if any(r.value == "trained" for r in readings):
+            return readings
+        missing = {"embeddings", "lm_head"} - {kind for kind, *_ in holders}
+        shared = [r for kind, r in _shared_uses(an) if kind in missing]
+        if missing and not {kind for kind, _ in _shared_uses(an)} >= missing:
+            # One component held and frozen, the other not seen: the rule is about both, so no match.
+            return [_reading(an, "dflash.frozen_embed_head", "frozen?", holders[0][2], 0.7,
+                             detail=f"the {holders[0][0]} is frozen; where the drafter's {' and '.join(sorted(missing))} "
+                                    "comes from is not seen")]
+        return readings + shared
+    readings += [r for _, r in _shared_uses(an)]
+    for node, owner in freezes:
+        if re.search(r"embed|lm_head|head", owner, re.I):
+            readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.7, detail=f"{owner}: requires_grad False"))
     if not readings:
         # a drafter class that builds its own embedding / vocab head and never freezes it
         for node in _walk_all(an, ast.Call):
@@ -445,6 +519,21 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
                 if attr and text and not re.search(rf"{re.escape(attr)}[\w.]*\.(requires_grad|load_state_dict|weight\.data\.copy_|from_pretrained)", text):
                     readings.append(_reading(an, "dflash.frozen_embed_head", "trained", node, 0.55,
                                              detail=f"the drafter owns a trainable embedding `{attr}` (never frozen or copied from the target)"))
+    return readings
+
+
+def _shared_uses(an: Analyzer) -> list[tuple[str, CodeReading]]:
+    """The target's own embedding / head applied in place (not held by the drafter): shared, not trained."""
+    readings: list[tuple[str, CodeReading]] = []
+    for node in _walk_all(an, ast.Call):
+        if isinstance(node.func, ast.Attribute):
+            owner_toks = set(tokens(leaf_name(node.func.value)))
+            attr = node.func.attr.lower()
+            if owner_toks & {"target", "teacher", "verifier", "base"} and attr in {
+                    "embed", "embed_tokens", "lm_head", "logits", "get_input_embeddings", "get_output_embeddings"}:
+                kind = "embeddings" if "embed" in attr and "output" not in attr else "lm_head"
+                readings.append((kind, _reading(an, "dflash.frozen_embed_head", "frozen", node, 0.65,
+                                                detail=f"uses the target's own {node.func.attr} (shared, not a drafter parameter)")))
     return readings
 
 

@@ -6,6 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
+from sleuth.evidence.origins import Origin, head_input, trace
 from sleuth.evidence.source import (
     Analyzer,
     CodeReading,
@@ -253,14 +254,7 @@ def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
             else:
                 continue
         readings.append(_reading(an, "dflash.target_logits_source", value, node, 0.75, mode=mode, switch=switch, detail=detail))
-    for node in _walk_all(an, ast.Call):
-        name = set(tokens(call_name(node)))
-        if not name & {"lm", "head", "logits", "unembed"} or not node.args:
-            continue
-        arg_names = {leaf_name(n).lower() for n in ast.walk(node.args[0]) if isinstance(n, (ast.Name, ast.Attribute))}
-        if any("last" in n or "final" in n for n in arg_names) and _feeds_target(an, node):
-            readings.append(_reading(an, "dflash.target_logits_source", "final", node, 0.7,
-                                     detail=f"targets from `{ast.unparse(node.args[0])[:60]}` (the last layer)"))
+    readings += _head_origins(an)
     # the target model's own `.logits`, read where the targets are built (gathered, argmax'd or softmax'd)
     for node in _walk_all(an, ast.Attribute):
         if node.attr != "logits" or not _model_output(an, node.value):
@@ -293,6 +287,62 @@ def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
                                      mode="switch" if switch else "hardcoded", switch=switch,
                                      detail="targets are the target model's own output logits"))
     return readings
+
+
+def _head_origins(an: Analyzer) -> list[CodeReading]:
+    """Every head application whose input comes from the target's per-layer tuple, read by value origin:
+    `lm_head(norm(x))` with `x = out.hidden_states[ids[-1] + 1]` is an intermediate layer, whatever `x` is
+    called. An input whose origin is not established gives no reading; a name that says "last" only
+    explains the unknown (`final?`)."""
+    readings = []
+    for node in _walk_all(an, ast.Call):
+        arg = head_input(node)
+        if arg is None:
+            continue
+        origins = trace(an, arg)
+        layered = [o for o in origins if o.kind in ("layer", "last_hidden")]
+        for origin in layered:
+            value, detail, mode, switch = _layer_origin_value(an, origin)
+            if value is None:
+                continue
+            via = f" (traced from `{ast.unparse(arg)[:50]}`)" if origin.steps else ""
+            readings.append(_reading(an, "dflash.target_logits_source", value, node, 0.8, mode=mode,
+                                     switch=switch or an.switch_of(node), detail=detail + via))
+        if not layered and _feeds_target(an, node):
+            names = {leaf_name(n).lower() for n in ast.walk(arg) if isinstance(n, (ast.Name, ast.Attribute))}
+            if any("last" in n or "final" in n for n in names):
+                missing = next((o.missing for o in origins if o.missing), "its origin is not in the code")
+                readings.append(_reading(an, "dflash.target_logits_source", "final?", node, 0.4,
+                                         detail=f"the head's input `{ast.unparse(arg)[:50]}` is named as the last layer, "
+                                                f"but {missing}"))
+    return readings
+
+
+def _layer_origin_value(an: Analyzer, origin: Origin) -> tuple[str | None, str, Mode, str | None]:
+    if origin.kind == "last_hidden":
+        return "final", "the target's last_hidden_state", "hardcoded", None
+    index = origin.index
+    assert index is not None
+    if isinstance(index, ast.Name) and index.id in origin.bindings:
+        index = origin.bindings[index.id]
+    text = ast.unparse(index)
+    number = const_number(index)
+    if number is None:
+        resolved = an.literal(index)
+        number = resolved if isinstance(resolved, (int, float)) and not isinstance(resolved, bool) else None
+    if number == -1:
+        return "final", "hidden_states[-1], the last layer", "hardcoded", None
+    if re.fullmatch(r"(len\(.*\)\s*-\s*1|[\w.]*num_(hidden_)?layers|[\w.]*n_layers)", text):
+        return "final", f"hidden_states[{text}], the last layer", "hardcoded", None
+    if number is not None:
+        return "intermediate", f"hidden_states[{int(number)}], not the last layer", "hardcoded", None
+    if any(isinstance(n, ast.Subscript) for n in ast.walk(index)):
+        return "intermediate", f"hidden_states[{text}]: an element of a layer list (a selected, intermediate layer)", "hardcoded", None
+    scope = an.scope(origin.node)
+    runtime = [n.id for n in ast.walk(index) if isinstance(n, ast.Name) and scope.param_default(n.id) is not None]
+    if runtime:
+        return "intermediate", f"hidden_states[{text}]: a layer chosen at run time", "switch", f"parameter {runtime[0]}"
+    return None, "", "hardcoded", None
 
 
 def _named_default(an: Analyzer, name: str) -> int | None:
