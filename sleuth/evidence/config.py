@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from sleuth.evidence.registry import config_reader, registered
 
 
 @dataclass
@@ -99,9 +101,10 @@ def vllm_default_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-# --- readers: (config, keys, meta) -> ConfigReading | None -----------------------------------------------
+# --- config readers: (config, keys, meta) -> ConfigReading | None, registered by the id the playbook names --
 
 
+@config_reader("target_layer_ids")
 def _read_target_layer_ids(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
     if found is None or not isinstance(found[1], list) or not found[1]:
@@ -128,6 +131,7 @@ def _read_target_layer_ids(config: dict, keys: list[str], meta: RunMeta) -> Conf
     return reading
 
 
+@config_reader("fc_layers")
 def _read_fc_layers(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
     if found is None:
@@ -151,6 +155,7 @@ def _read_fc_layers(config: dict, keys: list[str], meta: RunMeta) -> ConfigReadi
     return None
 
 
+@config_reader("logits_source")
 def _read_logits_source(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
     if found is None:
@@ -168,6 +173,7 @@ def _read_logits_source(config: dict, keys: list[str], meta: RunMeta) -> ConfigR
     return None
 
 
+@config_reader("context_includes_anchor")
 def _read_context_includes_anchor(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
     if found is None or not isinstance(found[1], bool):
@@ -178,6 +184,7 @@ def _read_context_includes_anchor(config: dict, keys: list[str], meta: RunMeta) 
     return ConfigReading("kv < anchor", key, value, detail="context strictly before the anchor")
 
 
+@config_reader("number")
 def _read_number(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
     if found is None:
@@ -188,6 +195,7 @@ def _read_number(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading 
     return None
 
 
+@config_reader("loss_kind")
 def _read_loss_kind(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
     if found is None or not isinstance(found[1], str):
@@ -197,6 +205,7 @@ def _read_loss_kind(config: dict, keys: list[str], meta: RunMeta) -> ConfigReadi
     return ConfigReading(canonical or f"other:{value}", key, value)
 
 
+@config_reader("max_anchors")
 def _read_max_anchors(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
     if found is None:
@@ -209,18 +218,7 @@ def _read_max_anchors(config: dict, keys: list[str], meta: RunMeta) -> ConfigRea
     return reading
 
 
-CONFIG_READERS: dict[str, Callable[[dict, list[str], RunMeta], ConfigReading | None]] = {
-    "target_layer_ids": _read_target_layer_ids,
-    "fc_layers": _read_fc_layers,
-    "logits_source": _read_logits_source,
-    "context_includes_anchor": _read_context_includes_anchor,
-    "number": _read_number,
-    "loss_kind": _read_loss_kind,
-    "max_anchors": _read_max_anchors,
-}
-
-
 def read_config(reader: str, config: dict | None, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     if not config:
         return None
-    return CONFIG_READERS[reader](config, keys, meta)
+    return registered("config")[reader].func(config, keys, meta)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from sleuth.evidence.source import PRESERVING_METHODS, Analyzer, call_name, kwarg, leaf_name, tokens
+from sleuth.evidence.ast_index import PRESERVING_METHODS, Analyzer, call_name, is_module_name, kwarg, leaf_name, tokens
 
 MAX_DEPTH = 12
 LAYER_TUPLES = {"hidden_states", "all_hidden_states"}
@@ -82,7 +82,7 @@ def trace(an: Analyzer, node: ast.AST, bindings: dict[str, ast.expr] | None = No
         return trace(an, node.value, bindings, depth + 1)  # slicing a tensor keeps what it is
     if isinstance(node, ast.Call):
         name = call_name(node)
-        if isinstance(node.func, ast.Attribute) and name in PRESERVING_METHODS and not _is_module(node.func.value):
+        if isinstance(node.func, ast.Attribute) and name in PRESERVING_METHODS and not is_module_name(node.func.value):
             return trace(an, node.func.value, bindings, depth + 1)
         if is_norm_call(node) and node.args:
             return trace(an, node.args[0], bindings, depth + 1)
@@ -165,10 +165,6 @@ def _is_layer_tuple(an: Analyzer, node: ast.AST, bindings: dict[str, ast.expr], 
         found = an.defs_of(node)
         return bool(found and found[0] and any(_is_layer_tuple(an, d, bindings, depth + 1) for d in found[0][-3:]))
     return False
-
-
-def _is_module(node: ast.AST) -> bool:
-    return isinstance(node, ast.Name) and node.id in {"torch", "F", "nn", "np", "numpy", "math", "jnp", "mx"}
 
 
 def head_input(node: ast.Call) -> ast.expr | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sleuth.evidence import checkpoint as ckpt
 from sleuth.evidence.config import ConfigReading, RunMeta, find_run_meta, lookup, read_config
+from sleuth.evidence.registry import registered
 from sleuth.findings import Evidence, Finding, Fix
 from sleuth.invariants.playbook import Invariant, Playbook
 from sleuth.trace import Trace
@@ -341,45 +342,13 @@ def _checkpoint_observation(inv: Invariant, run: _Run) -> tuple[Observation | No
     if header is None:
         return None, f"checkpoint {run.checkpoint} is unreadable: {run.header_error}"
     with run.trace.step("read-observed", invariant=inv.id, source="checkpoint", extractor=spec.extractor) as step:
-        if spec.extractor == "fc_layer_count":
-            fc = ckpt.find_fc(header)
-            if fc is None:
-                step.outcome = "no fusion projection (fc.weight [H, k*H]) in the checkpoint"
-                return None, "the checkpoint holds no fusion projection weight"
-            counted = ckpt.fc_layer_count(fc)
-            if counted is None:
-                step.outcome = f"{fc.name} {list(fc.shape)} is not of the form [H, k*H]"
-                return None, f"{fc.name} has shape {list(fc.shape)}, not [H, k*H]"
-            k, hidden = counted
-            ids = lookup(run.config, ["target_layer_ids", "aux_hidden_state_layer_ids"])
-            evidence = [Evidence(kind="checkpoint", location=f"{run.checkpoint}:{fc.name}", value=f"shape {list(fc.shape)}: k={k}, H={hidden}")]
-            if ids is not None and isinstance(ids[1], list):
-                selected = len(ids[1])
-                evidence.append(Evidence(kind="config", location=f"{run.config_source}:{ids[0]}", value=_text(ids[1])))
-                value = "all" if k == selected else "subset"
-                step.outcome = f"{fc.name} {list(fc.shape)}: fc reads k={k} layers of {selected} selected -> {value}"
-                return Observation(value, "checkpoint", 0.9, evidence, f"fc reads {k} of {selected} selected layers", k), None
-            step.outcome = f"{fc.name} {list(fc.shape)}: k={k}; how many layers were selected is unknown"
-            return None, f"fc.weight says fc reads k={k} layers, but the number of selected target layers is unknown (no config)"
-        if spec.extractor == "fc_norm_present":
-            norm = ckpt.find_fc_norm(header)
-            if norm is None:
-                step.outcome = "no norm tensor beside fc (a parameter-free norm would not show): undecided"
-                return None, "no norm weight beside fc in the checkpoint; a parameter-free norm would not show, so this is not evidence of its absence"
-            step.outcome = f"{norm.name} present"
-            return Observation("normed", "checkpoint", 0.8, [Evidence(kind="checkpoint", location=f"{run.checkpoint}:{norm.name}", value=f"shape {list(norm.shape)}")]), None
-        if spec.extractor == "embed_head_absent":
-            found = ckpt.embed_head_tensors(header)
-            if found:
-                step.outcome = f"holds {', '.join(found)}: may be frozen copies, undecided"
-                return None, f"the checkpoint holds {', '.join(found)}; a frozen copy looks the same, so this does not decide"
-            if ckpt.find_fc(header) is None:
-                step.outcome = "not a drafter checkpoint (no fc): undecided"
-                return None, None
-            step.outcome = "no embedding or lm_head among the trained weights"
-            return Observation("frozen", "checkpoint", 0.6, [Evidence(kind="checkpoint", location=f"{run.checkpoint}", value="no embed_tokens / lm_head tensors among the trained drafter weights")],
-                               "embedding and head are not among the trained weights"), None
-    return None, None
+        reader = registered("checkpoint")[spec.extractor].func
+        reading = reader(ckpt.CheckpointInput(run.checkpoint, header, list(spec.tensors), run.config, run.config_source))
+        step.outcome = reading.outcome
+        if reading.value is None:
+            return None, reading.reason
+        evidence = [Evidence(kind=kind, location=location, value=value) for kind, location, value in reading.evidence]
+        return Observation(reading.value, "checkpoint", reading.confidence, evidence, reading.detail, reading.count), None
 
 
 def _code_observation(inv: Invariant, run: _Run, ok) -> tuple[Observation | None, str | None, list[str]]:
@@ -391,8 +360,7 @@ def _code_observation(inv: Invariant, run: _Run, ok) -> tuple[Observation | None
         readings = [r for r in facts.readings.get(inv.observed.code, []) if r.mode != "variant"]
         errors = facts.errors
         error_note = ("; not analysed (parse errors): " + ", ".join(f"{e.path} ({e.message})" for e in errors)) if errors else ""
-        if inv.id == "dflash.fc_input_layers":
-            readings = [_resolve_fc_count(r, run) for r in readings]
+        readings = [_resolve_count(r, run) for r in readings]
         decisive = [r for r in readings if r.mode in ("hardcoded", "default") and r.value is not None and not str(r.value).startswith("count:")]
         switches = [r for r in readings if r.mode == "switch" or r.value is None or str(r.value).startswith("count:")]
         if decisive:
@@ -439,8 +407,9 @@ def _code_observation(inv: Invariant, run: _Run, ok) -> tuple[Observation | None
         return None, (f"the code does not show this rule statically ({len(facts.files)} file(s) analysed{error_note})"), []
 
 
-def _resolve_fc_count(r: CodeReading, run: _Run) -> CodeReading:
-    """A hard-coded fc layer count ('count:4') becomes all/subset once the number of selected layers is known."""
+def _resolve_count(r: CodeReading, run: _Run) -> CodeReading:
+    """A hard-coded layer count ('count:4', e.g. fc's inputs) becomes all/subset once the number of selected
+    layers is known."""
     if not str(r.value).startswith("count:"):
         return r
     from sleuth.evidence.source import CodeReading

@@ -56,19 +56,18 @@ class Expected(_Strict):
 
 class ConfigSource(_Strict):
     keys: list[str]
-    reader: Literal["target_layer_ids", "fc_layers", "logits_source", "context_includes_anchor", "number",
-                    "loss_kind", "max_anchors"]
+    reader: str = Field(description="a config reader registered with @config_reader (sleuth/evidence/config.py)")
 
 
 class CheckpointSource(_Strict):
-    extractor: Literal["fc_layer_count", "fc_norm_present", "embed_head_absent"]
-    tensors: list[str] = Field(default_factory=list)
+    extractor: str = Field(description="a checkpoint reader registered with @checkpoint_reader (sleuth/evidence/checkpoint.py)")
+    tensors: list[str] = Field(default_factory=list, description="tensor names (or module names) the reader looks for")
 
 
 class Observed(_Strict):
     config: ConfigSource | None = None
     checkpoint: CheckpointSource | None = None
-    code: str | None = Field(None, description="source extractor (an invariant id in sleuth.evidence.source)")
+    code: str | None = Field(None, description="a code detector registered with @detector (sleuth/evidence/detectors/)")
 
 
 class FixSpec(_Strict):
@@ -141,4 +140,24 @@ def load_playbook(name_or_path: str | Path = "dflash") -> Playbook:
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:
         raise PlaybookError(f"playbook {path} repeats invariant ids: {', '.join(duplicates)}")
+    unknown = unregistered_readers(playbook)
+    if unknown:
+        raise PlaybookError(f"playbook {path} names readers that are not registered: {'; '.join(unknown)}")
     return playbook
+
+
+def unregistered_readers(playbook: Playbook) -> list[str]:
+    """Every reader id the playbook names that no module registered (sleuth/evidence/registry.py)."""
+    from sleuth.evidence.registry import registered
+
+    known = {kind: set(registered(kind)) for kind in ("code", "config", "checkpoint")}
+    problems = []
+    for inv in playbook.invariants:
+        wanted = [("code", inv.observed.code, "observed.code"), ("code", inv.expected.extractor, "expected.extractor"),
+                  ("config", inv.observed.config.reader if inv.observed.config else None, "observed.config.reader"),
+                  ("checkpoint", inv.observed.checkpoint.extractor if inv.observed.checkpoint else None,
+                   "observed.checkpoint.extractor")]
+        for kind, reader_id, where in wanted:
+            if reader_id is not None and reader_id not in known[kind]:
+                problems.append(f"{inv.id} {where} {reader_id!r} (known {kind} readers: {', '.join(sorted(known[kind]))})")
+    return problems

@@ -128,8 +128,9 @@ def test_a_corrupt_run_never_prints_a_traceback(tmp_path: Path, fake: FakeEngine
     weights = path / "checkpoints" / "step-00000300" / "drafter.safetensors"
     weights.write_bytes(b"\xff" * 20)
     code, out, err = invoke("--run", "v5", "--runs-dir", str(runs), "--format", "json")
-    assert code == 0, err
+    assert code == 1, err  # the config that ran cannot be read: never a clean bill
     report = json.loads(out)
+    assert report["input_problems"] and "config.json is not valid JSON" in report["input_problems"][0]
     problems = report["run"]["problems"]
     assert any(p.startswith("config.json is not valid JSON") for p in problems)
     assert any("skipped 1 truncated or garbled line(s)" in p for p in problems)

@@ -6,7 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from sleuth.evidence.source import (
+from sleuth.evidence.ast_index import (
     Analyzer,
     BLOCKED_TOKENS,
     CONTEXT_TOKENS,
@@ -14,11 +14,11 @@ from sleuth.evidence.source import (
     LOGITS_TOKENS,
     Mode,
     PRESERVING_METHODS,
-    _in_draft_class,
-    _mentions_window,
-    _reading,
-    _scope_mentions_block,
-    _walk_all,
+    in_draft_class,
+    mentions_window,
+    reading_at,
+    scope_mentions_block,
+    nodes_of,
     call_name,
     const_number,
     is_blocksize_name,
@@ -27,6 +27,7 @@ from sleuth.evidence.source import (
     leaf_name,
     tokens,
 )
+from sleuth.evidence.registry import detector
 
 
 # --- the anchor comparison: context_excludes_anchor ---------------------------------------------------
@@ -117,7 +118,7 @@ _FLIP_OP = {ast.Lt: ast.Gt, ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE}
 def _anchor_comparisons(an: Analyzer) -> Iterator[tuple[ast.AST, str, int, ast.expr | None, str, float]]:
     """(node, op as 'kv OP anchor' with op in < <= > >=, constant offset on the anchor side, non-constant
     term, polarity, confidence) for every comparison of a key position against an anchor."""
-    for node in _walk_all(an, ast.Compare):
+    for node in nodes_of(an, ast.Compare):
         if len(node.ops) != 1 or type(node.ops[0]) not in _FLIP_OP:
             continue
         left, right, op = node.left, node.comparators[0], type(node.ops[0])
@@ -170,6 +171,7 @@ def _visible_upper_bound(symbol: str, offset: int, polarity: str) -> str | None:
     return "kv < anchor" if last_visible <= -1 else "kv <= anchor" if last_visible == 0 else f"kv <= anchor{last_visible:+d}"
 
 
+@detector("dflash.context_excludes_anchor")
 def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
     readings: list[CodeReading] = []
     by_function: dict[int, list[CodeReading]] = {}
@@ -186,7 +188,7 @@ def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
             mode = "switch"
         elif switch is not None:
             continue
-        reading = _reading(an, "dflash.context_excludes_anchor", value, node, confidence, mode=mode, switch=switch, detail=detail)
+        reading = reading_at(an, "dflash.context_excludes_anchor", value, node, confidence, mode=mode, switch=switch, detail=detail)
         readings.append(reading)
         by_function.setdefault(id(an.outermost_function(node)), []).append(reading)
     # both cuts in one function: the choice is a runtime switch even if the if/else was not recognised
@@ -196,7 +198,7 @@ def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
                 if r.mode == "hardcoded":
                     r.mode, r.switch = "switch", r.switch or "two cuts in one function"
     # mask filled by slices: mask[rows, :anchor] = True (strict) / [:anchor + 1]; bias[rows, anchor:] = -inf
-    for node in _walk_all(an, ast.Assign):
+    for node in nodes_of(an, ast.Assign):
         if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Subscript):
             continue
         target = node.targets[0]
@@ -223,14 +225,14 @@ def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
             switch = an.switch_of(node)
             nonconst = an.nonconst_offset(part.upper if polarity == "allowed" else part.lower)
             mode = "switch" if (switch or nonconst is not None) else "hardcoded"
-            readings.append(_reading(an, "dflash.context_excludes_anchor", value_text, node, 0.75, mode=mode,
+            readings.append(reading_at(an, "dflash.context_excludes_anchor", value_text, node, 0.75, mode=mode,
                                      switch=switch or (ast.unparse(nonconst) if nonconst is not None else None),
                                      detail=f"mask filled by slice ({polarity}): {ast.unparse(target)[:60]}"))
     # slicing the context up to the anchor: ctx[:, :anchor] (strict) vs ctx[:, :anchor + 1]
-    for node in _walk_all(an, ast.Slice):
+    for node in nodes_of(an, ast.Slice):
         if node.upper is None or (node.lower is not None and const_number(node.lower) != 0):
             continue
-        if "anchor" not in an.tags(node.upper) or not _scope_mentions_block(an, node):
+        if "anchor" not in an.tags(node.upper) or not scope_mentions_block(an, node):
             continue
         sub = an.parents.get(node)
         while sub is not None and not isinstance(sub, ast.Subscript):
@@ -242,7 +244,7 @@ def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
         value = "kv < anchor" if offset <= 0 else "kv <= anchor" if offset == 1 else f"kv <= anchor{offset - 1:+d}"
         nonconst = an.nonconst_offset(node.upper)
         mode = "switch" if nonconst is not None else "hardcoded"
-        readings.append(_reading(an, "dflash.context_excludes_anchor", value, node, 0.7, mode=mode,
+        readings.append(reading_at(an, "dflash.context_excludes_anchor", value, node, 0.7, mode=mode,
                                  switch=ast.unparse(nonconst) if nonconst is not None else None,
                                  detail=f"context sliced up to {ast.unparse(node.upper)}"))
     return readings
@@ -278,17 +280,18 @@ def _floordiv_divisors(an: Analyzer, node: ast.AST, depth: int = 0) -> set[str]:
 
 
 def _block_comparisons(an: Analyzer) -> Iterator[tuple[ast.Compare, str]]:
-    for node in _walk_all(an, ast.Compare):
+    for node in nodes_of(an, ast.Compare):
         if len(node.ops) != 1:
             continue
         lt, rt = an.tags(node.left), an.tags(node.comparators[0])
         if "blockid" in lt and "blockid" in rt:
             yield node, type(node.ops[0]).__name__
-        elif _floordiv_divisors(an, node.left) & _floordiv_divisors(an, node.comparators[0]) and _scope_mentions_block(an, node):
+        elif _floordiv_divisors(an, node.left) & _floordiv_divisors(an, node.comparators[0]) and scope_mentions_block(an, node):
             # both sides divided by the same quantity: block indices, whatever the block size is called
             yield node, type(node.ops[0]).__name__
 
 
+@detector("dflash.blocks_isolated")
 def detect_blocks_isolated(an: Analyzer) -> list[CodeReading]:
     readings = []
     for node, op in _block_comparisons(an):
@@ -302,13 +305,14 @@ def detect_blocks_isolated(an: Analyzer) -> list[CodeReading]:
         else:
             continue
         mode = "switch" if switch and not re.search(r"window|sliding", switch) else "hardcoded"
-        readings.append(_reading(an, "dflash.blocks_isolated", value, node, 0.8, mode=mode, switch=switch, detail=detail))
+        readings.append(reading_at(an, "dflash.blocks_isolated", value, node, 0.8, mode=mode, switch=switch, detail=detail))
     return readings
 
 
+@detector("dflash.block_bidirectional")
 def detect_block_bidirectional(an: Analyzer) -> list[CodeReading]:
     readings = []
-    for node in _walk_all(an, ast.Compare):
+    for node in nodes_of(an, ast.Compare):
         if len(node.ops) != 1 or type(node.ops[0]) not in _FLIP_OP:
             continue
         left, right = node.left, node.comparators[0]
@@ -318,33 +322,33 @@ def detect_block_bidirectional(an: Analyzer) -> list[CodeReading]:
         if _floordiv_divisors(an, left) & _floordiv_divisors(an, right):
             continue  # block indices (both divided by the same size) compared: a block-level rule, not slot order
         q_kv = ("q" in lt and "kv" in rt and "kv" not in lt) or ("kv" in lt and "q" in rt and "q" not in lt)
-        if not q_kv or not _scope_mentions_block(an, node):
+        if not q_kv or not scope_mentions_block(an, node):
             continue
         switch = an.switch_of(node)
-        if switch and _mentions_window(an, node, switch):
-            readings.append(_reading(an, "dflash.block_bidirectional", "bidirectional", node, 0.5, mode="hardcoded",
+        if switch and mentions_window(an, node, switch):
+            readings.append(reading_at(an, "dflash.block_bidirectional", "bidirectional", node, 0.5, mode="hardcoded",
                                      detail=f"causal only for sliding-window layers (under `{switch}`)"))
             continue
         mode = "switch" if switch else "hardcoded"
-        readings.append(_reading(an, "dflash.block_bidirectional", "causal", node, 0.75, mode=mode, switch=switch,
+        readings.append(reading_at(an, "dflash.block_bidirectional", "causal", node, 0.75, mode=mode, switch=switch,
                                  detail="queries of a block see only earlier block tokens (query/key order compared)"))
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         name = call_name(node)
         causal = kwarg(node, "is_causal")
-        scope_ok = _scope_mentions_block(an, node) or _in_draft_class(an, node)
+        scope_ok = scope_mentions_block(an, node) or in_draft_class(an, node)
         is_attention_call = bool(re.search(r"attention|attn|sdpa", name, re.I))
         if causal is not None and isinstance(causal, ast.Constant) and scope_ok and (is_attention_call or causal.value is False):
             value = "causal" if causal.value is True else "bidirectional"
-            readings.append(_reading(an, "dflash.block_bidirectional", value, node, 0.6,
+            readings.append(reading_at(an, "dflash.block_bidirectional", value, node, 0.6,
                                      detail=f"attention call with is_causal={causal.value}"))
         if name in {"tril", "tril_"} and scope_ok and _scope_mentions_mask(an, node):
-            readings.append(_reading(an, "dflash.block_bidirectional", "causal", node, 0.55,
+            readings.append(reading_at(an, "dflash.block_bidirectional", "causal", node, 0.55,
                                      detail="a lower-triangular (causal) mask in the block attention"))
     # same-block equality with no causal restriction is bidirectional within the block
     if not any(r.value == "causal" for r in readings):
         for node, op in _block_comparisons(an):
             # kv_block <= q_block also shows a block all of its own tokens (the cross-block part is its own finding)
             if op in {"Eq", "LtE", "GtE"} and not an.switch_of(node):
-                readings.append(_reading(an, "dflash.block_bidirectional", "bidirectional", node, 0.7,
+                readings.append(reading_at(an, "dflash.block_bidirectional", "bidirectional", node, 0.7,
                                          detail="block tokens see every token of their block (no order restriction)"))
     return readings

@@ -5,22 +5,23 @@ from __future__ import annotations
 import ast
 import re
 
-from sleuth.evidence.source import (
+from sleuth.evidence.ast_index import (
     Analyzer,
     CONTEXT_TOKENS,
     CodeReading,
     Mode,
     PRESERVING_METHODS,
     Scope,
-    _in_draft_class,
-    _reading,
-    _walk_all,
+    in_draft_class,
+    reading_at,
+    nodes_of,
     call_name,
     const_number,
     kwarg,
     leaf_name,
     tokens,
 )
+from sleuth.evidence.registry import detector
 
 
 # --- fc ------------------------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def _call_site_arguments(an: Analyzer, scope: Scope, param: str) -> list[ast.exp
         positional = positional[1:]
     index = positional.index(param) if param in positional else None
     found = []
-    for call in _walk_all(an, ast.Call):
+    for call in nodes_of(an, ast.Call):
         if call_name(call) != callee:
             continue
         arg = kwarg(call, param)
@@ -137,7 +138,7 @@ def _call_site_arguments(an: Analyzer, scope: Scope, param: str) -> list[ast.exp
 def _layer_list_lengths(an: Analyzer) -> set[int]:
     """Lengths of literal lists of target layer ids in the code (defaults, fields, assignments)."""
     lengths: set[int] = set()
-    for node in _walk_all(an, (ast.Assign, ast.AnnAssign, ast.arg, ast.keyword)):
+    for node in nodes_of(an, (ast.Assign, ast.AnnAssign, ast.arg, ast.keyword)):
         name, value = None, None
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
             name, value = leaf_name(node.targets[0]), node.value
@@ -154,7 +155,7 @@ def _layer_list_lengths(an: Analyzer) -> set[int]:
         if isinstance(value, (ast.List, ast.Tuple)) and value.elts and all(const_number(e) is not None for e in value.elts):
             lengths.add(len(value.elts))
     # inline: cat([out.hidden_states[i + 1] for i in (1, 9, 17, 25, 33)], -1)
-    for comp in _walk_all(an, (ast.ListComp, ast.GeneratorExp)):
+    for comp in nodes_of(an, (ast.ListComp, ast.GeneratorExp)):
         iterable = comp.generators[0].iter
         if not (isinstance(iterable, (ast.List, ast.Tuple)) and len(iterable.elts) >= 2
                 and all(const_number(e) is not None for e in iterable.elts)):
@@ -164,11 +165,21 @@ def _layer_list_lengths(an: Analyzer) -> set[int]:
     return lengths
 
 
+@detector("dflash.fc_input_layers")
+def detect_fc_input_layers(an: Analyzer) -> list[CodeReading]:
+    return an.memo("fc", lambda: detect_fc(an))[0]
+
+
+@detector("dflash.fc_norm")
+def detect_fc_norm_after_fc(an: Analyzer) -> list[CodeReading]:
+    return detect_fc_norm(an, an.memo("fc", lambda: detect_fc(an))[1])
+
+
 def detect_fc(an: Analyzer) -> tuple[list[CodeReading], list[str]]:
     """Readings for dflash.fc_input_layers, and the attribute names of the fusion projection(s)."""
     readings: list[CodeReading] = []
     names: list[str] = []
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         dims = _linear_dims(an, node)
         if dims is None:
             continue
@@ -195,10 +206,10 @@ def detect_fc(an: Analyzer) -> tuple[list[CodeReading], list[str]]:
                 selected = lengths.pop()
                 value = "all" if int(value.split(":")[1]) == selected else "subset"
                 detail += f"; the code's layer-id list has {selected} entries"
-        readings.append(_reading(an, "dflash.fc_input_layers", value, node, confidence, mode=mode,
+        readings.append(reading_at(an, "dflash.fc_input_layers", value, node, confidence, mode=mode,
                                  switch=ast.unparse(multiplier) if mode == "switch" else None, detail=detail))
     # the feature concatenation: cat([hs[i + 1] for i in layer_ids[:-1]], -1)
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         if call_name(node) not in {"cat", "concat", "concatenate"} or not node.args:
             continue
         comp = node.args[0]
@@ -206,18 +217,18 @@ def detect_fc(an: Analyzer) -> tuple[list[CodeReading], list[str]]:
             continue
         iterable = comp.generators[0].iter
         if isinstance(iterable, ast.Subscript) and isinstance(iterable.slice, ast.Slice) and "layer" in ast.unparse(iterable.value).lower():
-            readings.append(_reading(an, "dflash.fc_input_layers", "subset", node, 0.75,
+            readings.append(reading_at(an, "dflash.fc_input_layers", "subset", node, 0.75,
                                      detail=f"features concatenated over {ast.unparse(iterable)}: a slice of the selected layers"))
     # the fused features are every selected layer, concatenated whole: cat(feats, -1) where feats is (through a
     # local name or a parameter's call sites) [hidden_states[i + 1] for i in layer_ids], no slice anywhere.
     # Weak evidence (0.5): any subset reading above outweighs it.
     if readings and not any(r.value == "subset" for r in readings):
-        for node in _walk_all(an, ast.Call):
+        for node in nodes_of(an, ast.Call):
             if call_name(node) not in {"cat", "concat", "concatenate"} or not node.args or not _in_fusion(an, node, names):
                 continue
             comps = _bound_comprehensions(an, node.args[0])
             if comps and all(_whole_layer_comprehension(c) for c in comps):
-                readings.append(_reading(an, "dflash.fc_input_layers", "all", node, 0.5,
+                readings.append(reading_at(an, "dflash.fc_input_layers", "all", node, 0.5,
                                          detail="the fused features concatenate every selected layer (no slice)"))
     return readings, names
 
@@ -268,14 +279,14 @@ def detect_fc_norm(an: Analyzer, fc_names: list[str]) -> list[CodeReading]:
     readings = []
     if not fc_names:
         return readings
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         func = node.func
         is_fc_call = (isinstance(func, ast.Attribute) and func.attr in fc_names) or (
             isinstance(func, ast.Subscript) and isinstance(func.slice, ast.Constant) and func.slice.value in fc_names)
         if not is_fc_call:
             continue
         readings.extend(_fc_norm_at(an, node))
-    for node in _walk_all(an, ast.BinOp):
+    for node in nodes_of(an, ast.BinOp):
         # x @ params["fc"] / x @ self.fc_weight: the same projection as a matmul with the raw matrix
         right = node.right
         key = right.slice.value if isinstance(right, ast.Subscript) and isinstance(right.slice, ast.Constant) else (
@@ -312,7 +323,7 @@ def _fc_norm_at(an: Analyzer, node: ast.AST) -> list[CodeReading]:
         return readings
     value = "normed" if normed else "raw"
     detail = "fc output goes through a norm" if normed else "fc output is used without a norm"
-    readings.append(_reading(an, "dflash.fc_norm", value, node, 0.75 if normed else 0.6, detail=detail))
+    readings.append(reading_at(an, "dflash.fc_norm", value, node, 0.75 if normed else 0.6, detail=detail))
     return readings
 
 
@@ -333,9 +344,10 @@ def _is_context(an: Analyzer, node: ast.AST) -> bool:
     return any(set(tokens(n)) & CONTEXT_TOKENS for n in names)
 
 
+@detector("dflash.kv_injection")
 def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
     readings = []
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         if call_name(node) not in {"cat", "concat", "concatenate"} or not node.args:
             continue
         seq = node.args[0]
@@ -371,18 +383,18 @@ def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
         if not (projected or feeds_projection):
             continue
         value = "context K/V first" if a_ctx else "block K/V first"
-        readings.append(_reading(an, "dflash.kv_injection", value, node, 0.75,
+        readings.append(reading_at(an, "dflash.kv_injection", value, node, 0.75,
                                  detail="every layer projects the context with its own K/V projections, "
                                  + ("context before the block" if a_ctx else "block before the context")))
     # input injection: the fused context is added to the block's hidden states instead of serving as K/V
     if not readings:
-        for node in _walk_all(an, ast.BinOp):
+        for node in nodes_of(an, ast.BinOp):
             if not isinstance(node.op, ast.Add):
                 continue
-            if _is_context(an, node.left) != _is_context(an, node.right) and _in_draft_class(an, node):
+            if _is_context(an, node.left) != _is_context(an, node.right) and in_draft_class(an, node):
                 side = node.left if _is_context(an, node.left) else node.right
                 if any(isinstance(c, ast.Call) and (c.func is not None and leaf_name(c.func) in {"fc", "proj", "context_proj", "feature_fusion"}) for c in ast.walk(side)) or "fused" in ast.unparse(side).lower():
-                    readings.append(_reading(an, "dflash.kv_injection", "added to hidden states", node, 0.55,
+                    readings.append(reading_at(an, "dflash.kv_injection", "added to hidden states", node, 0.55,
                                              detail="the fused context is added to the block's hidden states, not injected as K/V"))
     return readings
 

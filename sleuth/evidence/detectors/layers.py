@@ -5,11 +5,12 @@ from __future__ import annotations
 import ast
 import math
 
-from sleuth.evidence.source import (
+from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
-    _reading,
+    reading_at,
 )
+from sleuth.evidence.registry import detector
 
 
 # --- target layer ids: a tiny interpreter for the selection function ----------------------------------
@@ -113,6 +114,7 @@ def _raise() -> object:
     raise _EvalError("compare")
 
 
+@detector("dflash.target_layer_ids")
 def detect_target_layer_ids(an: Analyzer) -> list[CodeReading]:
     from sleuth.evidence.config import vllm_default_layer_ids, zlab_layer_ids
 
@@ -164,6 +166,6 @@ def detect_target_layer_ids(an: Analyzer) -> list[CodeReading]:
                     best = (f"other: L={sample[0]}, k={sample[1]} -> {sample[2]}", produced)
             value, produced = best
             sample = produced[0]
-            readings.append(_reading(an, "dflash.target_layer_ids", value, func, 0.7, mode="default",
+            readings.append(reading_at(an, "dflash.target_layer_ids", value, func, 0.7, mode="default",
                                      detail=f"{func.name}: L={sample[0]}, k={sample[1]} -> {sample[2]} (evaluated statically)"))
     return readings

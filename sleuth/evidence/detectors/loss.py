@@ -6,17 +6,17 @@ import ast
 import re
 from collections.abc import Iterator
 
-from sleuth.evidence.source import (
+from sleuth.evidence.ast_index import (
     ANCHOR_TOKENS,
     Analyzer,
     CodeReading,
     LOGITS_TOKENS,
     WEIGHTISH_TOKENS,
-    _MISSING,
-    _in_draft_class,
-    _is_module,
-    _reading,
-    _walk_all,
+    MISSING,
+    in_draft_class,
+    is_module_name,
+    reading_at,
+    nodes_of,
     call_name,
     const_number,
     is_blocksize_name,
@@ -25,6 +25,7 @@ from sleuth.evidence.source import (
     name_tags,
     tokens,
 )
+from sleuth.evidence.registry import detector
 
 
 # --- loss: decay, slot 0, kind -----------------------------------------------------------------------
@@ -32,12 +33,12 @@ from sleuth.evidence.source import (
 
 def _decay_exponentials(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr, ast.expr]]:
     """exp(-X / G) (or exp(-(X) / G), exp(X / -G)): (call, numerator X, divisor G)."""
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         if call_name(node) != "exp":
             continue
         if node.args:
             arg = node.args[0]
-        elif isinstance(node.func, ast.Attribute) and not _is_module(node.func.value):
+        elif isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value):
             arg = node.func.value  # (-(k - 1) / gamma).exp()
         else:
             continue
@@ -57,12 +58,13 @@ def _decay_exponentials(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr, ast.
         yield node, numerator, divisor
 
 
+@detector("dflash.loss_decay_gamma")
 def detect_gamma(an: Analyzer) -> list[CodeReading]:
     readings = []
     for node, numerator, divisor in _decay_exponentials(an):
         number = const_number(divisor)
         if number is not None:
-            readings.append(_reading(an, "dflash.loss_decay_gamma", float(number), node, 0.85,
+            readings.append(reading_at(an, "dflash.loss_decay_gamma", float(number), node, 0.85,
                                      detail=f"the decay divisor (gamma) is hard-coded to {number}"))
             continue
         if isinstance(divisor, ast.Subscript) and isinstance(divisor.slice, ast.Constant) and isinstance(divisor.slice.value, str):
@@ -75,9 +77,9 @@ def detect_gamma(an: Analyzer) -> list[CodeReading]:
         if defaults:
             for value, where, how in defaults:
                 detail = f"default of `{how}` = {value!r} (the divisor of the decay exp(-(k-1)/{name}))"
-                readings.append(_reading(an, "dflash.loss_decay_gamma", value, where, 0.6, mode="default", detail=detail))
+                readings.append(reading_at(an, "dflash.loss_decay_gamma", value, where, 0.6, mode="default", detail=detail))
         else:
-            readings.append(_reading(an, "dflash.loss_decay_gamma", None, node, 0.3, mode="switch", switch=name,
+            readings.append(reading_at(an, "dflash.loss_decay_gamma", None, node, 0.3, mode="switch", switch=name,
                                      detail=f"gamma `{name}` is passed in at run time, no default in the code"))
     return readings
 
@@ -87,7 +89,7 @@ def _defaults_for(an: Analyzer, divisor: ast.expr, name: str) -> list[tuple[obje
     name, dataclass/pydantic fields and `.get("..name..", d)` calls whose key contains the name."""
     out: list[tuple[object, ast.AST, str]] = []
     direct = an.literal(divisor)
-    if direct is not _MISSING and (direct is None or isinstance(direct, (int, float))):
+    if direct is not MISSING and (direct is None or isinstance(direct, (int, float))):
         out.append((None if direct is None else float(direct), divisor, ast.unparse(divisor)))
         return out
     lname = name.lower()
@@ -97,26 +99,26 @@ def _defaults_for(an: Analyzer, divisor: ast.expr, name: str) -> list[tuple[obje
                 if default is None or not (param.lower() == lname or lname in param.lower()):
                     continue
                 value = an.literal(default)
-                if value is _MISSING or not (value is None or isinstance(value, (int, float))):
+                if value is MISSING or not (value is None or isinstance(value, (int, float))):
                     continue
                 out.append((None if value is None else float(value), default, f"{func.name}({param}=...)"))
     for field_name, entries in an.field_defaults.items():
         if field_name.lower() == lname or lname in field_name.lower():
             for value_node, _unit, stmt in entries:
                 value = an.literal(value_node)
-                if value is not _MISSING and (value is None or isinstance(value, (int, float))):
+                if value is not MISSING and (value is None or isinstance(value, (int, float))):
                     out.append((None if value is None else float(value), stmt, field_name))
     for key, value_node, where in _dict_literal_items(an):
         if key.lower() == lname:
             value = an.literal(value_node)
-            if value is not _MISSING and (value is None or isinstance(value, (int, float))):
+            if value is not MISSING and (value is None or isinstance(value, (int, float))):
                 out.append((None if value is None else float(value), where, f"{{{key!r}: ...}}"))
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         if call_name(node) in {"get", "pop"} and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant):
             key = str(node.args[0].value).lower()
             if key == lname or lname in key:
                 value = an.literal(node.args[1])
-                if value is not _MISSING and (value is None or isinstance(value, (int, float))):
+                if value is not MISSING and (value is None or isinstance(value, (int, float))):
                     out.append((None if value is None else float(value), node, f"get({node.args[0].value!r})"))
     return out
 
@@ -126,7 +128,7 @@ def _dict_literal_items(an: Analyzer) -> list[tuple[str, ast.expr, ast.AST]]:
     key = ("dict_items",)
     if key not in an._cache:
         items: list[tuple[str, ast.expr, ast.AST]] = []
-        for node in _walk_all(an, (ast.Call, ast.Dict)):
+        for node in nodes_of(an, (ast.Call, ast.Dict)):
             if isinstance(node, ast.Call) and call_name(node) == "dict" and isinstance(node.func, ast.Name):
                 items.extend((kw.arg, kw.value, node) for kw in node.keywords if kw.arg)
             elif isinstance(node, ast.Dict):
@@ -136,6 +138,7 @@ def _dict_literal_items(an: Analyzer) -> list[tuple[str, ast.expr, ast.AST]]:
     return an._cache[key]
 
 
+@detector("block_size")
 def detect_block_size_defaults(an: Analyzer) -> list[CodeReading]:
     readings = []
     for func_list in an.functions.values():
@@ -144,20 +147,20 @@ def detect_block_size_defaults(an: Analyzer) -> list[CodeReading]:
                 if default is not None and (is_blocksize_name(param) or param in {"block", "block_tokens"}):
                     value = an.literal(default)
                     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
-                        readings.append(_reading(an, "block_size", int(value), default, 0.5, mode="default",
+                        readings.append(reading_at(an, "block_size", int(value), default, 0.5, mode="default",
                                                  detail=f"{func.name}({param}={int(value)})"))
     for field_name, entries in an.field_defaults.items():
         if is_blocksize_name(field_name) or field_name in {"block", "block_tokens"}:
             for value_node, _unit, stmt in entries:
                 value = an.literal(value_node)
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 2:
-                    readings.insert(0, _reading(an, "block_size", int(value), stmt, 0.6, mode="default", detail=f"{field_name} = {int(value)}"))
+                    readings.insert(0, reading_at(an, "block_size", int(value), stmt, 0.6, mode="default", detail=f"{field_name} = {int(value)}"))
     # config dicts written as literals (weaker than parameter defaults and fields)
     for key, value_node, where in _dict_literal_items(an):
         if is_blocksize_name(key) or key in {"block", "block_tokens"}:
             value = an.literal(value_node)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and 2 <= value <= 64:  # a draft block, not a kernel tile size
-                readings.append(_reading(an, "block_size", int(value), where, 0.5, mode="default", detail=f"{key!r}: {int(value)}"))
+                readings.append(reading_at(an, "block_size", int(value), where, 0.5, mode="default", detail=f"{key!r}: {int(value)}"))
     # the per-slot decay runs over the B slots of a block: exp(-(arange(N) - 1) / gamma) has N = B
     for node, numerator, _divisor in _decay_exponentials(an):
         for sub in ast.walk(numerator):
@@ -170,17 +173,17 @@ def detect_block_size_defaults(an: Analyzer) -> list[CodeReading]:
                     continue
                 arg = call.args[0]
                 value = an.literal(arg)
-                if value is _MISSING and isinstance(arg, ast.Attribute):
+                if value is MISSING and isinstance(arg, ast.Attribute):
                     value = _field_default(an, arg.attr)
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and 2 <= value <= 64:
-                    readings.append(_reading(an, "block_size", int(value), call, 0.4, mode="default",
+                    readings.append(reading_at(an, "block_size", int(value), call, 0.4, mode="default",
                                              detail=f"the per-slot decay weights span {int(value)} slots"))
     return readings
 
 
 def _field_default(an: Analyzer, name: str) -> object:
     values = {an.literal(v) for v, _u, _s in an.field_defaults.get(name, [])}
-    return values.pop() if len(values) == 1 else _MISSING
+    return values.pop() if len(values) == 1 else MISSING
 
 
 def _is_slot_index(an: Analyzer, node: ast.AST) -> bool:
@@ -194,9 +197,10 @@ def _is_slot_index(an: Analyzer, node: ast.AST) -> bool:
     return any(re.search(r"(slot|pos_in_block|pos_idx|position_in_block|block_pos|in_block)", n) for n in names)
 
 
+@detector("dflash.anchor_slot_untrained")
 def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
     readings = []
-    for node in _walk_all(an, (ast.Assign, ast.Compare, ast.Subscript)):
+    for node in nodes_of(an, (ast.Assign, ast.Compare, ast.Subscript)):
             # w[..., 0] = 0  /  mask[:, ::B] = 0
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Subscript):
                 target = node.targets[0]
@@ -217,7 +221,7 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                 zero_slot = const_number(last) == 0 and (len(parts) > 1 or toks & WEIGHTISH_TOKENS)
                 if zero_slot or strided:
                     switch = an.switch_of(node)
-                    readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.8,
+                    readings.append(reading_at(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.8,
                                              mode="switch" if switch else "hardcoded", switch=switch,
                                              detail=f"slot 0 zeroed in `{leaf_name(target.value)}`"))
             # w * (pos != 0) / (pos > 0) / (pos >= 1); torch.where(pos == 0, 0, w)
@@ -236,7 +240,7 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                 if not _in_loss_context(an, node) or not _in_weight_expression(an, node):
                     continue
                 switch = an.switch_of(node)
-                readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.75,
+                readings.append(reading_at(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.75,
                                          mode="switch" if switch else "hardcoded", switch=switch,
                                          detail=f"slot 0 excluded by `{ast.unparse(node)}`"))
             # loss over slots 1..B-1 only: logits[..., 1:, :] / weights[:, 1:]
@@ -248,7 +252,7 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                 func = an.enclosing_function(node)
                 in_loss_function = func is not None and re.search(r"loss|objective|criterion|weight|train|step", func.name, re.I)
                 if slices and in_loss_function and isinstance(an.parents.get(node), (ast.Call, ast.Assign, ast.BinOp)):
-                    readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.55,
+                    readings.append(reading_at(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.55,
                                              detail=f"only slots 1.. enter the loss (`{ast.unparse(node)[:60]}`)"))
     # weights built as a list: ws = [0.0]; for j in range(1, B): ws.append(exp(-(j - 1) / gamma))
     for node, _numerator, _divisor in _decay_exponentials(an):
@@ -258,11 +262,11 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
         found = an.defs_of(parent.func.value)
         if found and any(isinstance(d, ast.List) and d.elts and const_number(d.elts[0]) == 0 for d in found[0]):
             switch = an.switch_of(node)
-            readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", parent, 0.7,
+            readings.append(reading_at(an, "dflash.anchor_slot_untrained", "weight 0", parent, 0.7,
                                      mode="switch" if switch else "hardcoded", switch=switch,
                                      detail=f"`{leaf_name(parent.func.value)}` starts with weight 0 for slot 0, decay from slot 1"))
     # functional index update (JAX): w.at[0].set(0) / w.at[:, 0].multiply(0) on the per-slot weights
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         func = node.func
         if not (isinstance(func, ast.Attribute) and func.attr in {"set", "multiply", "mul"} and node.args
                 and const_number(node.args[0]) == 0 and isinstance(func.value, ast.Subscript)
@@ -274,7 +278,7 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
         toks = set(tokens(leaf_name(receiver)))
         if const_number(parts[-1]) == 0 and (toks & WEIGHTISH_TOKENS or _holds_decay(an, receiver)):
             switch = an.switch_of(node)
-            readings.append(_reading(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.8,
+            readings.append(reading_at(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.8,
                                      mode="switch" if switch else "hardcoded", switch=switch,
                                      detail=f"slot 0 zeroed in `{leaf_name(receiver)}` (functional update)"))
     # a decay applied from slot 0 with nothing excluding slot 0 anywhere: by that formula slot 0 weighs
@@ -282,14 +286,14 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
     sliced_from_one = any(
         isinstance(n.slice, ast.Slice) and const_number(n.slice.lower) == 1 and n.slice.upper is None
         and set(tokens(leaf_name(n.value))) & (WEIGHTISH_TOKENS | LOGITS_TOKENS | {"ce", "nll", "kl", "losses", "target", "targets", "labels"})
-        for n in _walk_all(an, ast.Subscript)
+        for n in nodes_of(an, ast.Subscript)
     )
     if not readings and not sliced_from_one:
         for node, numerator, _divisor in _decay_exponentials(an):
             if _is_slot_index(an, numerator) and _in_loss_context(an, node):
                 start = _slot_start(an, numerator)
                 if start == 0:
-                    readings.append(_reading(an, "dflash.anchor_slot_untrained", "trained", node, 0.6,
+                    readings.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", node, 0.6,
                                              detail="decay weights cover slot 0 and nothing zeroes the anchor slot"))
     return readings
 
@@ -369,9 +373,10 @@ def _in_loss_context(an: Analyzer, node: ast.AST) -> bool:
     return an._cache[key]
 
 
+@detector("dflash.loss_kind")
 def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
     readings = []
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         name = call_name(node)
         value = None
         if name in {"cross_entropy", "nll_loss", "CrossEntropyLoss", "NLLLoss"}:
@@ -393,13 +398,13 @@ def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
         if value is None:
             continue
         switch = an.switch_of(node)
-        readings.append(_reading(an, "dflash.loss_kind", value, node, 0.7, mode="switch" if switch else "hardcoded",
+        readings.append(reading_at(an, "dflash.loss_kind", value, node, 0.7, mode="switch" if switch else "hardcoded",
                                  switch=switch, detail=f"{name}(...)"))
     # an auxiliary regression term beside a CE/KL objective does not change the loss kind
     if any(r.value in ("ce", "kl", "ce (data tokens)") for r in readings):
         readings = [r for r in readings if not str(r.value).startswith("regression")]
     # hand-written: -log_softmax(draft).gather(argmax(target)) is CE; softmax * (logp - logq) is KL
-    for node in _walk_all(an, ast.FunctionDef):
+    for node in nodes_of(an, ast.FunctionDef):
         if not re.search(r"loss", node.name, re.I):
             continue
         calls = {call_name(c) for c in ast.walk(node) if isinstance(c, ast.Call)}
@@ -407,7 +412,7 @@ def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
             branches = [n for n in ast.walk(node) if isinstance(n, ast.If)]
             switch = ast.unparse(branches[0].test) if branches and "argmax" in calls else None
             if "argmax" in calls and calls & {"gather", "take_along_axis", "take_along_dim", "take"}:
-                readings.append(_reading(an, "dflash.loss_kind", "ce", node, 0.55, mode="switch" if switch else "hardcoded",
+                readings.append(reading_at(an, "dflash.loss_kind", "ce", node, 0.55, mode="switch" if switch else "hardcoded",
                                          switch=switch, detail=f"{node.name}: -log_softmax gathered at the target argmax"))
     return readings
 
@@ -421,14 +426,14 @@ def _freeze_sites(an: Analyzer) -> list[tuple[ast.AST, str]]:
     """Every statement that freezes something, with the expression it freezes (the loop's iterable for
     `for p in X.parameters(): p.requires_grad = False`)."""
     sites: list[tuple[ast.AST, str]] = []
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         if call_name(node) == "requires_grad_" and node.args and isinstance(node.args[0], ast.Constant) \
                 and node.args[0].value is False and isinstance(node.func, ast.Attribute):
             sites.append((node, ast.unparse(node.func.value)))
             holder = an.parents.get(node)
             if isinstance(holder, ast.Assign) and len(holder.targets) == 1:
                 sites.append((node, ast.unparse(holder.targets[0])))  # self.verifier = verifier.requires_grad_(False)
-    for node in _walk_all(an, ast.Assign):
+    for node in nodes_of(an, ast.Assign):
         for target in node.targets:
             if isinstance(target, ast.Attribute) and target.attr == "requires_grad" and isinstance(node.value, ast.Constant) \
                     and node.value.value is False:
@@ -447,7 +452,7 @@ def _component_holders(an: Analyzer) -> list[tuple[str, str, ast.Assign, str]]:
     Such an attribute is a registered submodule: its weights are among the drafter's parameters, trained
     unless something freezes that very object (or the whole model it was taken from)."""
     out: list[tuple[str, str, ast.Assign, str]] = []
-    for node in _walk_all(an, ast.Assign):
+    for node in nodes_of(an, ast.Assign):
         if len(node.targets) != 1:
             continue
         target = node.targets[0]
@@ -466,6 +471,20 @@ def _component_holders(an: Analyzer) -> list[tuple[str, str, ast.Assign, str]]:
     return out
 
 
+def trains(an: Analyzer) -> bool:
+    """Whether the analysed code trains anything (a backward pass, an optimizer step, a trainer class): the
+    all-sites rules about what is trained only apply on a training path."""
+    def compute() -> bool:
+        for node in nodes_of(an, ast.Call):
+            if call_name(node) in {"backward", "value_and_grad", "zero_grad", "training_step", "manual_backward"}:
+                return True
+        for node in nodes_of(an, ast.ClassDef):
+            if any(re.search(r"Trainer|LightningModule", ast.unparse(b)) for b in node.bases):
+                return True
+        return any(re.fullmatch(r"training_step|compute_loss|train_step", f.name) for f in nodes_of(an, ast.FunctionDef))
+    return an.memo("trains", compute)
+
+
 def _root_object(text: str) -> str:
     """`self.target.get_output_embeddings()` -> `self.target`; `teacher.eval()` -> `teacher`."""
     text = re.sub(r"\.(eval|train|to|cuda|cpu|float|half|bfloat16|requires_grad_)\([^()]*\)", "", text)
@@ -474,6 +493,7 @@ def _root_object(text: str) -> str:
     return ".".join(parts[:keep])
 
 
+@detector("dflash.frozen_embed_head")
 def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
     """All sites must agree: every embedding / lm_head the drafter holds as a submodule is frozen at its own
     object (or through the whole model it came from); one unfrozen holder is `trained` at its location.
@@ -487,10 +507,14 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
         covering = [(n, o) for n, o in freezes if own.search(o) or (root not in {"self", ""} and _root_object(o) == root)]
         if covering:
             node, owner = covering[0]
-            readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.7,
+            readings.append(reading_at(an, "dflash.frozen_embed_head", "frozen", node, 0.7,
                                      detail=f"the drafter's {kind} `self.{attr}` is frozen here ({owner})"))
+        elif not trains(an):
+            # inference-only code (z-lab's MLX drafter binds the target's embedding): nothing is trained here
+            readings.append(reading_at(an, "dflash.frozen_embed_head", "frozen?", stmt, 0.5,
+                                       detail=f"the drafter holds the {kind} `self.{attr}`; no training step in the code"))
         else:
-            readings.append(_reading(an, "dflash.frozen_embed_head", "trained", stmt, 0.75,
+            readings.append(reading_at(an, "dflash.frozen_embed_head", "trained", stmt, 0.75,
                                      detail=f"the drafter holds the {kind} `self.{attr}` = {source[:60]} as a submodule "
                                             "(its weights join the drafter's parameters) and nothing freezes it"))
     if holders:
@@ -500,24 +524,24 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
         shared = [r for kind, r in _shared_uses(an) if kind in missing]
         if missing and not {kind for kind, _ in _shared_uses(an)} >= missing:
             # One component held and frozen, the other not seen: the rule is about both, so no match.
-            return [_reading(an, "dflash.frozen_embed_head", "frozen?", holders[0][2], 0.7,
+            return [reading_at(an, "dflash.frozen_embed_head", "frozen?", holders[0][2], 0.7,
                              detail=f"the {holders[0][0]} is frozen; where the drafter's {' and '.join(sorted(missing))} "
                                     "comes from is not seen")]
         return readings + shared
     readings += [r for _, r in _shared_uses(an)]
     for node, owner in freezes:
         if re.search(r"embed|lm_head|head", owner, re.I):
-            readings.append(_reading(an, "dflash.frozen_embed_head", "frozen", node, 0.7, detail=f"{owner}: requires_grad False"))
+            readings.append(reading_at(an, "dflash.frozen_embed_head", "frozen", node, 0.7, detail=f"{owner}: requires_grad False"))
     if not readings:
         # a drafter class that builds its own embedding / vocab head and never freezes it
-        for node in _walk_all(an, ast.Call):
-            if call_name(node) == "Embedding" and _in_draft_class(an, node):
+        for node in nodes_of(an, ast.Call):
+            if call_name(node) == "Embedding" and in_draft_class(an, node):
                 parent = an.parents.get(node)
                 attr = leaf_name(parent.targets[0]) if isinstance(parent, ast.Assign) else ""
                 cls = an.enclosing(node, (ast.ClassDef,))
                 text = ast.get_source_segment(an.unit(node).text, cls) if cls is not None else ""
                 if attr and text and not re.search(rf"{re.escape(attr)}[\w.]*\.(requires_grad|load_state_dict|weight\.data\.copy_|from_pretrained)", text):
-                    readings.append(_reading(an, "dflash.frozen_embed_head", "trained", node, 0.55,
+                    readings.append(reading_at(an, "dflash.frozen_embed_head", "trained", node, 0.55,
                                              detail=f"the drafter owns a trainable embedding `{attr}` (never frozen or copied from the target)"))
     return readings
 
@@ -525,14 +549,14 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
 def _shared_uses(an: Analyzer) -> list[tuple[str, CodeReading]]:
     """The target's own embedding / head applied in place (not held by the drafter): shared, not trained."""
     readings: list[tuple[str, CodeReading]] = []
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         if isinstance(node.func, ast.Attribute):
             owner_toks = set(tokens(leaf_name(node.func.value)))
             attr = node.func.attr.lower()
             if owner_toks & {"target", "teacher", "verifier", "base"} and attr in {
                     "embed", "embed_tokens", "lm_head", "logits", "get_input_embeddings", "get_output_embeddings"}:
                 kind = "embeddings" if "embed" in attr and "output" not in attr else "lm_head"
-                readings.append((kind, _reading(an, "dflash.frozen_embed_head", "frozen", node, 0.65,
+                readings.append((kind, reading_at(an, "dflash.frozen_embed_head", "frozen", node, 0.65,
                                                 detail=f"uses the target's own {node.func.attr} (shared, not a drafter parameter)")))
     return readings
 
@@ -540,16 +564,17 @@ def _shared_uses(an: Analyzer) -> list[tuple[str, CodeReading]]:
 def _anchor_producers(an: Analyzer) -> set[str]:
     """Names of local functions whose result is bound to an anchor name: `anchors = self._sample(mask)`."""
     out: set[str] = set()
-    for node in _walk_all(an, ast.Assign):
+    for node in nodes_of(an, ast.Assign):
         if isinstance(node.value, ast.Call) and any("anchor" in name_tags(leaf_name(t)) for t in node.targets):
             out.add(call_name(node.value))
     return out
 
 
+@detector("dflash.anchor_sampling")
 def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
     readings = []
     producers = _anchor_producers(an)
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         name = call_name(node)
         func = an.enclosing_function(node)
         parent = an.parents.get(node)
@@ -568,13 +593,13 @@ def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
             name == "permutation" and replace is None) or (
             name in {"argsort", "topk"} and _uses_uniform_noise(an, node)
         ):
-            readings.append(_reading(an, "dflash.anchor_sampling", "uniform without replacement", node, 0.7,
+            readings.append(reading_at(an, "dflash.anchor_sampling", "uniform without replacement", node, 0.7,
                                      detail=f"anchors drawn with {name}"))
         elif name in {"randint", "randint_like"} or (name == "multinomial" and _const_true(kwarg(node, "replacement"))) or (
                 name == "choices" and stdlib_random) or (
                 name == "choice" and (len(node.args) >= 2 or kwarg(node, "size") is not None or kwarg(node, "shape") is not None)
                 and (replace is None or _const_true(replace))):  # numpy/jax choice replaces by default
-            readings.append(_reading(an, "dflash.anchor_sampling", "with replacement", node, 0.7,
+            readings.append(reading_at(an, "dflash.anchor_sampling", "with replacement", node, 0.7,
                                      detail=f"anchors drawn with {name}: duplicates possible, not the reference rule"))
     return readings
 

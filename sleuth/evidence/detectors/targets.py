@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterator
 
 from sleuth.evidence.origins import Origin, head_input, trace
-from sleuth.evidence.source import (
+from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
     LOGITS_TOKENS,
@@ -15,10 +15,10 @@ from sleuth.evidence.source import (
     POSITION_TOKENS,
     PRESERVING_METHODS,
     TOKEN_ID_TOKENS,
-    _is_module,
-    _reading,
-    _scope_mentions_anchor,
-    _walk_all,
+    is_module_name,
+    reading_at,
+    scope_mentions_anchor,
+    nodes_of,
     call_name,
     const_number,
     is_blocksize_name,
@@ -26,6 +26,7 @@ from sleuth.evidence.source import (
     leaf_name,
     tokens,
 )
+from sleuth.evidence.registry import detector
 
 
 # --- positions, targets ------------------------------------------------------------------------------
@@ -33,7 +34,7 @@ from sleuth.evidence.source import (
 
 def _index_uses(an: Analyzer) -> Iterator[tuple[ast.AST, ast.expr, ast.expr]]:
     """(node, source tensor, index expression) for subscripts, gather / take_along_dim / index_select."""
-    for node in _walk_all(an, (ast.Subscript, ast.Call)):
+    for node in nodes_of(an, (ast.Subscript, ast.Call)):
             if isinstance(node, ast.Subscript):
                 index = node.slice
                 parts = index.elts if isinstance(index, ast.Tuple) else [index]
@@ -43,7 +44,7 @@ def _index_uses(an: Analyzer) -> Iterator[tuple[ast.AST, ast.expr, ast.expr]]:
             elif isinstance(node, ast.Call):
                 name = call_name(node)
                 if name in {"gather", "take_along_dim", "index_select"}:
-                    if isinstance(node.func, ast.Attribute) and not _is_module(node.func.value):
+                    if isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value):
                         src, idx = node.func.value, node.args[-1] if node.args else kwarg(node, "index")
                     else:
                         src = node.args[0] if node.args else None
@@ -61,10 +62,10 @@ def _tensor_kind(an: Analyzer, node: ast.AST, depth: int = 0) -> tuple[str | Non
         if name == "roll":
             shift_node = node.args[1] if len(node.args) >= 2 else kwarg(node, "shifts")
             shift = const_number(shift_node)
-            src = node.args[0] if node.args and not (isinstance(node.func, ast.Attribute) and not _is_module(node.func.value)) else getattr(node.func, "value", None)
+            src = node.args[0] if node.args and not (isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value)) else getattr(node.func, "value", None)
             kind, inner = _tensor_kind(an, src, depth + 1) if src is not None else (None, 0)
             return kind, inner + (int(shift) if shift is not None else 0)
-        if isinstance(node.func, ast.Attribute) and name in PRESERVING_METHODS and not _is_module(node.func.value):
+        if isinstance(node.func, ast.Attribute) and name in PRESERVING_METHODS and not is_module_name(node.func.value):
             return _tensor_kind(an, node.func.value, depth + 1)
         lname = set(tokens(name))
         if lname & {"lm", "head", "logits", "unembed"}:
@@ -113,6 +114,7 @@ def _label_context(an: Analyzer, node: ast.AST) -> bool:
     return func is not None and bool(re.search(r"loss|label|target|objective", func.name, re.I))
 
 
+@detector("dflash.target_shift")
 def detect_target_shift(an: Analyzer) -> list[CodeReading]:
     readings = []
     for node, src, idx in _index_uses(an):
@@ -134,10 +136,10 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
                       + ("" if effective == want else f" (slot j learns token p+j{label_offset:+d}, not p+j)"))
             if_switch = switch or an.switch_of(node)
             mode = "switch" if if_switch else "hardcoded"
-            readings.append(_reading(an, "dflash.target_shift", value, node, 0.8, mode=mode, switch=if_switch, detail=detail))
+            readings.append(reading_at(an, "dflash.target_shift", value, node, 0.8, mode=mode, switch=if_switch, detail=detail))
     # slices: teacher_logits[:, p - 1 : p + B - 1] / input_ids[p + 1 : p + B + 1]; the upper bound fixes which
     # element the last slot gets, so slot j reads p + j + c for an upper bound p + B + c
-    for node in _walk_all(an, ast.Subscript):
+    for node in nodes_of(an, ast.Subscript):
         parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         for part in parts:
             if not isinstance(part, ast.Slice) or part.upper is None or part.lower is None:
@@ -152,14 +154,15 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
             label_offset = effective + 1 if kind == "logits" else effective
             value = "p+j-1" if effective == want else f"p+j{label_offset - 1:+d}"
             switch = an.switch_of(node)
-            readings.append(_reading(an, "dflash.target_shift", value, node, 0.7, mode="switch" if switch else "hardcoded", switch=switch,
+            readings.append(reading_at(an, "dflash.target_shift", value, node, 0.7, mode="switch" if switch else "hardcoded", switch=switch,
                                      detail=f"slot j reads {kind} of `{ast.unparse(node.value)[:50]}` at p+j{effective:+d} (slice {ast.unparse(part)})"))
     return readings
 
 
+@detector("dflash.block_position_ids")
 def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
     readings = []
-    for node in _walk_all(an, (ast.Assign, ast.keyword, ast.Expr)):
+    for node in nodes_of(an, (ast.Assign, ast.keyword, ast.Expr)):
             target_name, value_node = None, None
             if isinstance(node, ast.Assign) and len(node.targets) == 1:
                 target_name, value_node = leaf_name(node.targets[0]), node.value
@@ -179,23 +182,24 @@ def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
                 for offset, switch in an.block_index_offsets(candidate):
                     value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
                     mode = "switch" if switch else "hardcoded"
-                    readings.append(_reading(an, "dflash.block_position_ids", value, node, 0.8, mode=mode, switch=switch,
+                    readings.append(reading_at(an, "dflash.block_position_ids", value, node, 0.8, mode=mode, switch=switch,
                                              detail=f"block token j at position anchor + j{offset:+d} (`{target_name}`)"))
                 while (isinstance(candidate, ast.Call) and isinstance(candidate.func, ast.Attribute)
-                       and call_name(candidate) in PRESERVING_METHODS and not _is_module(candidate.func.value)):
+                       and call_name(candidate) in PRESERVING_METHODS and not is_module_name(candidate.func.value)):
                     candidate = candidate.func.value
                 if (isinstance(candidate, ast.Call) and call_name(candidate) == "arange" and not an.block_index_offsets(candidate)
                         and not set(tokens(target_name)) & {"offset", "offsets", "off", "delta", "rel", "relative", "local"}
-                        and _scope_mentions_anchor(an, node) and "anchor" not in an.tags(candidate)
+                        and scope_mentions_anchor(an, node) and "anchor" not in an.tags(candidate)
                         and any(is_blocksize_name(leaf_name(a)) for a in candidate.args)):
-                    readings.append(_reading(an, "dflash.block_position_ids", "0..B-1 (block-local)", node, 0.6,
+                    readings.append(reading_at(an, "dflash.block_position_ids", "0..B-1 (block-local)", node, 0.6,
                                              detail=f"`{target_name}` restarts at 0 in every block instead of anchor + j"))
     return readings
 
 
+@detector("dflash.target_logits_source")
 def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
     readings = []
-    for node in _walk_all(an, ast.Subscript):
+    for node in nodes_of(an, ast.Subscript):
         base = node.value
         base_tokens = set(tokens(leaf_name(base)))
         if not base_tokens & {"hidden", "hiddens", "hs", "states", "activations", "layers"} or base_tokens & {"last"}:
@@ -253,10 +257,10 @@ def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
                 value, detail = "intermediate", f"hidden_states[{ast.unparse(part)}]: a selected (intermediate) layer"
             else:
                 continue
-        readings.append(_reading(an, "dflash.target_logits_source", value, node, 0.75, mode=mode, switch=switch, detail=detail))
+        readings.append(reading_at(an, "dflash.target_logits_source", value, node, 0.75, mode=mode, switch=switch, detail=detail))
     readings += _head_origins(an)
     # the target model's own `.logits`, read where the targets are built (gathered, argmax'd or softmax'd)
-    for node in _walk_all(an, ast.Attribute):
+    for node in nodes_of(an, ast.Attribute):
         if node.attr != "logits" or not _model_output(an, node.value):
             continue
         parent = an.parents.get(node)
@@ -271,10 +275,10 @@ def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
             current = an.parents.get(current)
         if used:
             switch = an.switch_of(node)
-            readings.append(_reading(an, "dflash.target_logits_source", "final", node, 0.7,
+            readings.append(reading_at(an, "dflash.target_logits_source", "final", node, 0.7,
                                      mode="switch" if switch else "hardcoded", switch=switch,
                                      detail=f"targets read from `{ast.unparse(node)}`, the target model's own output logits"))
-    for node in _walk_all(an, ast.Assign):
+    for node in nodes_of(an, ast.Assign):
         if len(node.targets) != 1 or not isinstance(node.value, ast.Attribute) or node.value.attr != "logits":
             continue
         target = leaf_name(node.targets[0])
@@ -283,7 +287,7 @@ def detect_target_logits_source(an: Analyzer) -> list[CodeReading]:
         producer_name = set(tokens(leaf_name(producer))) if isinstance(producer, (ast.Name, ast.Attribute, ast.Call)) else set()
         if toks & {"target", "teacher", "verifier", "ref", "base"} or producer_name & {"target", "teacher", "verifier", "base"}:
             switch = an.switch_of(node)
-            readings.append(_reading(an, "dflash.target_logits_source", "final", node, 0.75,
+            readings.append(reading_at(an, "dflash.target_logits_source", "final", node, 0.75,
                                      mode="switch" if switch else "hardcoded", switch=switch,
                                      detail="targets are the target model's own output logits"))
     return readings
@@ -295,7 +299,7 @@ def _head_origins(an: Analyzer) -> list[CodeReading]:
     called. An input whose origin is not established gives no reading; a name that says "last" only
     explains the unknown (`final?`)."""
     readings = []
-    for node in _walk_all(an, ast.Call):
+    for node in nodes_of(an, ast.Call):
         arg = head_input(node)
         if arg is None:
             continue
@@ -306,13 +310,13 @@ def _head_origins(an: Analyzer) -> list[CodeReading]:
             if value is None:
                 continue
             via = f" (traced from `{ast.unparse(arg)[:50]}`)" if origin.steps else ""
-            readings.append(_reading(an, "dflash.target_logits_source", value, node, 0.8, mode=mode,
+            readings.append(reading_at(an, "dflash.target_logits_source", value, node, 0.8, mode=mode,
                                      switch=switch or an.switch_of(node), detail=detail + via))
         if not layered and _feeds_target(an, node):
             names = {leaf_name(n).lower() for n in ast.walk(arg) if isinstance(n, (ast.Name, ast.Attribute))}
             if any("last" in n or "final" in n for n in names):
                 missing = next((o.missing for o in origins if o.missing), "its origin is not in the code")
-                readings.append(_reading(an, "dflash.target_logits_source", "final?", node, 0.4,
+                readings.append(reading_at(an, "dflash.target_logits_source", "final?", node, 0.4,
                                          detail=f"the head's input `{ast.unparse(arg)[:50]}` is named as the last layer, "
                                                 f"but {missing}"))
     return readings

@@ -147,6 +147,8 @@ def strict_flip(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, Edit, 
             left, right = src.seg(node.left), src.seg(node.comparators[0])
             if not (ANCHOR_WORDS.search(left) or ANCHOR_WORDS.search(right)) or re.search(r"seq_len|len\(|\.shape", left + right):
                 continue
+            if re.search(r"window|sliding", left + right) or re.search(r"-\s*[A-Za-z_]", left + right):
+                continue  # a window's lower bound, not the anchor's exclusion
             op = STRICT_FLIP[type(node.ops[0])]
             yield node, _edit(node, f"{left} {op} {right}"), f"`{src.seg(node)}` -> `{left} {op} {right}`"
 

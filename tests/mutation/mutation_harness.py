@@ -13,7 +13,7 @@ expression moved into `last = ...`), the way names fooled the reader before. Mea
 must change no verdict: a match turned mismatch is a false alarm, a mismatch turned match a silent false match.
 A mismatch on an invariant the operator does not break is a false alarm too.
 
-    python tests/mutation/harness.py [DIR ...]      prints the table (default: the corpus and trainer/)
+    python tests/mutation/mutation_harness.py [DIR ...]      prints the table (default: the corpus and trainer/)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ for entry in (str(REPO), str(Path(__file__).resolve().parent)):
     if entry not in sys.path:
         sys.path.insert(0, entry)
 
-from operators import OPERATORS, REWRITES, Mutant, Source, delete_freeze_line, hoist, read_sources  # noqa: E402
+from mutation_operators import OPERATORS, REWRITES, Mutant, Source, delete_freeze_line, hoist, read_sources  # noqa: E402
 
 from sleuth.invariants import check_invariants, load_playbook  # noqa: E402
 from sleuth.trace import Trace  # noqa: E402

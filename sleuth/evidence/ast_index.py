@@ -1,0 +1,907 @@
+"""The analysis kit: parsed source indexed for static reading, with public names for detectors.
+
+What is here (no detector lives here; detectors are in sleuth/evidence/detectors/, registered by id):
+    loading      load_units / parse_texts: every .py file parsed with `ast` (never imported); a file that
+                 does not parse, is too large or too deeply nested becomes a SourceError, the rest is read
+    Analyzer     every unit indexed together: parents, scopes (assignments, parameters, defaults), nodes by
+                 type (`nodes_of`), local functions (`function_return`), a light dataflow (`defs_of`,
+                 `literal`, `tags`, `block_index_offsets`, `const_offset`), switches (`switch_of`)
+    names        tokens / name_tags / is_blocksize_name: names rank candidates; value origins
+                 (sleuth/evidence/origins.py) decide where a value comes from
+    readings     CodeReading (what one site says, with how it is set: hardcoded | default | switch) and
+                 `reading_at`, which records its location and enclosing scope
+
+Each reading says how the behaviour is set:
+    hardcoded  the code does it unconditionally
+    default    a default value that a config may override
+    switch     the behaviour sits behind a runtime switch (an `if`/conditional on a flag): the engine
+               must take the value from the run's config instead
+"""
+
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+Mode = str  # "hardcoded" | "default" | "switch"
+
+MAX_FILES = 400
+# The analysis recurses over the tree: deeper files (generated code, long chained expressions) are skipped
+# with an error entry, far below Python's recursion limit, so one odd file never stops the others.
+MAX_TREE_DEPTH = 120
+MAX_FILE_BYTES = 2_000_000
+SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", "node_modules", ".tox", "build", "dist", "site-packages"}
+
+
+@dataclass
+class CodeReading:
+    invariant: str
+    value: object
+    path: str
+    line: int
+    snippet: str
+    confidence: float
+    mode: Mode = "hardcoded"
+    switch: str | None = None  # the condition the behaviour depends on, as source text
+    detail: str = ""
+    commit: str | None = None
+    scope: str | None = None  # enclosing class / function names, outermost first
+
+
+@dataclass
+class SourceError:
+    path: str
+    message: str
+
+
+@dataclass
+class Unit:
+    path: str  # label: relative path (or reference path)
+    text: str
+    tree: ast.Module
+    commit: str | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading
+
+
+def iter_python_files(root: Path) -> Iterator[Path]:
+    if root.is_file():
+        yield root
+        return
+    count = 0
+    for path in sorted(root.rglob("*.py")):
+        if any(part in SKIP_DIRS for part in path.relative_to(root).parts):
+            continue
+        count += 1
+        if count > MAX_FILES:
+            return
+        yield path
+
+
+def load_units(code: Path) -> tuple[list[Unit], list[SourceError]]:
+    """Parse every .py file under `code` (or the one file); never imports them."""
+    code = Path(code)
+    texts: list[tuple[str, str, str | None]] = []
+    errors: list[SourceError] = []
+    if not code.exists():
+        return [], [SourceError(str(code), "path does not exist")]
+    base = code if code.is_dir() else code.parent
+    for path in iter_python_files(code):
+        label = str(path.relative_to(base)) if code.is_dir() else path.name
+        label = str(Path(code.name) / label) if code.is_dir() else str(code)
+        try:
+            if path.stat().st_size > MAX_FILE_BYTES:
+                errors.append(SourceError(label, "file too large to analyse"))
+                continue
+            texts.append((label, path.read_text(encoding="utf-8", errors="replace"), None))
+        except OSError as exc:
+            errors.append(SourceError(label, f"cannot read: {exc.strerror or exc}"))
+    units, parse_errors = parse_texts(texts)
+    return units, errors + parse_errors
+
+
+def parse_texts(texts: Iterable[tuple[str, str, str | None]]) -> tuple[list[Unit], list[SourceError]]:
+    units: list[Unit] = []
+    errors: list[SourceError] = []
+    for label, text, commit in texts:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError) as exc:
+            line = getattr(exc, "lineno", None)
+            errors.append(SourceError(label, f"does not parse ({exc.__class__.__name__} at line {line})"))
+            continue
+        except (RecursionError, MemoryError):
+            # A 200,000-term expression: the parser itself gives up; that file is skipped, the rest is read.
+            errors.append(SourceError(label, "too deeply nested for Python's parser"))
+            continue
+        depth = tree_depth(tree)
+        if depth > MAX_TREE_DEPTH:
+            errors.append(SourceError(label, f"nested {depth} levels deep (more than {MAX_TREE_DEPTH}): not analysed"))
+            continue
+        units.append(Unit(label, text, tree, commit, text.splitlines()))
+    return units, errors
+
+
+def tree_depth(tree: ast.AST) -> int:
+    """The deepest nesting of a syntax tree, counted without recursion."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_TREE_DEPTH:
+                return deepest
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
+# ---------------------------------------------------------------------------------------------------------
+# names and tags
+
+
+@lru_cache(maxsize=8192)
+def tokens(name: str) -> list[str]:
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    return [t for t in re.split(r"[_\W\d]+", name.lower()) if t]
+
+
+ANCHOR_TOKENS = {"anchor", "anchors", "start", "starts", "anc"}
+KV_TOKENS = {"kv", "key", "keys", "kvidx", "kidx", "kpos"}
+Q_TOKENS = {"q", "query", "queries", "qidx", "qpos"}
+CONTEXT_TOKENS = {"target", "ctx", "context", "feature", "features", "feat", "feats", "fused", "aux", "teacher",
+                  "verifier", "cond", "memory", "enc", "encoder", "prefix"}
+LOGITS_TOKENS = {"logit", "logits", "hidden", "hiddens", "prob", "probs", "distribution", "dist", "scores",
+                 "teacher", "verifier", "logprobs", "lp"}
+TOKEN_ID_TOKENS = {"ids", "id", "tokens", "token", "labels", "label", "input", "inputs", "tok", "toks"}
+POSITION_TOKENS = {"pos", "position", "positions", "posids", "rope"}
+WEIGHTISH_TOKENS = {"weight", "weights", "w", "mask", "decay", "loss", "scale", "coef", "lw", "wts"}
+BLOCKED_TOKENS = {"blocked", "disallow", "disallowed", "forbid", "forbidden", "masked", "hide", "invalid"}
+
+
+@lru_cache(maxsize=8192)
+def _name_tags(name: str) -> frozenset[str]:
+    return frozenset(_compute_name_tags(name))
+
+
+def name_tags(name: str) -> set[str]:
+    return set(_name_tags(name))
+
+
+def _compute_name_tags(name: str) -> set[str]:
+    toks = tokens(name)
+    tags: set[str] = set()
+    lower = name.lower()
+    # max_anchors, num_anchors, anchor_valid, anchor_mask: counts and flags about anchors, not positions
+    if ANCHOR_TOKENS & set(toks) and not set(toks) & {"max", "num", "n", "count", "total", "valid", "mask", "len", "size", "keep"}:
+        tags.add("anchor")
+    if KV_TOKENS & set(toks) or re.fullmatch(r"_?k_?(pos|idx|index|indices|positions?)", lower):
+        tags.add("kv")
+    if Q_TOKENS & set(toks):
+        tags.add("q")
+    return tags
+
+
+@lru_cache(maxsize=8192)
+def is_blocksize_name(name: str) -> bool:
+    lower = name.lower()
+    toks = set(tokens(name))
+    return (
+        name in {"B", "bs", "blk", "BS", "BLOCK", "BLOCK_SIZE"}
+        or ("block" in toks and bool(toks & {"size", "len", "length", "sz"}))
+        or lower in {"blocksize", "block_len", "draft_len", "n_draft", "num_draft_tokens", "spec_len", "gamma_len",
+                     "spec_tokens", "num_spec_tokens", "n_spec", "draft_tokens", "block_length", "blk_size", "chunk_size"}
+    )
+
+
+def dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{dotted(node.value)}.{node.attr}"
+    if isinstance(node, ast.Call):
+        return dotted(node.func) + "()"
+    if isinstance(node, ast.Subscript):
+        return dotted(node.value) + "[]"
+    return ""
+
+
+def leaf_name(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Call):
+        return leaf_name(node.func)
+    if isinstance(node, ast.Subscript):
+        return leaf_name(node.value)
+    return ""
+
+
+def call_name(node: ast.Call) -> str:
+    return leaf_name(node.func)
+
+
+def kwarg(node: ast.Call, name: str) -> ast.expr | None:
+    for kw in node.keywords:
+        if kw.arg == name:
+            return kw.value
+    return None
+
+
+def const_number(node: ast.AST | None) -> float | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = const_number(node.operand)
+        return -inner if inner is not None else None
+    return None
+
+
+def is_neg_inf(node: ast.AST) -> bool:
+    """-inf, float('-inf'), -math.inf, torch.finfo(...).min, a large negative constant, or False."""
+    if isinstance(node, ast.Constant) and node.value is False:
+        return True
+    number = const_number(node)
+    if number is not None:
+        return number <= -1e4
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = node.operand
+        if isinstance(inner, (ast.Name, ast.Attribute)) and leaf_name(inner) in {"inf", "INF", "infinity"}:
+            return True
+        if isinstance(inner, ast.Call) and call_name(inner) == "float":
+            return True
+    if isinstance(node, ast.Call) and call_name(node) == "float" and node.args:
+        arg = node.args[0]
+        return isinstance(arg, ast.Constant) and str(arg.value).strip().lower() in {"-inf", "-infinity"}
+    if isinstance(node, ast.Attribute) and node.attr == "min" and isinstance(node.value, ast.Call):
+        return call_name(node.value) in {"finfo", "iinfo"}
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        lower = leaf_name(node).lower()
+        return "neg" in lower and "inf" in lower or lower in {"mask_value", "min_value", "neg_inf"}
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scopes and a light dataflow
+
+
+class Scope:
+    def __init__(self, node: ast.AST | None, parent: Scope | None, unit: Unit):
+        self.node = node
+        self.parent = parent
+        self.unit = unit
+        self.defs: dict[str, list[ast.expr]] = {}
+        self.params: dict[str, ast.expr | None] = {}
+        self.param_tags: dict[str, set[str]] = {}
+
+    def lookup(self, name: str) -> tuple[list[ast.expr], Scope] | None:
+        scope: Scope | None = self
+        while scope is not None:
+            if name in scope.defs:
+                return scope.defs[name], scope
+            if name in scope.params:
+                return [], scope
+            scope = scope.parent
+        return None
+
+    def param_default(self, name: str) -> tuple[bool, ast.expr | None, Scope] | None:
+        scope: Scope | None = self
+        while scope is not None:
+            if name in scope.params:
+                return True, scope.params[name], scope
+            if name in scope.defs:
+                return None
+            scope = scope.parent
+        return None
+
+
+PRESERVING_METHODS = {
+    "view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "repeat", "repeat_interleave", "to",
+    "long", "int", "float", "double", "half", "bfloat16", "clamp", "clamp_", "clamp_min", "clamp_max", "clip",
+    "contiguous", "flatten", "cuda", "cpu", "detach", "type_as", "type", "clone", "view_as", "reshape_as",
+    "broadcast_to", "t", "transpose", "permute", "narrow", "index_select", "masked_fill", "where", "sort",
+    "values", "abs", "item", "tolist", "numpy",
+}
+TORCH_UNION_FUNCS = {"remainder", "fmod", "clamp", "clip", "repeat_interleave", "where", "gather", "take_along_dim",
+                     "minimum", "maximum", "broadcast_to", "add", "sub", "cat", "stack", "index_select"}
+
+
+_NAMED = {ast.Name, ast.arg, ast.Attribute}
+_BINDING = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr, ast.For, ast.comprehension)
+# nodes without children worth visiting
+_PLAIN_LEAVES = {ast.Name, ast.Constant, ast.Load, ast.Store, ast.Del, ast.Pass, ast.Break, ast.Continue,
+                 ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.USub, ast.Not, ast.Invert,
+                 ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.And, ast.Or, ast.BitAnd, ast.BitOr,
+                 ast.Is, ast.IsNot, ast.In, ast.NotIn, ast.MatMult, ast.UAdd, ast.LShift, ast.RShift, ast.BitXor}
+
+
+class Analyzer:
+    """All units together, so dataflow follows local function calls across files."""
+
+    def __init__(self, units: list[Unit]):
+        self.units = units
+        self.parents: dict[ast.AST, ast.AST] = {}
+        self.scope_of: dict[ast.AST, Scope] = {}  # every node -> its innermost function (or module) scope
+        self.functions: dict[str, list[tuple[ast.FunctionDef, Scope]]] = {}
+        self.unit_of: dict[ast.AST, Unit] = {}
+        self.field_defaults: dict[str, list[tuple[ast.expr, Unit, ast.AST]]] = {}
+        self.all_nodes: list[ast.AST] = []
+        self._mentions: dict[int, tuple[bool, bool]] = {}
+        self.outer_of: dict[ast.AST, ast.AST | None] = {}
+        self.by_type: dict[type, list[ast.AST]] = {}
+        self._cache: dict[object, object] = {}
+        for unit in units:
+            self._index(unit)
+
+    def memo(self, key: object, compute):  # noqa: ANN001, ANN201 - any zero-argument callable
+        """A value computed once per analysis (detectors that share work, e.g. fc and fc_norm)."""
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    # --- indexing ---------------------------------------------------------------------------------------
+    def _index(self, unit: Unit) -> None:
+        module_scope = Scope(unit.tree, None, unit)
+        self.all_nodes.append(unit.tree)
+        self._walk(unit.tree, module_scope, unit, None)
+
+    def _note(self, child: ast.AST, outer: ast.AST | None) -> None:
+        """One pass collects every node, its type index, its outermost function, and what that function mentions."""
+        self.all_nodes.append(child)
+        kind = type(child)
+        bucket = self.by_type.get(kind)
+        if bucket is None:
+            bucket = self.by_type[kind] = []
+        bucket.append(child)
+        self.outer_of[child] = outer
+        if outer is not None and kind in _NAMED:
+            name = child.id if kind is ast.Name else child.arg if kind is ast.arg else child.attr
+            if name:
+                anchor, block = self._mentions.get(id(outer), (False, False))
+                if not (anchor and block):
+                    self._mentions[id(outer)] = (anchor or "anchor" in _name_tags(name), block or is_blocksize_name(name))
+
+    def _walk(self, node: ast.AST, scope: Scope, unit: Unit, outer: ast.AST | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            self.parents[child] = node
+            self.unit_of[child] = unit
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and outer is None:
+                self._mentions.setdefault(id(child), (False, False))
+            self._note(child, outer if outer is not None or not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else child)
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                inner = Scope(child, scope, unit)
+                args = child.args
+                positional = args.posonlyargs + args.args
+                defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+                for arg, default in zip(positional, defaults):
+                    inner.params[arg.arg] = default
+                for arg, default in zip(args.kwonlyargs, args.kw_defaults):
+                    inner.params[arg.arg] = default
+                names = [a.arg for a in positional if a.arg not in {"self", "cls"}]
+                # flex-attention's mask_mod(b, h, q_idx, kv_idx): the last two are query and key indices.
+                if len(names) == 4:
+                    inner.param_tags[names[2]] = {"q"}
+                    inner.param_tags[names[3]] = {"kv"}
+                if not isinstance(child, ast.Lambda):
+                    self.functions.setdefault(child.name, []).append((child, inner))
+                    for deco in child.decorator_list:
+                        self.parents[deco] = child
+                        self.scope_of[deco] = scope
+                    for default in args.defaults + [d for d in args.kw_defaults if d is not None]:
+                        self.parents[default] = child
+                        self.scope_of[default] = scope
+                        self.unit_of[default] = unit
+                        for sub in ast.walk(default):
+                            self.unit_of.setdefault(sub, unit)
+                self.scope_of[child] = scope
+                body = child.body if isinstance(child.body, list) else [child.body]
+                inner_outer = outer if outer is not None else (child if not isinstance(child, ast.Lambda) else None)
+                others = [n for n in ast.iter_child_nodes(child) if n not in body]
+                for other in others:
+                    # arguments, defaults, decorators, annotations: indexed, not re-bound
+                    self.parents[other] = child
+                    self.unit_of[other] = unit
+                    self.scope_of.setdefault(other, scope)
+                    self._note(other, inner_outer)
+                    self._walk(other, scope, unit, inner_outer)
+                for stmt in body:
+                    self.parents[stmt] = child
+                    self.unit_of[stmt] = unit
+                    self.scope_of[stmt] = inner
+                    self._note(stmt, inner_outer)
+                    self._record(stmt, inner)
+                    self._walk(stmt, inner, unit, inner_outer)
+                continue
+            self.scope_of[child] = scope
+            if type(child) in _PLAIN_LEAVES:
+                continue
+            if isinstance(child, ast.ClassDef):
+                for stmt in child.body:
+                    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.value is not None:
+                        self.field_defaults.setdefault(stmt.target.id, []).append((stmt.value, unit, stmt))
+                    elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+                        self.field_defaults.setdefault(stmt.targets[0].id, []).append((stmt.value, unit, stmt))
+            if isinstance(child, _BINDING):
+                self._record(child, scope)
+            self._walk(child, scope, unit, outer)
+
+    def _record(self, stmt: ast.AST, scope: Scope) -> None:
+        if isinstance(stmt, ast.Assign):
+            for target in stmt.targets:
+                self._bind(target, stmt.value, scope)
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            self._bind(stmt.target, stmt.value, scope)
+        elif isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name):
+            scope.defs.setdefault(stmt.target.id, []).append(ast.BinOp(left=ast.Name(stmt.target.id), op=stmt.op, right=stmt.value))
+        elif isinstance(stmt, ast.NamedExpr):
+            self._bind(stmt.target, stmt.value, scope)
+        elif isinstance(stmt, (ast.For, ast.comprehension)):
+            self._bind_loop(stmt.target, stmt.iter, scope)
+
+    def _bind_loop(self, target: ast.AST, iterable: ast.expr, scope: Scope) -> None:
+        """`for j in range(B)`: j is a slot index (an arange over the block, whatever the start);
+        `for p in anchors` / `for a, p in enumerate(anchors)`: p is one anchor."""
+        if isinstance(iterable, ast.Call) and call_name(iterable) == "enumerate" and iterable.args and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+            self._bind_loop(target.elts[1], iterable.args[0], scope)
+            if isinstance(target.elts[0], ast.Name):
+                # the counter of `enumerate(anchors)` numbers the blocks (resolved lazily in tags)
+                counter = ast.Call(func=ast.Name("__enumerate_index__", ast.Load()), args=[iterable.args[0]], keywords=[])
+                ast.copy_location(counter, iterable)
+                self.parents[counter] = iterable
+                scope.defs.setdefault(target.elts[0].id, []).append(counter)
+            return
+        if not isinstance(target, ast.Name):
+            return
+        if isinstance(iterable, ast.Call) and call_name(iterable) == "range" and iterable.args:
+            upper = iterable.args[1] if len(iterable.args) >= 2 else iterable.args[0]
+            synthetic = ast.Call(func=ast.Name("arange", ast.Load()), args=[upper], keywords=[])
+            synthetic.range_start = iterable.args[0] if len(iterable.args) >= 2 else None  # type: ignore[attr-defined]
+            ast.copy_location(synthetic, iterable)
+            self.parents[synthetic] = iterable
+            scope.defs.setdefault(target.id, []).append(synthetic)
+        else:
+            element = ast.Subscript(value=iterable, slice=ast.Constant(0), ctx=ast.Load())
+            ast.copy_location(element, iterable)
+            self.parents[element] = iterable
+            scope.defs.setdefault(target.id, []).append(element)
+
+    def _bind(self, target: ast.AST, value: ast.expr, scope: Scope) -> None:
+        if isinstance(target, ast.Name):
+            scope.defs.setdefault(target.id, []).append(value)
+        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+            # self.x = ... : visible to every method of the class through the name "self.x"
+            scope.defs.setdefault("self." + target.attr, []).append(value)
+            class_scope = scope.parent
+            if class_scope is not None:
+                class_scope.defs.setdefault("self." + target.attr, []).append(value)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts):
+                for t, v in zip(target.elts, value.elts):
+                    self._bind(t, v, scope)
+            else:
+                for t in target.elts:
+                    if isinstance(t, ast.Name):
+                        # a tuple-returning call: the element's meaning comes from its name only
+                        scope.defs.setdefault(t.id, [])
+
+    # --- helpers ----------------------------------------------------------------------------------------
+    def scope(self, node: ast.AST) -> Scope:
+        current: ast.AST | None = node
+        while current is not None:
+            if current in self.scope_of:
+                return self.scope_of[current]
+            current = self.parents.get(current)
+        return Scope(None, None, self.units[0])
+
+    def unit(self, node: ast.AST) -> Unit:
+        return self.unit_of.get(node, self.units[0])
+
+    def snippet(self, node: ast.AST) -> str:
+        unit = self.unit(node)
+        line = getattr(node, "lineno", 1)
+        end = min(getattr(node, "end_lineno", line) or line, line + 2)
+        return "\n".join(unit.lines[line - 1 : end]).strip()[:300]
+
+    def enclosing(self, node: ast.AST, kinds: tuple[type, ...]) -> ast.AST | None:
+        current = self.parents.get(node)
+        while current is not None and not isinstance(current, kinds):
+            current = self.parents.get(current)
+        return current
+
+    def enclosing_function(self, node: ast.AST) -> ast.AST | None:
+        return self.enclosing(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+
+    def outermost_function(self, node: ast.AST) -> ast.AST | None:
+        if node in self.outer_of:
+            outer = self.outer_of[node]
+            return outer if outer is not node else None
+        found, current = None, self.parents.get(node)
+        while current is not None:
+            if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found = current
+            current = self.parents.get(current)
+        return found
+
+    def defs_of(self, node: ast.expr) -> tuple[list[ast.expr], Scope] | None:
+        key = None
+        if isinstance(node, ast.Name):
+            key = node.id
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            key = "self." + node.attr
+        if key is None:
+            return None
+        return self.scope(node).lookup(key)
+
+    def switch_of(self, node: ast.AST, stop: ast.AST | None = None) -> str | None:
+        """The condition a node's evaluation depends on (an enclosing if / conditional expression), if any.
+
+        Conditions on shapes (`x.numel() < n`) pick between equivalent implementations and are not switches.
+        A condition on a variant flag (DSpark's `sample_from_anchor`) returns VARIANT in the variant's branch
+        and is skipped in the DFlash branch."""
+        child, current = node, self.parents.get(node)
+        while current is not None and current is not stop:
+            if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.Module)):
+                return None
+            if isinstance(current, (ast.IfExp, ast.If)) and child is not current.test:
+                in_body = child is current.body or (isinstance(current.body, list) and child in current.body)
+                label = condition_label(current.test, in_body)
+                if label is not None:
+                    return label
+            child, current = current, self.parents.get(current)
+        return None
+
+    def is_blocksize(self, node: ast.AST, depth: int = 0) -> bool:
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            if is_blocksize_name(leaf_name(node)):
+                return True
+            if depth < 3:
+                found = self.defs_of(node)
+                if found and found[0]:
+                    return all(self.is_blocksize(d, depth + 1) for d in found[0])
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+            return False
+        return False
+
+    # --- tags: what a value means (anchor / key position / query position / block id / arange) --------
+    def tags(self, node: ast.AST | None, depth: int = 0, seen: frozenset = frozenset()) -> set[str]:
+        if node is None or depth > 10 or id(node) in seen:
+            return set()
+        seen = seen | {id(node)}
+        if isinstance(node, ast.Name) or (
+            isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+        ):
+            name = leaf_name(node)
+            result = name_tags(name)
+            scope = self.scope(node)
+            s: Scope | None = scope
+            while s is not None:
+                if name in s.param_tags:
+                    result |= s.param_tags[name]
+                    break
+                s = s.parent
+            found = self.defs_of(node)
+            if found:
+                for definition in found[0][-3:]:
+                    result |= self.tags(definition, depth + 1, seen)
+            return result
+        if isinstance(node, ast.Attribute):
+            return name_tags(node.attr)
+        if isinstance(node, ast.Subscript):
+            return self.tags(node.value, depth + 1, seen)
+        if isinstance(node, ast.Starred):
+            return self.tags(node.value, depth + 1, seen)
+        if isinstance(node, ast.Call):
+            name = call_name(node)
+            if name == "__enumerate_index__" or (name == "arange" and hasattr(node, "range_start") and node.args
+                                                 and isinstance(node.args[-1], ast.Call) and call_name(node.args[-1]) == "len"
+                                                 and node.args[-1].args):
+                # enumerate(anchors)'s counter / range(len(anchors)): one index per block
+                over = node.args[0] if name == "__enumerate_index__" else node.args[-1].args[0]
+                return {"blockid"} if "anchor" in self.tags(over, depth + 1, seen) else set()
+            rounding = kwarg(node, "rounding_mode")
+            if (name in {"floor_divide", "floor_divide_"} or (name in {"div", "divide"} and isinstance(rounding, ast.Constant)
+                                                              and rounding.value == "floor")) and node.args \
+                    and self.is_blocksize(node.args[-1]):
+                # floor division spelled as a call, like `//` below: a block index
+                numer = node.func.value if isinstance(node.func, ast.Attribute) and len(node.args) == 1 else node.args[0]
+                return {"blockid"} | (self.tags(numer, depth + 1, seen) & {"q", "kv"})
+            if name == "arange":
+                start = node.args[0] if len(node.args) >= 2 else None
+                return {"arange"} | (self.tags(start, depth + 1, seen) if start is not None else set())
+            if isinstance(node.func, ast.Attribute) and name in PRESERVING_METHODS and not is_module_name(node.func.value):
+                return self.tags(node.func.value, depth + 1, seen)
+            if name in TORCH_UNION_FUNCS or name in PRESERVING_METHODS:
+                out: set[str] = set()
+                for arg in node.args[:2]:
+                    out |= self.tags(arg, depth + 1, seen)
+                return out - {"blockid"}
+            summary = self.function_return(name)
+            if summary is not None:
+                return self.tags(summary, depth + 1, seen) | (name_tags(name) & {"anchor"})
+            out = name_tags(name) & {"anchor"}
+            if isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value):
+                out |= self.tags(node.func.value, depth + 1, seen) & {"anchor"}
+            for arg in node.args:
+                out |= self.tags(arg, depth + 1, seen) & {"anchor"}
+            return out
+        if isinstance(node, ast.BinOp):
+            left = self.tags(node.left, depth + 1, seen)
+            right = self.tags(node.right, depth + 1, seen)
+            if isinstance(node.op, ast.FloorDiv) and self.is_blocksize(node.right):
+                return {"blockid"} | (left & {"q", "kv"})
+            if isinstance(node.op, ast.Mod) and self.is_blocksize(node.right):
+                return {"slot"} | (left & {"q", "kv"})
+            return (left | right) - {"blockid", "slot"} | ((left | right) & {"slot"})
+        if isinstance(node, ast.IfExp):
+            return self.tags(node.body, depth + 1, seen) | self.tags(node.orelse, depth + 1, seen)
+        if isinstance(node, ast.UnaryOp):
+            return self.tags(node.operand, depth + 1, seen)
+        return set()
+
+    def function_return(self, name: str) -> ast.expr | None:
+        """The return expression of a local function with this name (first found), for dataflow through calls."""
+        for func, _scope in self.functions.get(name, []):
+            for stmt in ast.walk(func):
+                if isinstance(stmt, ast.Return) and stmt.value is not None and self.enclosing_function(stmt) is func:
+                    return stmt.value
+        return None
+
+    # --- constant offsets, block indices -----------------------------------------------------------------
+    def block_index_offsets(self, node: ast.AST, depth: int = 0) -> list[tuple[int, str | None]]:
+        """For an expression `anchor + arange(B) + c`, the offsets c (+ arange start) it can take, with the
+        condition each depends on. Empty when the expression is not such a block index."""
+        if depth > 14:
+            return []
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            c_right = const_number(node.right)
+            if c_right is not None and float(c_right).is_integer():
+                sign = 1 if isinstance(node.op, ast.Add) else -1
+                return [(o + sign * int(c_right), s) for o, s in self.block_index_offsets(node.left, depth + 1)]
+            c_left = const_number(node.left)
+            if c_left is not None and isinstance(node.op, ast.Add) and float(c_left).is_integer():
+                return [(o + int(c_left), s) for o, s in self.block_index_offsets(node.right, depth + 1)]
+            if isinstance(node.op, ast.Add):
+                left, right = self.tags(node.left), self.tags(node.right)
+                for anchor_side, range_side, a_tags, r_tags in (
+                    (node.left, node.right, left, right),
+                    (node.right, node.left, right, left),
+                ):
+                    if "anchor" in a_tags and "arange" in r_tags and "anchor" not in r_tags:
+                        start = self.arange_start(range_side)
+                        if start is None:
+                            continue
+                        return [(start + self.const_offset(anchor_side), None)]
+            return []
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+            return self.block_index_offsets(node.left, depth + 1)
+        if isinstance(node, ast.Subscript):
+            return self.block_index_offsets(node.value, depth + 1)
+        if isinstance(node, ast.Call):
+            name = call_name(node)
+            if name == "arange" and len(node.args) >= 2 and "anchor" in self.tags(node.args[1]):
+                # arange(lo, anchor + B + c): the block part ends at anchor + B - 1 + c
+                upper = node.args[1]
+                if any(self.is_blocksize(n) for n in ast.walk(upper) if isinstance(n, (ast.Name, ast.Attribute))):
+                    return [(self.const_offset(upper), None)]
+                return []
+            if isinstance(node.func, ast.Attribute) and name in PRESERVING_METHODS and not is_module_name(node.func.value):
+                return self.block_index_offsets(node.func.value, depth + 1)
+            if name in {"clamp", "clip", "remainder", "fmod"} and node.args:
+                return self.block_index_offsets(node.args[0], depth + 1)
+            if name in {"max", "min", "maximum", "minimum"} and isinstance(node.func, (ast.Name, ast.Attribute)):
+                for arg in node.args:  # max(p + j - 1, 0): the bound only keeps the index in range
+                    found = self.block_index_offsets(arg, depth + 1)
+                    if found:
+                        return found
+                return []
+            summary = self.function_return(name)
+            if summary is not None:
+                return self.block_index_offsets(summary, depth + 1)
+            return []
+        if isinstance(node, ast.IfExp):
+            body_label, else_label = condition_label(node.test, True), condition_label(node.test, False)
+            return [(o, s or body_label) for o, s in self.block_index_offsets(node.body, depth + 1)] + [
+                (o, s or else_label) for o, s in self.block_index_offsets(node.orelse, depth + 1)
+            ]
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            found = self.defs_of(node)
+            if found and found[0]:
+                out: list[tuple[int, str | None]] = []
+                for definition in found[0][-2:]:
+                    switch = self.switch_of(definition) if len(found[0]) > 1 else None
+                    out += [(o, s or switch) for o, s in self.block_index_offsets(definition, depth + 1)]
+                return out
+        return []
+
+    def arange_start(self, node: ast.AST, depth: int = 0) -> int | None:
+        if isinstance(node, ast.Subscript):
+            return self.arange_start(node.value, depth + 1)
+        if isinstance(node, ast.Call):
+            name = call_name(node)
+            if name == "arange":
+                if len(node.args) >= 2:
+                    start = const_number(node.args[0])
+                    return int(start) if start is not None else None
+                start_kw = kwarg(node, "start")
+                if start_kw is not None:
+                    start = const_number(start_kw)
+                    return int(start) if start is not None else None
+                return 0
+            if isinstance(node.func, ast.Attribute) and name in PRESERVING_METHODS:
+                return self.arange_start(node.func.value, depth + 1)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            c = const_number(node.right)
+            if c is not None:
+                inner = self.arange_start(node.left, depth + 1)
+                return None if inner is None else inner + int(c) * (1 if isinstance(node.op, ast.Add) else -1)
+        if isinstance(node, (ast.Name, ast.Attribute)) and depth < 4:
+            found = self.defs_of(node)
+            if found and len(found[0]) == 1:
+                return self.arange_start(found[0][0], depth + 1)
+        return None
+
+    def const_offset(self, node: ast.AST, depth: int = 0) -> int:
+        """c in `x + c` / `x - c`, following single assignments; 0 when there is none."""
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            c = const_number(node.right)
+            if c is not None and float(c).is_integer():
+                return self.const_offset(node.left, depth + 1) + int(c) * (1 if isinstance(node.op, ast.Add) else -1)
+            c = const_number(node.left)
+            if c is not None and isinstance(node.op, ast.Add) and float(c).is_integer():
+                return self.const_offset(node.right, depth + 1) + int(c)
+        if isinstance(node, ast.Subscript):
+            return self.const_offset(node.value, depth + 1)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and call_name(node) in PRESERVING_METHODS:
+            return self.const_offset(node.func.value, depth + 1)
+        # follow `limit = anchor + 1`, but an anchor-named value is the anchor itself (offset 0)
+        if isinstance(node, ast.Name) and depth < 4 and "anchor" not in name_tags(node.id):
+            found = self.defs_of(node)
+            if found and len(found[0]) == 1:
+                return self.const_offset(found[0][0], depth + 1)
+        return 0
+
+    def nonconst_offset(self, node: ast.AST) -> ast.expr | None:
+        """A non-constant term added to an anchor (e.g. `anchor + int(include)`): a runtime switch."""
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+            for side, other in ((node.right, node.left), (node.left, node.right)):
+                if const_number(side) is None and "anchor" in self.tags(other) and (
+                    "anchor" not in self.tags(side) or re.search(r"include|flag|use_|with_|^int\(|^bool\(", ast.unparse(side))
+                ):
+                    return side
+        return None
+
+    # --- default values -----------------------------------------------------------------------------------
+    def literal(self, node: ast.AST | None, depth: int = 0) -> object:
+        """The constant value of an expression, resolving names, Field(default=...), kwargs.get(k, d)."""
+        if node is None or depth > 5:
+            return MISSING
+        number = const_number(node)
+        if number is not None:
+            return number
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Call):
+            name = call_name(node)
+            if name in {"Field", "field"}:
+                default = kwarg(node, "default")
+                if default is None and node.args:
+                    default = node.args[0]
+                return self.literal(default, depth + 1) if default is not None else MISSING
+            if name in {"get", "getattr", "pop", "setdefault"} and len(node.args) >= 2:
+                return self.literal(node.args[-1], depth + 1)
+            if name in {"float", "int"} and node.args:
+                return self.literal(node.args[0], depth + 1)
+        if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or) and len(node.values) == 2:
+            return self.literal(node.values[1], depth + 1)
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            found = self.defs_of(node)
+            if found and found[0] and len(found[0]) == 1:
+                return self.literal(found[0][0], depth + 1)
+        return MISSING
+
+
+VARIANT = "<variant branch>"
+VARIANT_FLAG = re.compile(r"sample_from_anchor|dspark|use_dspark", re.I)
+SHAPE_CONDITION = re.compile(r"\.numel\(\)|\.shape\b|\.size\(|\blen\(|\.dim\(\)|\.ndim\b")
+
+
+def condition_label(test: ast.expr, in_body: bool) -> str | None:
+    text = ast.unparse(test)
+    if SHAPE_CONDITION.search(text):
+        return None
+    if VARIANT_FLAG.search(text):
+        negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+        variant_branch = in_body != negated
+        return VARIANT if variant_branch else None
+    return text
+
+
+class Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING = Missing()
+
+
+def is_module_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id in {"torch", "F", "nn", "np", "numpy", "math", "jnp", "mx"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers for detectors: where a node sits, and the reading it gives
+
+
+def mentions_window(an: Analyzer, node: ast.AST, switch: str) -> bool:
+    """Whether a condition is about sliding-window layers, also through the names it uses."""
+    if re.search(r"window|sliding", switch, re.I):
+        return True
+    try:
+        test = ast.parse(switch, mode="eval").body
+    except SyntaxError:
+        return False
+    scope = an.scope(node)
+    for name in {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}:
+        found = scope.lookup(name)
+        if found and any(re.search(r"window|sliding", ast.unparse(d), re.I) for d in found[0]):
+            return True
+    return False
+
+
+def in_draft_class(an: Analyzer, node: ast.AST) -> bool:
+    current = an.parents.get(node)
+    while current is not None:
+        if isinstance(current, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            lower = current.name.lower()
+            if any(w in lower for w in ("draft", "dflash", "spec")):
+                return True
+        current = an.parents.get(current)
+    return False
+
+
+def reading_at(an: Analyzer, invariant: str, value: object, node: ast.AST, confidence: float, *, mode: Mode = "hardcoded",
+             switch: str | None = None, detail: str = "") -> CodeReading:
+    unit = an.unit(node)
+    names, current = [], an.parents.get(node)
+    while current is not None:
+        if isinstance(current, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.append(current.name)
+        current = an.parents.get(current)
+    if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        names.insert(0, node.name)
+    if switch == VARIANT:
+        mode, detail = "variant", detail + " (in the DSpark-variant branch)"
+    return CodeReading(invariant, value, unit.path, getattr(node, "lineno", 0), an.snippet(node), confidence, mode,
+                       switch, detail, unit.commit, ".".join(reversed(names)) or None)
+
+
+def nodes_of(an: Analyzer, kind: type | tuple[type, ...]) -> list[ast.AST]:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if len(kinds) == 1:
+        return an.by_type.get(kinds[0], [])
+    return [n for n in an.all_nodes if isinstance(n, kinds)]
+
+
+def function_mentions(an: Analyzer, node: ast.AST) -> tuple[bool, bool]:
+    """(mentions an anchor, mentions a block size) anywhere in the outermost enclosing function."""
+    func = an.outermost_function(node)
+    if func is None:
+        return False, False
+    return an._mentions.get(id(func), (False, False))
+
+
+def scope_mentions_anchor(an: Analyzer, node: ast.AST) -> bool:
+    return function_mentions(an, node)[0]
+
+
+def scope_mentions_block(an: Analyzer, node: ast.AST) -> bool:
+    anchor, block = function_mentions(an, node)
+    return anchor or block
