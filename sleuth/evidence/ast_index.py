@@ -591,6 +591,11 @@ class Analyzer:
             if found:
                 for definition in found[0][-3:]:
                     result |= self.tags(definition, depth + 1, seen)
+                if not found[0] and isinstance(node, ast.Name) and "anchor" not in result:
+                    # a parameter is an anchor when every caller passes one (`visibility(n, q_anchor + 1)`)
+                    args = self.parameter_arguments(node)
+                    if args and all("anchor" in self.tags(a, depth + 1, seen) for a in args):
+                        result |= {"anchor"}
             return result
         if isinstance(node, ast.Attribute):
             return name_tags(node.attr)
@@ -704,7 +709,9 @@ class Analyzer:
                 return []
             summary = self.function_return(name)
             if summary is not None:
-                return self.block_index_offsets(summary, depth + 1)
+                # arguments count: `positions(anchor + 1)` whose helper returns `start + arange(B)` is anchor+1+j
+                extra = self._argument_offset(node, name)
+                return [(o + extra, sw) for o, sw in self.block_index_offsets(summary, depth + 1)]
             return []
         if isinstance(node, ast.IfExp):
             body_label, else_label = condition_label(node.test, True), condition_label(node.test, False)
@@ -720,6 +727,20 @@ class Analyzer:
                     out += [(o, s or switch) for o, s in self.block_index_offsets(definition, depth + 1)]
                 return out
         return []
+
+    def _argument_offset(self, call: ast.Call, name: str) -> int:
+        """The constant offset on the anchor-derived argument of a call into a local function."""
+        functions = self.functions.get(name, [])
+        if not functions:
+            return 0
+        func = functions[0][0]
+        params = [a.arg for a in func.args.posonlyargs + func.args.args]
+        if params and params[0] in {"self", "cls"} and isinstance(call.func, ast.Attribute):
+            params = params[1:]
+        pairs = list(zip(params, call.args)) + [(kw.arg, kw.value) for kw in call.keywords if kw.arg]
+        offsets = [self.const_offset(arg) for _param, arg in pairs
+                   if not isinstance(arg, ast.Starred) and "anchor" in self.tags(arg)]
+        return offsets[0] if len(offsets) == 1 else 0
 
     def arange_start(self, node: ast.AST, depth: int = 0) -> int | None:
         if isinstance(node, ast.Subscript):
@@ -766,7 +787,48 @@ class Analyzer:
             found = self.defs_of(node)
             if found and len(found[0]) == 1:
                 return self.const_offset(found[0][0], depth + 1)
+            if found and not found[0]:
+                # a parameter: the offset its callers put on the argument (`helper(anchor + 1)`) counts
+                offsets = {self.const_offset(a, depth + 1) for a in self.parameter_arguments(node)}
+                if len(offsets) == 1:
+                    return offsets.pop()
         return 0
+
+    def parameter_arguments(self, node: ast.Name) -> list[ast.expr]:
+        """For a name that is a function's parameter: the arguments its call sites pass for it."""
+        found = self.defs_of(node)
+        if not found or found[0]:
+            return []
+        func = found[1].node
+        return self.call_site_arguments(func, node.id)
+
+    def call_site_arguments(self, func: ast.AST | None, param: str) -> list[ast.expr]:
+        """The arguments passed for `param` where `func` is called (the class name for `__init__`)."""
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return []
+        key = ("call-sites", id(func), param)
+        if key in self._cache:
+            return self._cache[key]  # type: ignore[return-value]
+        positional = [a.arg for a in func.args.posonlyargs + func.args.args]
+        callee = func.name
+        if callee == "__init__":
+            cls = self.parents.get(func)
+            callee = cls.name if isinstance(cls, ast.ClassDef) else ""
+        if positional and positional[0] in {"self", "cls"}:
+            positional = positional[1:]
+        index = positional.index(param) if param in positional else None
+        found: list[ast.expr] = []
+        for call in self.by_type.get(ast.Call, []):
+            if not callee or call_name(call) != callee:
+                continue
+            arg = kwarg(call, param)
+            if arg is None and index is not None and index < len(call.args) and not any(
+                    isinstance(a, ast.Starred) for a in call.args[: index + 1]):
+                arg = call.args[index]
+            if arg is not None:
+                found.append(arg)
+        self._cache[key] = found
+        return found
 
     def nonconst_offset(self, node: ast.AST) -> ast.expr | None:
         """A non-constant term added to an anchor (e.g. `anchor + int(include)`): a runtime switch."""

@@ -34,31 +34,9 @@ class Origin:
     steps: int = 0
 
 
-def call_site_arguments(an: Analyzer, func: ast.AST, param: str) -> list[ast.expr]:
+def call_site_arguments(an: Analyzer, func: ast.AST | None, param: str) -> list[ast.expr]:
     """The arguments passed for `param` where `func` is called (the class name for `__init__`)."""
-    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return []
-    positional = [a.arg for a in func.args.posonlyargs + func.args.args]
-    callee = func.name
-    if callee == "__init__":
-        cls = an.parents.get(func)
-        if not isinstance(cls, ast.ClassDef):
-            return []
-        callee = cls.name
-    if positional and positional[0] in {"self", "cls"}:
-        positional = positional[1:]
-    index = positional.index(param) if param in positional else None
-    found = []
-    for call in an.by_type.get(ast.Call, []):
-        if call_name(call) != callee:
-            continue
-        arg = kwarg(call, param)
-        if arg is None and index is not None and index < len(call.args) and not any(
-                isinstance(a, ast.Starred) for a in call.args[: index + 1]):
-            arg = call.args[index]
-        if arg is not None:
-            found.append(arg)
-    return found
+    return an.call_site_arguments(func, param)
 
 
 def is_norm_call(node: ast.Call) -> bool:

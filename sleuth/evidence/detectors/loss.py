@@ -423,13 +423,29 @@ HEAD_ATTR = re.compile(r"head|unembed|vocab_proj|output_proj", re.I)
 
 
 def _freeze_sites(an: Analyzer) -> list[tuple[ast.AST, str]]:
-    """Every statement that freezes something, with the expression it freezes (the loop's iterable for
-    `for p in X.parameters(): p.requires_grad = False`)."""
+    """Every statement that freezes something, with the expression it freezes. A loop variable stands for
+    what it iterates (`for t in (self.embed, self.head): t.weight.requires_grad = False`); a loop over
+    `named_parameters()` filtered by name prefixes freezes `self.<prefix>` for each prefix."""
     sites: list[tuple[ast.AST, str]] = []
+
+    def owners(node: ast.AST, receiver: ast.expr) -> list[str]:
+        text = ast.unparse(receiver)
+        root = receiver
+        while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
+            root = root.value if not isinstance(root, ast.Call) else root.func
+        loop = an.enclosing(node, (ast.For,))
+        if isinstance(loop, ast.For) and isinstance(root, ast.Name) and any(
+                isinstance(n, ast.Name) and n.id == root.id for n in ast.walk(loop.target)):
+            prefixes = _name_prefixes(an, node, loop)
+            if prefixes:
+                return [f"self.{p}" for p in prefixes]
+            return [ast.unparse(loop.iter)]
+        return [text]
+
     for node in nodes_of(an, ast.Call):
         if call_name(node) == "requires_grad_" and node.args and isinstance(node.args[0], ast.Constant) \
                 and node.args[0].value is False and isinstance(node.func, ast.Attribute):
-            sites.append((node, ast.unparse(node.func.value)))
+            sites += [(node, o) for o in owners(node, node.func.value)]
             holder = an.parents.get(node)
             if isinstance(holder, ast.Assign) and len(holder.targets) == 1:
                 sites.append((node, ast.unparse(holder.targets[0])))  # self.verifier = verifier.requires_grad_(False)
@@ -437,13 +453,30 @@ def _freeze_sites(an: Analyzer) -> list[tuple[ast.AST, str]]:
         for target in node.targets:
             if isinstance(target, ast.Attribute) and target.attr == "requires_grad" and isinstance(node.value, ast.Constant) \
                     and node.value.value is False:
-                owner = ast.unparse(target.value)
-                loop = an.enclosing(node, (ast.For,))
-                if isinstance(loop, ast.For) and isinstance(target.value, ast.Name) and any(
-                        isinstance(n, ast.Name) and n.id == target.value.id for n in ast.walk(loop.target)):
-                    owner = ast.unparse(loop.iter)
-                sites.append((node, owner))
+                sites += [(node, o) for o in owners(node, target.value)]
     return sites
+
+
+def _name_prefixes(an: Analyzer, node: ast.AST, loop: ast.For) -> list[str]:
+    """`for name, p in m.named_parameters(): if name.startswith(PREFIXES): p.requires_grad_(False)`: the
+    module names the prefixes select (string constants, or a name bound to a tuple of them)."""
+    if not (isinstance(loop.iter, ast.Call) and call_name(loop.iter) == "named_parameters"):
+        return []
+    branch = an.enclosing(node, (ast.If,))
+    if branch is None or an.enclosing(branch, (ast.For,)) is not loop:
+        return []
+    out: list[str] = []
+    for call in ast.walk(branch.test):
+        if isinstance(call, ast.Call) and call_name(call) == "startswith" and call.args:
+            arg = call.args[0]
+            values = [arg]
+            if isinstance(arg, ast.Name):
+                found = an.defs_of(arg)
+                values = found[0][-1:] if found and found[0] else []
+            for value in values:
+                elements = value.elts if isinstance(value, (ast.Tuple, ast.List)) else [value]
+                out += [e.value.rstrip(".") for e in elements if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return out
 
 
 def _component_holders(an: Analyzer) -> list[tuple[str, str, ast.Assign, str]]:
@@ -502,7 +535,8 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
     freezes = _freeze_sites(an)
     holders = _component_holders(an)
     for kind, attr, stmt, source in holders:
-        own = re.compile(rf"\bself\.{re.escape(attr)}\b")
+        # the holder's own object, reached through any instance (`self.lm_head`, `model.lm_head.weight`)
+        own = re.compile(rf"(^|\.){re.escape(attr)}(\.|$|\b)")
         root = _root_object(source)
         covering = [(n, o) for n, o in freezes if own.search(o) or (root not in {"self", ""} and _root_object(o) == root)]
         if covering:
