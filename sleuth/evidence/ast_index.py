@@ -386,8 +386,9 @@ class Analyzer:
                 for arg, default in zip(args.kwonlyargs, args.kw_defaults):
                     inner.params[arg.arg] = default
                 names = [a.arg for a in positional if a.arg not in {"self", "cls"}]
-                # flex-attention's mask_mod(b, h, q_idx, kv_idx): the last two are query and key indices.
-                if len(names) == 4:
+                # flex-attention's mask_mod(b, h, q_idx, kv_idx): the last two are query and key indices
+                # (only with a head index second: make_mask(anchors, docs, n_ctx, block) is not one).
+                if len(names) == 4 and names[1].lower().lstrip("_").startswith("h"):
                     inner.param_tags[names[2]] = {"q"}
                     inner.param_tags[names[3]] = {"kv"}
                 if not isinstance(child, ast.Lambda):

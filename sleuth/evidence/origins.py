@@ -127,6 +127,31 @@ def _substitute(node: ast.expr, bindings: dict[str, ast.expr]) -> ast.expr:
     return node
 
 
+def is_layer_tuple(an: Analyzer, node: ast.AST) -> bool:
+    """Whether `node` holds a model's per-layer hidden states (`out.hidden_states`, or a name / parameter
+    whose value is one)."""
+    return _is_layer_tuple(an, node, {}, 0)
+
+
+def produced_by(an: Analyzer, node: ast.AST, functions: set[str], depth: int = 0) -> bool:
+    """Whether the value of `node` is the result of calling one of `functions` (through names, `self.x`,
+    parameters and their call sites)."""
+    if depth > MAX_DEPTH:
+        return False
+    if isinstance(node, ast.Call):
+        return call_name(node) in functions or (
+            isinstance(node.func, ast.Name) and node.func.id in {"list", "tuple", "sorted"} and bool(node.args)
+            and produced_by(an, node.args[0], functions, depth + 1))
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        found = an.defs_of(node)
+        if found and found[0]:
+            return any(produced_by(an, d, functions, depth + 1) for d in found[0][-3:])
+        if found and isinstance(node, ast.Name):
+            args = an.parameter_arguments(node)
+            return bool(args) and all(produced_by(an, a, functions, depth + 1) for a in args[:3])
+    return False
+
+
 def _is_layer_tuple(an: Analyzer, node: ast.AST, bindings: dict[str, ast.expr], depth: int) -> bool:
     """`out.hidden_states`, or a name / parameter whose value is one."""
     if isinstance(node, ast.Attribute) and node.attr in LAYER_TUPLES:
@@ -139,6 +164,9 @@ def _is_layer_tuple(an: Analyzer, node: ast.AST, bindings: dict[str, ast.expr], 
         found = an.defs_of(node)
         if found and found[0]:
             return any(_is_layer_tuple(an, d, bindings, depth + 1) for d in found[0][-3:])
+        if found and not found[0]:  # a parameter: what its callers pass
+            args = an.parameter_arguments(node)
+            return bool(args) and all(_is_layer_tuple(an, a, {}, depth + 1) for a in args[:3])
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
         found = an.defs_of(node)
         return bool(found and found[0] and any(_is_layer_tuple(an, d, bindings, depth + 1) for d in found[0][-3:]))

@@ -9,7 +9,10 @@ from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
     reading_at,
+    const_number,
+    nodes_of,
 )
+from sleuth.evidence.origins import is_layer_tuple, produced_by
 from sleuth.evidence.registry import detector
 
 
@@ -119,6 +122,7 @@ def detect_target_layer_ids(an: Analyzer) -> list[CodeReading]:
     from sleuth.evidence.config import vllm_default_layer_ids, zlab_layer_ids
 
     readings = []
+    rule_functions: set[str] = set()
     for func_list in an.functions.values():
         for func, scope in func_list:
             params = [a.arg for a in func.args.args if a.arg not in {"self", "cls"}]
@@ -168,4 +172,36 @@ def detect_target_layer_ids(an: Analyzer) -> list[CodeReading]:
             sample = produced[0]
             readings.append(reading_at(an, "dflash.target_layer_ids", value, func, 0.7, mode="default",
                                      detail=f"{func.name}: L={sample[0]}, k={sample[1]} -> {sample[2]} (evaluated statically)"))
+            if value == "evenly-1-to-L-3":
+                rule_functions.add(func.name)
+    if rule_functions:
+        readings += _read_sites(an, rule_functions)
+    return readings
+
+
+def _read_sites(an: Analyzer, rule_functions: set[str]) -> list[CodeReading]:
+    """Where the z-lab ids index the per-layer tuple: id i is decoder layer i's output, HF hidden_states[i+1].
+    Every site must add the one (all-sites rule); `hidden_states[i]` reads one layer too shallow."""
+    readings = []
+    for node in nodes_of(an, ast.Subscript):
+        if not isinstance(node.ctx, ast.Load) or not is_layer_tuple(an, node.value):
+            continue
+        index = node.slice
+        offset = 0
+        if isinstance(index, ast.BinOp) and isinstance(index.op, (ast.Add, ast.Sub)) and const_number(index.right) is not None:
+            offset = int(const_number(index.right)) * (1 if isinstance(index.op, ast.Add) else -1)
+            index = index.left
+        if not isinstance(index, ast.Name):
+            continue
+        found = an.defs_of(index)
+        loops = [d for d in (found[0] if found else []) if isinstance(d, ast.Subscript) and isinstance(d.slice, ast.Constant)
+                 and d.slice.value == 0 and hasattr(d, "lineno")]
+        if not loops or not any(produced_by(an, d.value, rule_functions) for d in loops):
+            continue
+        if offset == 1:
+            continue
+        readings.append(reading_at(an, "dflash.target_layer_ids", f"custom (read at hidden_states[i{offset:+d}])", node, 0.8,
+                                   detail=f"`{ast.unparse(node)}` reads z-lab layer id i at hidden_states[i{offset:+d}]; "
+                                          "id i is HF hidden_states[i+1] (index 0 is the embeddings): "
+                                          f"every feature is {abs(offset - 1)} layer(s) off"))
     return readings

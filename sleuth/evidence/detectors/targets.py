@@ -70,6 +70,14 @@ def _tensor_kind(an: Analyzer, node: ast.AST, depth: int = 0) -> tuple[str | Non
         lname = set(tokens(name))
         if lname & {"lm", "head", "logits", "unembed"}:
             return "logits", 0
+        if name in {"argmax", "softmax", "log_softmax", "sigmoid"}:
+            # the target's prediction at t (argmax or distribution) keeps the logits' alignment: it is token t+1
+            src = node.func.value if isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value) else (
+                node.args[0] if node.args else None)
+            if src is not None:
+                return _tensor_kind(an, src, depth + 1)
+    if isinstance(node, ast.Attribute) and node.attr == "logits":
+        return "logits", 0
     if isinstance(node, ast.Subscript):
         return _tensor_kind(an, node.value, depth + 1)
     name = leaf_name(node)
@@ -93,7 +101,8 @@ def _tensor_kind(an: Analyzer, node: ast.AST, depth: int = 0) -> tuple[str | Non
                     roll += int(shift) if shift is not None else 0
                     continue
                 inner_kind, inner_roll = _tensor_kind(an, definition, depth + 1)
-                kind = kind or inner_kind
+                # where the value comes from decides; the name only fills in when the origin says nothing
+                kind = inner_kind or kind
                 roll += inner_roll
     return kind, roll
 
