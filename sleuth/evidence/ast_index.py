@@ -314,6 +314,10 @@ TORCH_UNION_FUNCS = {"remainder", "fmod", "clamp", "clip", "repeat_interleave", 
                      "minimum", "maximum", "broadcast_to", "add", "sub", "cat", "stack", "index_select"}
 
 
+COMPARISON_CALLS: dict[str, type[ast.cmpop]] = {
+    "lt": ast.Lt, "le": ast.LtE, "gt": ast.Gt, "ge": ast.GtE, "less": ast.Lt, "less_equal": ast.LtE,
+    "greater": ast.Gt, "greater_equal": ast.GtE, "eq": ast.Eq, "equal": ast.Eq,
+}
 _NAMED = {ast.Name, ast.arg, ast.Attribute}
 _BINDING = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr, ast.For, ast.comprehension)
 # nodes without children worth visiting
@@ -340,6 +344,31 @@ class Analyzer:
         self._cache: dict[object, object] = {}
         for unit in units:
             self._index(unit)
+        self._index_comparison_calls()
+
+    def _index_comparison_calls(self) -> None:
+        """`torch.le(a, b)` / `a.lt(b)` / `jnp.greater_equal(a, b)` are comparisons too: each is indexed as the
+        Compare it spells (same place in the tree), so every rule about comparisons reads them."""
+        for call in list(self.by_type.get(ast.Call, [])):
+            op = COMPARISON_CALLS.get(call_name(call))
+            if op is None or call.keywords:
+                continue
+            if isinstance(call.func, ast.Attribute) and not is_module_name(call.func.value) and len(call.args) == 1:
+                left, right = call.func.value, call.args[0]
+            elif len(call.args) == 2:
+                left, right = call.args
+            else:
+                continue
+            compare = ast.Compare(left=left, ops=[op()], comparators=[right])
+            ast.copy_location(compare, call)
+            compare.end_lineno, compare.end_col_offset = call.end_lineno, call.end_col_offset
+            parent = self.parents.get(call)
+            if parent is not None:
+                self.parents[compare] = parent
+            self.unit_of[compare] = self.unit_of.get(call, self.units[0])
+            self.outer_of[compare] = self.outer_of.get(call)
+            self.by_type.setdefault(ast.Compare, []).append(compare)
+            self.all_nodes.append(compare)
 
     def memo(self, key: object, compute):  # noqa: ANN001, ANN201 - any zero-argument callable
         """A value computed once per analysis (detectors that share work, e.g. fc and fc_norm)."""

@@ -144,7 +144,12 @@ def _anchor_comparisons(an: Analyzer) -> Iterator[tuple[ast.AST, str, int, ast.e
         if any(is_blocksize_name(leaf_name(n)) for n in ast.walk(kv_side) if isinstance(n, (ast.Name, ast.Attribute))):
             continue
         symbol = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}[op]
-        yield node, symbol, an.const_offset(anchor_side), an.nonconst_offset(anchor_side), _polarity(an, node), confidence
+        # kv + 1 <= anchor is kv <= anchor - 1: a constant on the key side moves to the anchor side
+        kv_offset = 0
+        if isinstance(kv_side, ast.BinOp) and isinstance(kv_side.op, (ast.Add, ast.Sub)) and const_number(kv_side.right) is not None \
+                and float(const_number(kv_side.right)).is_integer():
+            kv_offset = int(const_number(kv_side.right)) * (1 if isinstance(kv_side.op, ast.Add) else -1)
+        yield node, symbol, an.const_offset(anchor_side) - kv_offset, an.nonconst_offset(anchor_side), _polarity(an, node), confidence
 
 
 def _scope_mentions_mask(an: Analyzer, node: ast.AST) -> bool:
