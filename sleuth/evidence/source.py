@@ -45,10 +45,20 @@ def analyse_units(units: list[Unit], errors: list[SourceError] | None = None) ->
 VARIANT_PATTERN = re.compile(r"eagle|medusa|domino|dspark|mtp|hydra", re.I)
 
 
+# In paths, "hydra" is far more often the config library than Hydra heads: only scopes (class HydraHead) count.
+VARIANT_PATH_PATTERN = re.compile(r"eagle|medusa|domino|dspark|mtp", re.I)
+
+
+def _in_variant_file(path: str) -> bool:
+    """A file of another algorithm: judged below the analysed root (the root's own name is the user's choice)."""
+    parts = Path(path).parts
+    return bool(VARIANT_PATH_PATTERN.search("/".join(parts[1:] if len(parts) > 1 else parts)))
+
+
 def _dedupe(readings: list[CodeReading]) -> list[CodeReading]:
     seen, out = set(), []
     for r in readings:
-        if VARIANT_PATTERN.search(r.path) or VARIANT_PATTERN.search(r.scope or "") or r.mode == "variant":
+        if _in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or "") or r.mode == "variant":
             continue
         key = (r.path, r.line, str(r.value), r.mode)
         if key not in seen:
