@@ -35,6 +35,8 @@ SOURCE_TIERS = ("local", "git-pull", "raw")
 EXPECTED_FACTOR = {"reference": 1.0, "docs": 0.6, "pinned": 0.85, "playbook": 0.8}
 # Marks a config note that says the run's value for a rule is present but unreadable.
 CONFIG_VALUE_INVALID = "config value invalid: "
+# When two sources disagree, the finding says `conflict` and its confidence is scaled by this.
+CONFLICT_FACTOR = 0.8
 # Code readings at or above this confidence may overrule a config that claims the reference behaviour.
 HARDCODED_OVERRULE = 0.75
 
@@ -469,16 +471,26 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
                     notes.append(f"the config ({config_obs.detail}) and the checkpoint ({ckpt_obs.detail}) "
                                  "reach the same verdict but disagree on the details")
                 else:
-                    notes.append(f"the config says {config_obs.value!r} but the checkpoint says {ckpt_obs.value!r}: the weights show what was trained")
-                    chosen = Observation(ckpt_obs.value, "checkpoint", ckpt_obs.confidence, ckpt_obs.evidence + config_obs.evidence, ckpt_obs.detail)
+                    notes.append(f"conflict: the config says {config_obs.value!r} but the checkpoint says {ckpt_obs.value!r}: "
+                                 "the weights show what was trained")
+                    chosen = Observation(ckpt_obs.value, "checkpoint", ckpt_obs.confidence * CONFLICT_FACTOR,
+                                         ckpt_obs.evidence + config_obs.evidence, ckpt_obs.detail)
             elif ckpt_reason and run.checkpoint is not None:
                 notes.append(f"checkpoint not used: {ckpt_reason}")
             if (code_obs is not None and ok(code_obs.value) is False and ok(chosen.value) is True
-                    and code_obs.confidence >= HARDCODED_OVERRULE):
-                notes.append(f"the config says {chosen.value!r} but the code hard-codes {code_obs.value!r}: the config switch does not reach this code")
-                chosen = code_obs
+                    and code_obs.confidence >= HARDCODED_OVERRULE and code_obs.mode == "hardcoded"):
+                # The code decides code-level facts: a config value that no code reads does not make it so.
+                notes.append(f"conflict: the config says {chosen.value!r} but the code hard-codes {code_obs.value!r}: "
+                             "the config switch does not reach this code")
+                chosen = Observation(code_obs.value, "code", code_obs.confidence * CONFLICT_FACTOR,
+                                     code_obs.evidence + chosen.evidence, code_obs.detail, code_obs.count, code_obs.mode)
             elif code_obs is not None and ok(code_obs.value) == ok(chosen.value):
                 corroboration += code_obs.evidence[:1]
+                if code_obs.mode == "hardcoded" and _differs(code_obs.value, chosen.value):
+                    notes.append(f"conflict: the config says {chosen.value!r}, the code hard-codes {code_obs.value!r} "
+                                 "(same verdict; which one ran is not certain)")
+                    chosen = Observation(chosen.value, chosen.source, chosen.confidence * CONFLICT_FACTOR,
+                                         chosen.evidence, chosen.detail, chosen.count, chosen.mode)
             step.outcome = f"observed from {chosen.source}"
         elif ckpt_obs is not None:
             chosen = ckpt_obs
@@ -551,6 +563,8 @@ def _satisfies(inv: Invariant, expected: ExpectedValue, value: object, block_siz
     """True / False, or None when the value alone cannot decide (e.g. gamma 7 with an unknown block size)."""
     if isinstance(value, str) and value.endswith("?"):
         return None
+    if value == "none" and (_is_number(expected.value) or expected.value is None):
+        value = None  # a numeric setting the code switches off (no decay), as `null` in a config
     if _is_number(expected.value) or (expected.value is None and _is_number(value)):
         if value is None:
             return expected.value is None
@@ -634,6 +648,12 @@ def _code_evidence(r: CodeReading, kind: str = "code") -> Evidence:
     location = f"{r.path}:{r.line}" + (f"@{commit[:12]}" if commit else "")
     return Evidence(kind=kind, location=location, value=_text(r.value), snippet=r.snippet or None, path=r.path,
                     line=r.line, commit=commit)
+
+
+def _differs(a: object, b: object) -> bool:
+    if _is_number(a) and _is_number(b):
+        return not math.isclose(float(a), float(b))
+    return a != b
 
 
 def _is_number(value: object) -> bool:

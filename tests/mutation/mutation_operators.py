@@ -228,13 +228,13 @@ def slot0_weighted(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, Edi
 
 
 def disable_decay(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, Edit, str]]:
-    """exp(-(k-1)/gamma) -> ones: the decay block is gone, the gamma default stays behind."""
+    """exp(-(k-1)/gamma) -> ones_like(...): the decay is gone, the gamma default stays behind unread."""
     for node in _region_nodes(src, lines):
         if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)) and \
                 (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "exp" and node.args:
             if re.search(r"gamma|decay", src.seg(node)):
                 arg = src.seg(node.args[0])
-                yield node, _edit(node, f"(({arg}) * 0).exp()"), f"`{src.seg(node)}` -> a constant 1"
+                yield node, _edit(node, f"torch.ones_like({arg})"), f"`{src.seg(node)}` -> `torch.ones_like(...)`"
 
 
 def layer_off_by_one(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, Edit, str]]:

@@ -60,7 +60,7 @@ def _decay_exponentials(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr, ast.
 
 @detector("dflash.loss_decay_gamma")
 def detect_gamma(an: Analyzer) -> list[CodeReading]:
-    readings = []
+    readings = _flat_weights(an) if not list(_decay_exponentials(an)) else []
     for node, numerator, divisor in _decay_exponentials(an):
         number = const_number(divisor)
         if number is not None:
@@ -81,6 +81,31 @@ def detect_gamma(an: Analyzer) -> list[CodeReading]:
         else:
             readings.append(reading_at(an, "dflash.loss_decay_gamma", None, node, 0.3, mode="switch", switch=name,
                                      detail=f"gamma `{name}` is passed in at run time, no default in the code"))
+    return readings
+
+
+FLAT_CALLS = {"ones", "ones_like", "new_ones"}
+
+
+def _flat_weights(an: Analyzer) -> list[CodeReading]:
+    """No decay anywhere, and the per-slot weights are ones with slot 0 zeroed (`w = ones(B); w[0] = 0`):
+    the decay is off in the code, whatever gamma a settings class still declares ("none")."""
+    readings = []
+    for node in nodes_of(an, ast.Assign):
+        if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Subscript) or const_number(node.value) != 0:
+            continue
+        target = node.targets[0]
+        index = target.slice.elts[-1] if isinstance(target.slice, ast.Tuple) else target.slice
+        if const_number(index) != 0 or not isinstance(target.value, ast.Name):
+            continue
+        found = an.defs_of(target.value)
+        if not found or not found[0] or not all(isinstance(d, ast.Call) and call_name(d) in FLAT_CALLS for d in found[0]):
+            continue
+        switch = an.switch_of(node)
+        readings.append(reading_at(an, "dflash.loss_decay_gamma", "none", node, 0.75,
+                                   mode="switch" if switch else "hardcoded", switch=switch,
+                                   detail=f"`{target.value.id}` = {ast.unparse(found[0][0])[:40]} with slot 0 zeroed: "
+                                          "flat per-slot weights, no decay in the code"))
     return readings
 
 
@@ -543,8 +568,9 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
             node, owner = covering[0]
             readings.append(reading_at(an, "dflash.frozen_embed_head", "frozen", node, 0.7,
                                      detail=f"the drafter's {kind} `self.{attr}` is frozen here ({owner})"))
-        elif not trains(an):
-            # inference-only code (z-lab's MLX drafter binds the target's embedding): nothing is trained here
+        elif not trains(an) and not re.match(r"(nn\.)?(Embedding|Linear)\(", source):
+            # inference-only code binding the target's own modules (z-lab's MLX drafter): nothing is trained
+            # here. A freshly built Embedding / Linear is wrong either way: trained, or random at inference.
             readings.append(reading_at(an, "dflash.frozen_embed_head", "frozen?", stmt, 0.5,
                                        detail=f"the drafter holds the {kind} `self.{attr}`; no training step in the code"))
         else:
