@@ -15,16 +15,27 @@ so tests can drive the agent with fakes; by default the real ones are imported l
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sleuth.findings import Finding, TraceStep
+from sleuth.investigation.inputs import (  # noqa: F401 - re-exported: usable on their own
+    InputDiscovery,
+    discover_checkpoint,
+    discover_config,
+    load_config_file,
+)
+from sleuth.investigation.report_builder import (  # noqa: F401 - re-exported
+    DEFAULT_OUT_WITHOUT_RUN,
+    build_summary,
+    rules_from_playbook,
+    write_diagnosis,
+)
+from sleuth.investigation.request import DEFAULT_PLAYBOOK, DEFAULT_REFERENCE, DiagnoseError, DiagnoseRequest
 from sleuth.regression import Regression, RegressionRefused, find_regression
-from sleuth.runs import RunError, RunInfo, list_run_dirs, read_run, resolve_run_dir, safetensors_header_problem
+from sleuth.runs import RunError, RunInfo, list_run_dirs, read_run, resolve_run_dir
 from sleuth.trace import Trace
 
 if TYPE_CHECKING:
@@ -32,38 +43,8 @@ if TYPE_CHECKING:
 
     from sleuth.report.model import Report, Rule
 
-DEFAULT_PLAYBOOK = "dflash"
-DEFAULT_REFERENCE = "speculators"
-DEFAULT_OUT_WITHOUT_RUN = Path("diagnosis")
 # Below this a finding is worth a second look with more evidence, if there is more to be had.
 LOW_CONFIDENCE = 0.6
-# Looking for a config or checkpoint beside someone's code must not crawl a whole monorepo.
-_DISCOVERY_MAX_DEPTH = 3
-_DISCOVERY_MAX_FILES = 400
-_CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
-_LOCATE_MAX_FILES = 20_000
-_SKIPPED_FOLDERS = frozenset({"__pycache__", "node_modules", "venv", "site-packages", "build", "dist"})
-
-
-class DiagnoseError(Exception):
-    """A user's mistake or an unreadable input that stops the diagnosis; the message is one line."""
-
-
-@dataclass
-class DiagnoseRequest:
-    """What `sleuth diagnose` was asked; the CLI options one to one."""
-
-    run: str | None = None
-    runs_dir: Path | None = None
-    baseline: str | None = None
-    reference: str | None = None
-    reference_path: Path | None = None
-    code: Path | None = None
-    config: Path | None = None
-    offline: bool = False
-    out: Path | None = None
-    playbook: str = DEFAULT_PLAYBOOK
-    reference_cache_dir: Path | None = None
 
 
 @dataclass
@@ -153,22 +134,18 @@ def live_listener(console: Console) -> Callable[[TraceStep], None]:
 # --- the investigation ---------------------------------------------------------------------------------
 
 
-class _Investigation:
+class _Investigation(InputDiscovery):
+    """The agent: input discovery (InputDiscovery), then its own steps (regression, playbook, reference,
+    checks, follow-up), then report building (sleuth.investigation.report_builder)."""
+
     def __init__(self, request: DiagnoseRequest, engine: Engine | None, trace: Trace) -> None:
-        self.request, self._engine, self.trace = request, engine, trace
-        self.run_info: RunInfo | None = None
+        super().__init__(request, trace)
+        self._engine = engine
         self.regression: Regression | None = None
         self.baseline_infos: list[RunInfo] = []
         self.playbook: Any = None
         self.rules: list[Rule] = []
         self.resolution: Any = None
-        self.config: dict[str, Any] | None = None
-        self.config_source: str | None = None
-        # Why the run's config.json could not be read (missing, not JSON, not a mapping, not UTF-8): the run
-        # ran with a config we cannot see, so config-level checks must stay unknown.
-        self.config_problem: str | None = None
-        self.checkpoint: Path | None = None
-        self.code: Path | None = None
 
     @property
     def engine(self) -> Engine:
@@ -201,30 +178,6 @@ class _Investigation:
         return self.write(findings)
 
     # --- steps ---------------------------------------------------------------------------------------
-
-    def check_paths(self) -> None:
-        """Paths the user named must exist: say so at once, before any slow step."""
-        request = self.request
-        for option, path in (("--code", request.code), ("--config", request.config),
-                             ("--reference-path", request.reference_path)):
-            if path is not None and not path.exists():
-                raise DiagnoseError(f"{option} {path} does not exist")
-        if request.config is not None and not request.config.is_file():
-            raise DiagnoseError(f"--config {request.config} is not a file")
-
-    def read_run(self) -> None:
-        request = self.request
-        with self.trace.step("read-run", run=request.run, runs_dir=request.runs_dir) as step:
-            info = read_run(resolve_run_dir(request.run or "", request.runs_dir))
-            checkpoint = info.checkpoint.parent.name if info.checkpoint else "none"
-            step.outcome = (
-                f"{info.name} ({info.path}): {len(info.metrics)} metrics rows, config "
-                f"{'read' if info.config is not None else 'missing'}, checkpoint {checkpoint}, "
-                f"code/ {'present' if info.code_dir else 'missing'}"
-            )
-            if info.problems:
-                step.outcome += "; problems: " + "; ".join(info.problems)
-        self.run_info = info
 
     def compare_with_earlier_runs(self) -> None:
         info = self.run_info
@@ -275,61 +228,6 @@ class _Investigation:
             resolution = self.engine.resolve_reference(name, **kwargs)
             step.outcome = _describe_resolution(resolution)
         self.resolution = resolution
-
-    def read_config(self) -> None:
-        request, info = self.request, self.run_info
-        if request.config is not None:
-            source = request.config
-        elif info is not None:
-            source = info.config_path
-        else:
-            with self.trace.step("read-config", source=None) as step:
-                step.outcome = "none given (--config): checks that need the run configuration rely on the code"
-            return
-        with self.trace.step("read-config", source=source) as step:
-            if request.config is not None:
-                self.config = load_config_file(request.config)
-            else:
-                assert info is not None
-                self.config = info.config
-            if self.config is None:
-                reason = next((p for p in info.problems if p.startswith("config.json")), "config.json is unreadable") if info else ""
-                self.config_problem = f"the run's {reason}"
-                step.outcome = f"{reason}: checks that need the config will be unknown (the code's defaults are not what ran)"
-                return
-            self.config_source = str(source)
-            keys = ("block_size", "target_layer_ids", "loss_decay_gamma")
-            shown = {k: self.config[k] for k in keys if k in self.config}
-            step.outcome = f"{len(self.config)} keys; " + ", ".join(f"{k}={v}" for k, v in shown.items())
-
-    def read_checkpoint(self) -> None:
-        info = self.run_info
-        if info is None:
-            return
-        with self.trace.step("locate-checkpoint", path=info.checkpoint) as step:
-            if info.checkpoint is None:
-                step.outcome = "no checkpoint: checks that need the weights will rely on config and code"
-                return
-            problem = safetensors_header_problem(info.checkpoint)
-            # A damaged file is still handed to the checks: they report what they could not read as unknown.
-            self.checkpoint = info.checkpoint
-            step.outcome = (
-                f"{info.checkpoint.parent.name}: {problem}" if problem else f"{info.checkpoint.parent.name}: header ok"
-            )
-
-    def read_code(self) -> None:
-        request, info = self.request, self.run_info
-        code = request.code if request.code is not None else (info.code_dir if info is not None else None)
-        with self.trace.step("locate-code", path=code) as step:
-            if code is None:
-                step.outcome = "no code/ copy in the run: code checks will be unknown"
-                return
-            if code.is_file():
-                step.outcome = f"one file, {_line_count(code)} lines"
-            else:
-                count = sum(1 for p in _walk_files(code, _LOCATE_MAX_FILES, max_depth=None) if p.suffix == ".py")
-                step.outcome = f"{count}{'+' if count >= _LOCATE_MAX_FILES else ''} Python files"
-            self.code = code
 
     def check_invariants(
         self, *, config: dict[str, Any] | None = None, config_source: str | None = None, checkpoint: Path | None = None
@@ -393,136 +291,11 @@ class _Investigation:
         return merged
 
     def write(self, findings: list[Finding]) -> Diagnosis:
-        from sleuth import __version__
-        from sleuth.report import count_findings, write_report
-        from sleuth.report.chart import write_chart
-        from sleuth.report.model import Inputs, Report
-
-        out_dir = self.out_dir()
-        counts = count_findings(findings)
-        chart_name: str | None = None
-        if self.run_info is not None and self.run_info.metrics:
-            with self.trace.step("draw-chart", out=out_dir / "chart.png") as step:
-                try:
-                    outcome = write_chart(out_dir / "chart.png", self.chart_series(), main_label=self.run_info.name)
-                except OSError as exc:
-                    raise DiagnoseError(f"cannot write the chart to {out_dir}: {exc.strerror or exc}") from None
-                step.outcome = {
-                    "drawn": "drawn",
-                    "cached": "metrics unchanged: kept the existing chart",
-                    "empty": "no acc/streak/tau/loss to plot",
-                }[outcome]
-                chart_name = "chart.png" if outcome != "empty" else None
-        report = Report(
-            tool_version=__version__,
-            generated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            run=_run_summary(self.run_info) if self.run_info is not None else None,
-            inputs=Inputs(
-                config=self.config_source,
-                checkpoint=str(self.checkpoint) if self.checkpoint else None,
-                code=str(self.code) if self.code else None,
-                playbook=_playbook_name(self.playbook, self.request.playbook),
-            ),
-            reference=_reference_summary(self.resolution),
-            regression=self.regression,
-            findings=findings,
-            rules=self.rules,
-            counts=counts,
-            summary=build_summary(self.regression, findings, self.run_info, self.config_problem),
-            input_problems=[f"{self.config_problem}: the checks the config decides are unknown"] if self.config_problem else [],
-            chart=chart_name,
-            trace=list(self.trace.steps),
-            # A run whose config cannot be read is not clean, whatever the code-level checks say.
-            exit_status=1 if counts.get("mismatch") or self.config_problem else 0,
-        )
-        with self.trace.step("write-report", out=out_dir) as step:
-            try:
-                files = write_report(report, out_dir)
-                files["chart.png"] = out_dir / "chart.png"
-                files["trace.jsonl"] = out_dir / "trace.jsonl"
-            except OSError as exc:
-                raise DiagnoseError(f"cannot write the report to {out_dir}: {exc.strerror or exc}") from None
-            step.outcome = ", ".join(name for name, path in files.items() if name != "chart.png" or chart_name)
-        if chart_name is None:
-            files.pop("chart.png")
-        try:
-            self.trace.write_jsonl(files["trace.jsonl"])
-        except OSError as exc:
-            raise DiagnoseError(f"cannot write the trace to {out_dir}: {exc.strerror or exc}") from None
+        report, out_dir, files = write_diagnosis(self, findings)
         return Diagnosis(report=report, out_dir=out_dir, files=files)
 
-    # --- helpers -------------------------------------------------------------------------------------
 
-    def out_dir(self) -> Path:
-        if self.request.out is not None:
-            return self.request.out
-        if self.run_info is not None:
-            return self.run_info.path / "diagnosis"
-        return DEFAULT_OUT_WITHOUT_RUN
-
-    def chart_series(self) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
-        from sleuth.report.chart import CHART_METRICS
-
-        assert self.run_info is not None
-        runs = [self.run_info, *self.baseline_infos[:3]]
-        return {info.name: {m: info.series(m) for m in CHART_METRICS if info.series(m)[0]} for info in runs}
-
-
-# --- pieces usable on their own ------------------------------------------------------------------------
-
-
-def load_config_file(path: Path) -> dict[str, Any]:
-    """A run configuration from JSON or YAML (a mapping of config keys); DiagnoseError if unreadable."""
-    from sleuth.safe_yaml import YamlLimitError, describe_decode_error, load_yaml, read_text_file
-
-    try:
-        text = read_text_file(path, what="config")
-    except UnicodeDecodeError as exc:
-        raise DiagnoseError(f"config {path} {describe_decode_error(exc)}") from None
-    except (OSError, YamlLimitError) as exc:
-        raise DiagnoseError(f"cannot read config {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        # YAML aliases are expanded under a bound: an alias bomb is refused in milliseconds, not hung on.
-        data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
-    except YamlLimitError as exc:
-        raise DiagnoseError(f"config {path}: {exc}") from None
-    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
-        raise DiagnoseError(f"config {path} does not parse: {str(exc).splitlines()[0]}") from None
-    except Exception as exc:  # yaml.YAMLError, without importing yaml for JSON configs
-        raise DiagnoseError(f"config {path} does not parse: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise DiagnoseError(f"config {path} must hold a mapping of config keys")
-    return data
-
-
-def rules_from_playbook(playbook: Any) -> list[Rule]:
-    """The playbook's invariants as report rules (id, title, what/why/example, severity, rank)."""
-    from sleuth.report.model import Rule
-
-    rules = []
-    for position, invariant in enumerate(getattr(playbook, "invariants", None) or [], start=1):
-        identifier = getattr(invariant, "id", None)
-        if not identifier:
-            continue
-        why = getattr(invariant, "why", None)
-        if isinstance(why, str):  # a plain sentence rather than what/why/example
-            what_text, why_text, example = "", why, ""
-        else:
-            what_text, why_text, example = (str(getattr(why, key, "") or "") for key in ("what", "why", "example"))
-        severity = getattr(invariant, "severity", None)
-        rank = getattr(invariant, "rank", None)
-        rules.append(
-            Rule(
-                id=str(identifier),
-                title=str(getattr(invariant, "title", None) or identifier),
-                what=" ".join(what_text.split()),
-                why=" ".join(why_text.split()),
-                example=" ".join(example.split()),
-                severity=severity if severity in ("critical", "high", "medium", "low", "info") else "medium",
-                rank=rank if isinstance(rank, int) else position,
-            )
-        )
-    return rules
+# --- pieces usable on their own (see also sleuth.investigation) ------------------------------------------
 
 
 def merge_findings(first: list[Finding], second: list[Finding]) -> tuple[list[Finding], list[str]]:
@@ -540,53 +313,6 @@ def merge_findings(first: list[Finding], second: list[Finding]) -> tuple[list[Fi
     return merged, improved
 
 
-def discover_config(code: Path) -> Path | None:
-    """A run configuration beside the code: a JSON/YAML mapping that names a block_size."""
-    for path in _nearby_files(code, _CONFIG_SUFFIXES):
-        if path.stat().st_size > 1_000_000:
-            continue
-        try:
-            data = load_config_file(path)
-        except DiagnoseError:
-            continue
-        if "block_size" in data:
-            return path
-    return None
-
-
-def discover_checkpoint(code: Path) -> Path | None:
-    """A readable safetensors file beside the code (a drafter checkpoint someone shipped with it)."""
-    for path in _nearby_files(code, (".safetensors",)):
-        if safetensors_header_problem(path) is None:
-            return path
-    return None
-
-
-def build_summary(
-    regression: Regression | None, findings: list[Finding], run: RunInfo | None, config_problem: str | None = None
-) -> str:
-    """One paragraph: the regression verdict with numbers, then the mismatches and what stayed unknown."""
-    parts: list[str] = []
-    if config_problem is not None:
-        parts.append(f"Not a clean bill: {config_problem}, so the checks the config decides are unknown (exit 1).")
-    if regression is not None:
-        parts.append(regression.summary.rstrip(".") + "." if regression.summary else "")
-    mismatches = [f for f in findings if f.status == "mismatch"]
-    unknown = [f for f in findings if f.status == "unknown"]
-    if mismatches:
-        named = "; ".join(
-            f"{f.title} ({f.id}, {f.severity}" + (f": {f.observed}" if f.observed else "") + ")" for f in mismatches
-        )
-        parts.append(f"{len(mismatches)} mismatch(es) with the reference: {named}.")
-    elif findings and config_problem is None:
-        parts.append("No mismatch with the reference.")
-    if unknown:
-        parts.append(f"{len(unknown)} check(s) stayed unknown: " + ", ".join(f.id for f in unknown) + ".")
-    if run is not None and run.problems:
-        parts.append("Reading the run: " + "; ".join(run.problems) + ".")
-    return " ".join(p for p in parts if p)
-
-
 # --- private helpers -----------------------------------------------------------------------------------
 
 
@@ -601,51 +327,12 @@ def _strength(finding: Finding) -> tuple[int, float]:
     return (0 if finding.status == "unknown" else 1, finding.confidence)
 
 
-def _nearby_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    return sorted(
-        p for p in _walk_files(root, _DISCOVERY_MAX_FILES, max_depth=_DISCOVERY_MAX_DEPTH) if p.suffix in suffixes
-    )
-
-
-def _walk_files(root: Path, limit: int, *, max_depth: int | None) -> list[Path]:
-    """Files under `root`, skipping hidden and environment folders, at most `limit` of them."""
-    import os
-
-    found: list[Path] = []
-    base_depth = len(root.parts)
-    for folder, subfolders, files in os.walk(root):
-        here = Path(folder)
-        depth = len(here.parts) - base_depth
-        subfolders[:] = sorted(
-            d for d in subfolders
-            if not d.startswith(".") and d not in _SKIPPED_FOLDERS and (max_depth is None or depth < max_depth)
-        )
-        for name in sorted(files):
-            found.append(here / name)
-            if len(found) >= limit:
-                return found
-    return found
-
-
-def _line_count(path: Path) -> int:
-    try:
-        return len(path.read_bytes().splitlines())
-    except OSError:
-        return 0
-
-
 def _playbook_reference(playbook: Any) -> str | None:
     value = getattr(playbook, "reference", None)
     if isinstance(value, str):
         return value
     name = getattr(value, "name", None)
     return name if isinstance(name, str) else None
-
-
-def _playbook_name(playbook: Any, requested: str) -> str:
-    name = getattr(playbook, "name", None) or requested
-    version = getattr(playbook, "version", None)
-    return f"{name} v{version}" if version is not None else str(name)
 
 
 def _tier_of(resolution: Any) -> str | None:
@@ -665,46 +352,6 @@ def _describe_resolution(resolution: Any) -> str:
         if a.outcome != "skipped"
     )
     return head + (f"; chain: {path}" if path else "")
-
-
-def _reference_summary(resolution: Any) -> Any:
-    from sleuth.report.model import ReferenceSummary
-
-    if resolution is None:
-        return None
-    attempts = [
-        a.model_dump(mode="json") if hasattr(a, "model_dump") else dict(a) for a in getattr(resolution, "trace", [])
-    ]
-    return ReferenceSummary(
-        name=getattr(resolution, "reference", DEFAULT_REFERENCE),
-        tier=getattr(resolution, "tier", None),
-        commit=getattr(resolution, "commit", None),
-        files=[f.path for f in getattr(resolution, "files", [])],
-        docs=[d.path for d in getattr(resolution, "docs", [])],
-        attempts=attempts,
-        notes=list(getattr(resolution, "notes", [])),
-    )
-
-
-def _run_summary(info: RunInfo) -> Any:
-    from sleuth.report.model import RunSummary
-
-    run_json = info.run_json or {}
-    return RunSummary(
-        name=info.name,
-        path=str(info.path),
-        preset=run_json.get("preset") if isinstance(run_json.get("preset"), str) else None,
-        status=info.status,
-        steps_done=info.steps_done,
-        created=run_json.get("created") if isinstance(run_json.get("created"), str) else None,
-        target_fingerprint=info.target_fingerprint,
-        data_fingerprint=info.data_fingerprint,
-        block_size=info.block_size,
-        metrics_rows=len(info.metrics),
-        checkpoint=str(info.checkpoint) if info.checkpoint else None,
-        checkpoint_step=info.checkpoint_step,
-        problems=list(info.problems),
-    )
 
 
 def _one_line(exc: BaseException) -> str:

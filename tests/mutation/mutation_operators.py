@@ -208,6 +208,15 @@ def _feeds_an_index(src: Source, node: ast.AST) -> bool:
     return False
 
 
+def _in_branch(src: Source, node: ast.AST) -> bool:
+    current = src.parents.get(node)
+    while current is not None and not isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
+        if isinstance(current, ast.If):
+            return True
+        current = src.parents.get(current)
+    return False
+
+
 def _is_module_call(node: ast.Call) -> bool:
     return isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) and node.func.value.id in {"torch", "np", "jnp"}
 
@@ -257,7 +266,10 @@ def layer_off_by_one(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, E
 
 def intermediate_teacher(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, Edit, str]]:
     """outputs.logits / hidden_states[-1] -> lm_head(norm(hidden_states[LAYER_IDS[-1] + 1])): the teacher
-    becomes the last selected layer, projected."""
+    becomes the last selected layer, projected. The model's own `.logits` is the teacher's main path; a
+    `hidden_states[-1]` elsewhere in the region may be a branch the run's config does not take, so it is
+    only a site when there is no `.logits` one."""
+    logits_sites, last_sites = [], []
     for node in _region_nodes(src, lines):
         stmt = src.statement(node)
         # only the teacher's expression: its statement names logits or the head (not the drafter's context)
@@ -267,11 +279,14 @@ def intermediate_teacher(src: Source, lines: list[int]) -> Iterator[tuple[ast.AS
                 and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
             recv = src.seg(node.value)
             text = f"lm_head(final_norm({recv}.hidden_states[TARGET_LAYER_IDS[-1] + 1]))"
-            yield node, _edit(node, text), f"`{src.seg(node)}` -> `{text}`"
+            logits_sites.append((node, _edit(node, text), f"`{src.seg(node)}` -> `{text}`"))
+        if _in_branch(src, node):
+            continue  # a branch the run's config may not take (trainer: the layer-id path of logits_source)
         if isinstance(node, ast.Subscript) and re.search(r"hidden", src.seg(node.value)) and \
                 isinstance(node.slice, ast.UnaryOp) and isinstance(node.slice.op, ast.USub) and \
                 isinstance(node.slice.operand, ast.Constant) and node.slice.operand.value == 1:
-            yield node, _edit(node.slice, "-4"), f"`{src.seg(node)}` -> index -4 (an intermediate layer)"
+            last_sites.append((node, _edit(node.slice, "-4"), f"`{src.seg(node)}` -> index -4 (an intermediate layer)"))
+    yield from logits_sites or last_sites
 
 
 def helper_arg_offset(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, Edit, str]]:

@@ -1,0 +1,202 @@
+"""Report building: the Report model from an investigation's findings and state, and the files it writes.
+
+Exit status: 1 when any invariant mismatches, or when the run's own config could not be read (its
+config-level checks are unknown: not a clean bill); 0 otherwise.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sleuth.findings import Finding
+from sleuth.investigation.request import DEFAULT_REFERENCE, DiagnoseError
+from sleuth.regression import Regression
+from sleuth.runs import RunInfo
+
+if TYPE_CHECKING:
+    from sleuth.report.model import Report, Rule
+
+DEFAULT_OUT_WITHOUT_RUN = Path("diagnosis")
+
+
+def write_diagnosis(inv: Any, findings: list[Finding]) -> tuple[Report, Path, dict[str, Path]]:
+    """Build the Report from an investigation's state and write report.md/json/sarif, fix.yaml, chart.png,
+    trace.jsonl into its report directory; (report, out_dir, files)."""
+    from sleuth import __version__
+    from sleuth.report import count_findings, write_report
+    from sleuth.report.chart import write_chart
+    from sleuth.report.model import Inputs, Report
+
+    out_dir = out_dir_of(inv)
+    counts = count_findings(findings)
+    chart_name: str | None = None
+    if inv.run_info is not None and inv.run_info.metrics:
+        with inv.trace.step("draw-chart", out=out_dir / "chart.png") as step:
+            try:
+                outcome = write_chart(out_dir / "chart.png", chart_series(inv), main_label=inv.run_info.name)
+            except OSError as exc:
+                raise DiagnoseError(f"cannot write the chart to {out_dir}: {exc.strerror or exc}") from None
+            step.outcome = {
+                "drawn": "drawn",
+                "cached": "metrics unchanged: kept the existing chart",
+                "empty": "no acc/streak/tau/loss to plot",
+            }[outcome]
+            chart_name = "chart.png" if outcome != "empty" else None
+    report = Report(
+        tool_version=__version__,
+        generated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        run=_run_summary(inv.run_info) if inv.run_info is not None else None,
+        inputs=Inputs(
+            config=inv.config_source,
+            checkpoint=str(inv.checkpoint) if inv.checkpoint else None,
+            code=str(inv.code) if inv.code else None,
+            playbook=_playbook_name(inv.playbook, inv.request.playbook),
+        ),
+        reference=_reference_summary(inv.resolution),
+        regression=inv.regression,
+        findings=findings,
+        rules=inv.rules,
+        counts=counts,
+        summary=build_summary(inv.regression, findings, inv.run_info, inv.config_problem),
+        input_problems=[f"{inv.config_problem}: the checks the config decides are unknown"] if inv.config_problem else [],
+        chart=chart_name,
+        trace=list(inv.trace.steps),
+        # A run whose config cannot be read is not clean, whatever the code-level checks say.
+        exit_status=1 if counts.get("mismatch") or inv.config_problem else 0,
+    )
+    with inv.trace.step("write-report", out=out_dir) as step:
+        try:
+            files = write_report(report, out_dir)
+            files["chart.png"] = out_dir / "chart.png"
+            files["trace.jsonl"] = out_dir / "trace.jsonl"
+        except OSError as exc:
+            raise DiagnoseError(f"cannot write the report to {out_dir}: {exc.strerror or exc}") from None
+        step.outcome = ", ".join(name for name, path in files.items() if name != "chart.png" or chart_name)
+    if chart_name is None:
+        files.pop("chart.png")
+    try:
+        inv.trace.write_jsonl(files["trace.jsonl"])
+    except OSError as exc:
+        raise DiagnoseError(f"cannot write the trace to {out_dir}: {exc.strerror or exc}") from None
+    return report, out_dir, files
+
+
+def out_dir_of(inv: Any) -> Path:
+    """--out, else <run>/diagnosis, else ./diagnosis."""
+    if inv.request.out is not None:
+        return inv.request.out
+    if inv.run_info is not None:
+        return inv.run_info.path / "diagnosis"
+    return DEFAULT_OUT_WITHOUT_RUN
+
+
+def chart_series(inv: Any) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """The diagnosed run and up to three baselines, per chart metric."""
+    from sleuth.report.chart import CHART_METRICS
+
+    assert inv.run_info is not None
+    runs = [inv.run_info, *inv.baseline_infos[:3]]
+    return {info.name: {m: info.series(m) for m in CHART_METRICS if info.series(m)[0]} for info in runs}
+
+
+def rules_from_playbook(playbook: Any) -> list[Rule]:
+    """The playbook's invariants as report rules (id, title, what/why/example, severity, rank)."""
+    from sleuth.report.model import Rule
+
+    rules = []
+    for position, invariant in enumerate(getattr(playbook, "invariants", None) or [], start=1):
+        identifier = getattr(invariant, "id", None)
+        if not identifier:
+            continue
+        why = getattr(invariant, "why", None)
+        if isinstance(why, str):  # a plain sentence rather than what/why/example
+            what_text, why_text, example = "", why, ""
+        else:
+            what_text, why_text, example = (str(getattr(why, key, "") or "") for key in ("what", "why", "example"))
+        severity = getattr(invariant, "severity", None)
+        rank = getattr(invariant, "rank", None)
+        rules.append(
+            Rule(
+                id=str(identifier),
+                title=str(getattr(invariant, "title", None) or identifier),
+                what=" ".join(what_text.split()),
+                why=" ".join(why_text.split()),
+                example=" ".join(example.split()),
+                severity=severity if severity in ("critical", "high", "medium", "low", "info") else "medium",
+                rank=rank if isinstance(rank, int) else position,
+            )
+        )
+    return rules
+
+
+def build_summary(
+    regression: Regression | None, findings: list[Finding], run: RunInfo | None, config_problem: str | None = None
+) -> str:
+    """One paragraph: the regression verdict with numbers, then the mismatches and what stayed unknown."""
+    parts: list[str] = []
+    if config_problem is not None:
+        parts.append(f"Not a clean bill: {config_problem}, so the checks the config decides are unknown (exit 1).")
+    if regression is not None:
+        parts.append(regression.summary.rstrip(".") + "." if regression.summary else "")
+    mismatches = [f for f in findings if f.status == "mismatch"]
+    unknown = [f for f in findings if f.status == "unknown"]
+    if mismatches:
+        named = "; ".join(
+            f"{f.title} ({f.id}, {f.severity}" + (f": {f.observed}" if f.observed else "") + ")" for f in mismatches
+        )
+        parts.append(f"{len(mismatches)} mismatch(es) with the reference: {named}.")
+    elif findings and config_problem is None:
+        parts.append("No mismatch with the reference.")
+    if unknown:
+        parts.append(f"{len(unknown)} check(s) stayed unknown: " + ", ".join(f.id for f in unknown) + ".")
+    if run is not None and run.problems:
+        parts.append("Reading the run: " + "; ".join(run.problems) + ".")
+    return " ".join(p for p in parts if p)
+
+
+def _playbook_name(playbook: Any, requested: str) -> str:
+    name = getattr(playbook, "name", None) or requested
+    version = getattr(playbook, "version", None)
+    return f"{name} v{version}" if version is not None else str(name)
+
+
+def _reference_summary(resolution: Any) -> Any:
+    from sleuth.report.model import ReferenceSummary
+
+    if resolution is None:
+        return None
+    attempts = [
+        a.model_dump(mode="json") if hasattr(a, "model_dump") else dict(a) for a in getattr(resolution, "trace", [])
+    ]
+    return ReferenceSummary(
+        name=getattr(resolution, "reference", DEFAULT_REFERENCE),
+        tier=getattr(resolution, "tier", None),
+        commit=getattr(resolution, "commit", None),
+        files=[f.path for f in getattr(resolution, "files", [])],
+        docs=[d.path for d in getattr(resolution, "docs", [])],
+        attempts=attempts,
+        notes=list(getattr(resolution, "notes", [])),
+    )
+
+
+def _run_summary(info: RunInfo) -> Any:
+    from sleuth.report.model import RunSummary
+
+    run_json = info.run_json or {}
+    return RunSummary(
+        name=info.name,
+        path=str(info.path),
+        preset=run_json.get("preset") if isinstance(run_json.get("preset"), str) else None,
+        status=info.status,
+        steps_done=info.steps_done,
+        created=run_json.get("created") if isinstance(run_json.get("created"), str) else None,
+        target_fingerprint=info.target_fingerprint,
+        data_fingerprint=info.data_fingerprint,
+        block_size=info.block_size,
+        metrics_rows=len(info.metrics),
+        checkpoint=str(info.checkpoint) if info.checkpoint else None,
+        checkpoint_step=info.checkpoint_step,
+        problems=list(info.problems),
+    )

@@ -1,0 +1,30 @@
+"""What `sleuth diagnose` was asked, and the error that stops it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PLAYBOOK = "dflash"
+DEFAULT_REFERENCE = "speculators"
+
+
+class DiagnoseError(Exception):
+    """A user's mistake or an unreadable input that stops the diagnosis; the message is one line."""
+
+
+@dataclass
+class DiagnoseRequest:
+    """What `sleuth diagnose` was asked; the CLI options one to one."""
+
+    run: str | None = None
+    runs_dir: Path | None = None
+    baseline: str | None = None
+    reference: str | None = None
+    reference_path: Path | None = None
+    code: Path | None = None
+    config: Path | None = None
+    offline: bool = False
+    out: Path | None = None
+    playbook: str = DEFAULT_PLAYBOOK
+    reference_cache_dir: Path | None = None
