@@ -122,25 +122,8 @@ def parse_texts(texts: Iterable[tuple[str, str, str | None]]) -> tuple[list[Unit
             # A 200,000-term expression: the parser itself gives up; that file is skipped, the rest is read.
             errors.append(SourceError(label, "too deeply nested for Python's parser"))
             continue
-        depth = tree_depth(tree)
-        if depth > MAX_TREE_DEPTH:
-            errors.append(SourceError(label, f"nested {depth} levels deep (more than {MAX_TREE_DEPTH}): not analysed"))
-            continue
         units.append(Unit(label, text, tree, commit, text.splitlines()))
     return units, errors
-
-
-def tree_depth(tree: ast.AST) -> int:
-    """The deepest nesting of a syntax tree, counted without recursion."""
-    deepest, stack = 0, [(tree, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > deepest:
-            deepest = depth
-            if deepest > MAX_TREE_DEPTH:
-                return deepest
-        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
-    return deepest
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,6 +310,12 @@ _PLAIN_LEAVES = {ast.Name, ast.Constant, ast.Load, ast.Store, ast.Del, ast.Pass,
                  ast.Is, ast.IsNot, ast.In, ast.NotIn, ast.MatMult, ast.UAdd, ast.LShift, ast.RShift, ast.BitXor}
 
 
+class _TooDeep(Exception):
+    def __init__(self, unit: Unit) -> None:
+        super().__init__(unit.path)
+        self.unit = unit
+
+
 class Analyzer:
     """All units together, so dataflow follows local function calls across files."""
 
@@ -342,8 +331,17 @@ class Analyzer:
         self.outer_of: dict[ast.AST, ast.AST | None] = {}
         self.by_type: dict[type, list[ast.AST]] = {}
         self._cache: dict[object, object] = {}
-        for unit in units:
-            self._index(unit)
+        # Files nested deeper than the analysis recurses (generated code, a 200,000-term expression): left
+        # out with their reason, the others analysed. Found while indexing, so ordinary files pay nothing.
+        self.too_deep: list[SourceError] = []
+        try:
+            for unit in units:
+                self._index(unit)
+        except _TooDeep as exc:
+            rest = [u for u in units if u is not exc.unit]
+            self.__init__(rest)  # type: ignore[misc]  # index again without it: no half-indexed file stays
+            self.too_deep.insert(0, SourceError(exc.unit.path, f"nested more than {MAX_TREE_DEPTH} levels deep: not analysed"))
+            return
         self._index_comparison_calls()
 
     def _index_comparison_calls(self) -> None:
@@ -398,7 +396,9 @@ class Analyzer:
                 if not (anchor and block):
                     self._mentions[id(outer)] = (anchor or "anchor" in _name_tags(name), block or is_blocksize_name(name))
 
-    def _walk(self, node: ast.AST, scope: Scope, unit: Unit, outer: ast.AST | None) -> None:
+    def _walk(self, node: ast.AST, scope: Scope, unit: Unit, outer: ast.AST | None, depth: int = 0) -> None:
+        if depth > MAX_TREE_DEPTH:
+            raise _TooDeep(unit)
         for child in ast.iter_child_nodes(node):
             self.parents[child] = node
             self.unit_of[child] = unit
@@ -441,14 +441,14 @@ class Analyzer:
                     self.unit_of[other] = unit
                     self.scope_of.setdefault(other, scope)
                     self._note(other, inner_outer)
-                    self._walk(other, scope, unit, inner_outer)
+                    self._walk(other, scope, unit, inner_outer, depth + 1)
                 for stmt in body:
                     self.parents[stmt] = child
                     self.unit_of[stmt] = unit
                     self.scope_of[stmt] = inner
                     self._note(stmt, inner_outer)
                     self._record(stmt, inner)
-                    self._walk(stmt, inner, unit, inner_outer)
+                    self._walk(stmt, inner, unit, inner_outer, depth + 1)
                 continue
             self.scope_of[child] = scope
             if type(child) in _PLAIN_LEAVES:
@@ -461,7 +461,7 @@ class Analyzer:
                         self.field_defaults.setdefault(stmt.targets[0].id, []).append((stmt.value, unit, stmt))
             if isinstance(child, _BINDING):
                 self._record(child, scope)
-            self._walk(child, scope, unit, outer)
+            self._walk(child, scope, unit, outer, depth + 1)
 
     def _record(self, stmt: ast.AST, scope: Scope) -> None:
         if isinstance(stmt, ast.Assign):
@@ -832,6 +832,16 @@ class Analyzer:
         func = found[1].node
         return self.call_site_arguments(func, node.id)
 
+    def calls_named(self, name: str) -> list[ast.Call]:
+        """Every call whose callee's last name is `name` (`f(...)`, `obj.f(...)`), indexed once."""
+        index = self._cache.get("calls-by-name")
+        if index is None:
+            index = {}
+            for call in self.by_type.get(ast.Call, []):
+                index.setdefault(call_name(call), []).append(call)
+            self._cache["calls-by-name"] = index
+        return index.get(name, []) if name else []  # type: ignore[union-attr]
+
     def call_site_arguments(self, func: ast.AST | None, param: str) -> list[ast.expr]:
         """The arguments passed for `param` where `func` is called (the class name for `__init__`)."""
         if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -848,9 +858,7 @@ class Analyzer:
             positional = positional[1:]
         index = positional.index(param) if param in positional else None
         found: list[ast.expr] = []
-        for call in self.by_type.get(ast.Call, []):
-            if not callee or call_name(call) != callee:
-                continue
+        for call in self.calls_named(callee):
             arg = kwarg(call, param)
             if arg is None and index is not None and index < len(call.args) and not any(
                     isinstance(a, ast.Starred) for a in call.args[: index + 1]):

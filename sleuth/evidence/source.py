@@ -31,13 +31,15 @@ def analyse_units(units: list[Unit], errors: list[SourceError] | None = None) ->
     readings: dict[str, list[CodeReading]] = {}
     if units:
         an = Analyzer(units)
+        errors += an.too_deep
         for key, entry in code_detectors().items():
             try:
                 readings[key] = _dedupe(entry.func(an))
             except RecursionError:
                 errors.append(SourceError("<analysis>", f"{key}: analysis too deep"))
                 readings[key] = []
-    return SourceFacts(readings, errors, [u.path for u in units])
+    skipped = {e.path for e in errors}
+    return SourceFacts(readings, errors, [u.path for u in units if u.path not in skipped])
 
 
 # Other speculative-decoding algorithms that live beside DFlash in a repository (EAGLE, Domino, DSpark...):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sleuth.evidence.source import analyse_path, analyse_texts
 from sleuth.invariants import check_invariants, load_playbook
 from sleuth.trace import Trace
@@ -99,3 +101,17 @@ def test_target_shift_follows_functions_across_files():
     loss = ("from util import block_index\ndef targets(teacher_logits, anchors, B):\n"
             "    return teacher_logits.gather(1, block_index(anchors, B) - 1)\n")
     assert values({"util.py": util, "loss.py": loss}, "dflash.target_shift") == [("p+j-1", "hardcoded")]
+
+
+@pytest.mark.parametrize("expression, reason", [
+    ("+".join(["a"] * 200_000), "too deeply nested for Python's parser"),  # the parser itself gives up
+    ("-" * 300 + "1", "nested more than"),  # parses, but deeper than the analysis recurses
+])
+def test_a_deeply_nested_file_is_left_out_with_its_reason_and_the_rest_is_read(expression: str, reason: str):
+    facts = analyse_texts([
+        ("generated.py", f"x = {expression}\n", None),
+        ("loss.py", "import torch\n\ndef w(k, gamma=7.0):\n    return torch.exp(-(k - 1) / gamma)\n", None),
+    ])
+    assert [e.path for e in facts.errors] == ["generated.py"] and reason in facts.errors[0].message
+    assert facts.files == ["loss.py"]
+    assert [r.value for r in facts.readings["dflash.loss_decay_gamma"]] == [7.0]
