@@ -39,6 +39,31 @@ def call_site_arguments(an: Analyzer, func: ast.AST | None, param: str) -> list[
     return an.call_site_arguments(func, param)
 
 
+def keyed_values(an: Analyzer, key: str) -> list[ast.expr]:
+    """Every value the analysed code stores under a string key: `{"key": v}` literals, `d["key"] = v`,
+    `dict(key=v)` (across files: a feature dump written by one script and read by another)."""
+    index = an.memo("keyed-values", lambda: _index_keyed_values(an))
+    return index.get(key, [])
+
+
+def _index_keyed_values(an: Analyzer) -> dict[str, list[ast.expr]]:
+    index: dict[str, list[ast.expr]] = {}
+    for node in an.by_type.get(ast.Dict, []):
+        for k, v in zip(node.keys, node.values):
+            if isinstance(k, ast.Constant) and isinstance(k.value, str):
+                index.setdefault(k.value, []).append(v)
+    for node in an.by_type.get(ast.Assign, []):
+        for target in node.targets:
+            if isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant) and isinstance(target.slice.value, str):
+                index.setdefault(target.slice.value, []).append(node.value)
+    for node in an.by_type.get(ast.Call, []):
+        if isinstance(node.func, ast.Name) and node.func.id == "dict":
+            for kw in node.keywords:
+                if kw.arg:
+                    index.setdefault(kw.arg, []).append(kw.value)
+    return index
+
+
 def is_norm_call(node: ast.Call) -> bool:
     return bool(set(tokens(call_name(node))) & {"norm", "rmsnorm", "layernorm", "ln"})
 
@@ -57,6 +82,14 @@ def trace(an: Analyzer, node: ast.AST, bindings: dict[str, ast.expr] | None = No
     if isinstance(node, ast.Subscript):
         if _is_layer_tuple(an, node.value, bindings, depth):
             return [Origin("layer", node, node.slice, dict(bindings), steps=depth)]
+        if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            # a value stored under a key (a dumped shard, a batch dict): what the code stores under that key
+            stored = keyed_values(an, node.slice.value)
+            if stored:
+                out: list[Origin] = []
+                for value in stored[:3]:
+                    out += trace(an, value, {}, depth + 1)
+                return out
         return trace(an, node.value, bindings, depth + 1)  # slicing a tensor keeps what it is
     if isinstance(node, ast.Call):
         name = call_name(node)
