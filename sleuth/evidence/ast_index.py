@@ -621,11 +621,15 @@ class Analyzer:
             if found:
                 for definition in found[0][-3:]:
                     result |= self.tags(definition, depth + 1, seen)
-                if not found[0] and isinstance(node, ast.Name) and "anchor" not in result:
-                    # a parameter is an anchor when every caller passes one (`visibility(n, q_anchor + 1)`)
+                if not found[0] and isinstance(node, ast.Name) and not result & {"anchor", "arange"}:
+                    # a parameter is an anchor (or a slot range) when every caller passes one
+                    # (`visibility(n, q_anchor + 1)`, `position(start, torch.arange(B))`)
                     args = self.parameter_arguments(node)
-                    if args and all("anchor" in self.tags(a, depth + 1, seen) for a in args):
-                        result |= {"anchor"}
+                    if args:
+                        common = {"anchor", "arange"}
+                        for a in args:
+                            common &= self.tags(a, depth + 1, seen)
+                        result |= common
             return result
         if isinstance(node, ast.Attribute):
             return name_tags(node.attr)
@@ -797,6 +801,10 @@ class Analyzer:
             found = self.defs_of(node)
             if found and len(found[0]) == 1:
                 return self.arange_start(found[0][0], depth + 1)
+            if found and not found[0] and isinstance(node, ast.Name):
+                starts = {self.arange_start(a, depth + 1) for a in self.parameter_arguments(node)}
+                if len(starts) == 1:
+                    return starts.pop()
         return None
 
     def const_offset(self, node: ast.AST, depth: int = 0) -> int:

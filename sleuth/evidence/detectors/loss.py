@@ -85,6 +85,8 @@ def detect_gamma(an: Analyzer) -> list[CodeReading]:
 
 
 FLAT_CALLS = {"ones", "ones_like", "new_ones"}
+# Names of per-slot loss weights (not masks: a 0/1 mask times ones is not a decay setting).
+SLOT_WEIGHT_TOKENS = {"weight", "weights", "w", "decay", "wts", "lw", "coef"}
 
 
 def _flat_weights(an: Analyzer) -> list[CodeReading]:
@@ -92,6 +94,14 @@ def _flat_weights(an: Analyzer) -> list[CodeReading]:
     the decay is off in the code, whatever gamma a settings class still declares ("none")."""
     readings = []
     for node in nodes_of(an, ast.Assign):
+        # w = ones_like(k) * (k > 0): flat weights with slot 0 masked out in one expression
+        if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) and set(tokens(node.targets[0].id)) & SLOT_WEIGHT_TOKENS \
+                and isinstance(node.value, ast.BinOp) and _is_flat(an, node.value):
+            switch = an.switch_of(node)
+            readings.append(reading_at(an, "dflash.loss_decay_gamma", "none", node, 0.75,
+                                       mode="switch" if switch else "hardcoded", switch=switch,
+                                       detail=f"`{node.targets[0].id}` = ones times a slot mask: flat per-slot weights, no decay"))
+            continue
         if len(node.targets) != 1 or not isinstance(node.targets[0], ast.Subscript) or const_number(node.value) != 0:
             continue
         target = node.targets[0]
@@ -99,7 +109,7 @@ def _flat_weights(an: Analyzer) -> list[CodeReading]:
         if const_number(index) != 0 or not isinstance(target.value, ast.Name):
             continue
         found = an.defs_of(target.value)
-        if not found or not found[0] or not all(isinstance(d, ast.Call) and call_name(d) in FLAT_CALLS for d in found[0]):
+        if not found or not found[0] or not all(_is_flat(an, d) for d in found[0]):
             continue
         switch = an.switch_of(node)
         readings.append(reading_at(an, "dflash.loss_decay_gamma", "none", node, 0.75,
@@ -107,6 +117,25 @@ def _flat_weights(an: Analyzer) -> list[CodeReading]:
                                    detail=f"`{target.value.id}` = {ast.unparse(found[0][0])[:40]} with slot 0 zeroed: "
                                           "flat per-slot weights, no decay in the code"))
     return readings
+
+
+def _is_flat(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
+    """ones(...), a name bound to it, or ones times a 0/1 mask (`ones_like(k) * (k > 0)`): no decay."""
+    if depth > 4:
+        return False
+    if isinstance(node, ast.Call):
+        if call_name(node) in FLAT_CALLS:
+            return True
+        return isinstance(node.func, ast.Attribute) and call_name(node) in {"float", "to", "clone"} and _is_flat(an, node.func.value, depth + 1)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        for flat, other in ((node.left, node.right), (node.right, node.left)):
+            if _is_flat(an, flat, depth + 1) and any(isinstance(n, ast.Compare) for n in ast.walk(other)):
+                return True
+        return False
+    if isinstance(node, ast.Name):
+        found = an.defs_of(node)
+        return bool(found and len(found[0]) == 1 and _is_flat(an, found[0][0], depth + 1))
+    return False
 
 
 def _defaults_for(an: Analyzer, divisor: ast.expr, name: str) -> list[tuple[object, ast.AST, str]]:
