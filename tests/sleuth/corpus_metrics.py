@@ -69,8 +69,10 @@ def summarise(results: list[CaseResult]) -> dict[str, float]:
     found = sum(len(r.found) for r in results)
     alarms = sum(len(r.false_alarms) for r in results)
     checked = sum(len(r.statuses) for r in results)
+    gaps = sum(1 for r in results for e, g in r.wrong.values() if (e, g) == ("match", "unknown"))
+    silent = sum(1 for r in results for i in r.planted if r.statuses.get(i) == "match")
     return {"cases": len(results), "planted": planted, "found": found, "recall": found / planted if planted else 1.0,
-            "false_alarms": alarms, "checks": checked}
+            "false_alarms": alarms, "checks": checked, "gaps": gaps, "silent": silent}
 
 
 def main(argv: list[str]) -> int:
@@ -82,7 +84,8 @@ def main(argv: list[str]) -> int:
               f"false alarms {r.false_alarms or '-'}" + (f" wrong {r.wrong}" if r.wrong else ""))
     s = summarise(results)
     print(f"\n{s['cases']} cases, {s['checks']} checks: recall {s['found']}/{s['planted']} = {s['recall']:.0%}, "
-          f"false alarms {s['false_alarms']}")
+          f"false alarms {s['false_alarms']}, silent false matches {s['silent']}, "
+          f"expected match answered unknown {s['gaps']}")
     return 0
 
 
