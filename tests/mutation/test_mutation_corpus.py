@@ -28,4 +28,4 @@ def test_no_silent_false_match_and_no_false_alarm_under_mutation() -> None:
         for o in result.silent)
     assert not result.false_alarms, "false alarms:\n" + "\n".join(result.false_alarms)
     # Detection, not only honesty: most planted defects must be found outright.
-    assert result.detected / len(planted) >= 0.6, result.summary()
+    assert result.detected / len(planted) >= 0.8, result.summary()  # measured 90/96 on 2026-11-30
