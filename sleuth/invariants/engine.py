@@ -8,7 +8,15 @@ Rules of evidence:
     behaviour and defaults. A code reading that is behind a runtime switch sends the engine to the config
     and the checkpoint, and the trace shows that step;
   * expected precedence: the reference's source files (read with the same static extractors), else its
-    docs (lower confidence), else the pinned fact at its stated commit (lower confidence, said so).
+    docs (lower confidence), else the pinned fact at its stated commit (lower confidence, said so);
+  * a run whose own config cannot be read (missing, not JSON, not a mapping, not UTF-8): every invariant
+    the config decides is `unknown` with that reason; the code's defaults never stand in for it (only a
+    hard-coded violation, which no config could change, is still a mismatch). A config value of the wrong
+    type for a rule makes that rule `unknown` the same way;
+  * conflicts are findings: when config, checkpoint and hard-coded code disagree, the notes say
+    `conflict:`, the confidence is scaled by CONFLICT_FACTOR, and the code decides code-level facts.
+
+Readers are looked up by id in sleuth/evidence/registry.py; nothing here is specific to one invariant.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ import math
 from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
-    reading_at,
     const_number,
     nodes_of,
+    reading_at,
 )
 from sleuth.evidence.origins import is_layer_tuple, produced_by
 from sleuth.evidence.registry import detector
