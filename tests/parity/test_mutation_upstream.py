@@ -2,7 +2,8 @@
 SpecForge checkouts when their paths are given (SLEUTH_ZLAB_PATH, SLEUTH_SPECFORGE_PATH).
 
 Unmutated, sleuth must find 0 mismatches in them (they are the references); mutated, no planted defect may
-come back `match`. Runs under `make parity` (speculators' venv); skips with the reason elsewhere.
+come back `match`. Runs under `make parity` (speculators' venv; with SPECULATORS_PARITY_REQUIRED=1 a
+missing speculators fails); skips with the reason elsewhere.
 Nothing upstream is copied into the repository: the sources are read from where they are installed.
 """
 
@@ -21,9 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mutation"))
 from mutation_harness import report, score  # noqa: E402
 
 
+REQUIRED = os.environ.get("SPECULATORS_PARITY_REQUIRED") == "1"
+
+
 def _speculators_dflash(tmp_path: Path) -> Path:
     spec = importlib.util.find_spec("speculators")
     if spec is None or not spec.submodule_search_locations:
+        if REQUIRED:
+            pytest.fail("SPECULATORS_PARITY_REQUIRED=1 but speculators is not installed", pytrace=False)
         pytest.skip("speculators is not installed here (run under `make parity`)")
     package = Path(next(iter(spec.submodule_search_locations)))
     if not (package / "models" / "dflash").is_dir():
