@@ -44,11 +44,11 @@ def analyse_units(units: list[Unit], errors: list[SourceError] | None = None) ->
 
 # Other speculative-decoding algorithms that live beside DFlash in a repository (EAGLE, Domino, DSpark...):
 # their code follows their own rules, so it never counts as DFlash evidence.
-VARIANT_PATTERN = re.compile(r"eagle|medusa|domino|dspark|mtp|hydra", re.I)
+VARIANT_PATTERN = re.compile(r"eagle|medusa|domino|dspark|mtp|hydra|xpress", re.I)
 
 
 # In paths, "hydra" is far more often the config library than Hydra heads: only scopes (class HydraHead) count.
-VARIANT_PATH_PATTERN = re.compile(r"eagle|medusa|domino|dspark|mtp", re.I)
+VARIANT_PATH_PATTERN = re.compile(r"eagle|medusa|domino|dspark|mtp|xpress", re.I)
 
 
 def _in_variant_file(path: str) -> bool:

@@ -61,3 +61,16 @@ def test_other_upstream_checkouts_under_mutation(env: str, tmp_path: Path) -> No
     root = tmp_path / Path(path).name
     shutil.copytree(path, root, ignore=shutil.ignore_patterns(".git", "__pycache__", "tests", "docs", "examples"))
     _check(root)
+
+
+def test_the_whole_speculators_package_reads_without_a_mismatch(tmp_path: Path) -> None:
+    """All of speculators (EAGLE, XPress, shared mixins beside DFlash): the reference is never a mismatch."""
+    _speculators_dflash(tmp_path)  # skips (or fails when required) without speculators
+    from sleuth.invariants import check_invariants, load_playbook
+    from sleuth.trace import Trace
+
+    package = Path(next(iter(importlib.util.find_spec("speculators").submodule_search_locations)))
+    root = tmp_path / "speculators-all"
+    shutil.copytree(package, root, ignore=shutil.ignore_patterns("__pycache__"))
+    findings = check_invariants(load_playbook("dflash"), code=root, trace=Trace())
+    assert [(f.id, f.observed, f.reason) for f in findings if f.status == "mismatch"] == []

@@ -572,6 +572,27 @@ def trains(an: Analyzer) -> bool:
     return an.memo("trains", compute)
 
 
+def _freezes_instance_of(an: Analyzer, node: ast.AST, owner: str, cls: ast.ClassDef) -> bool:
+    """Whether a freeze of `owner` freezes a whole instance of `cls` (so every submodule it holds)."""
+    root = owner.split(".")[0].split("(")[0]
+    inside = an.enclosing(node, (ast.ClassDef,)) is cls
+    if owner == "self" and inside:
+        return True
+    receiver = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+    while isinstance(receiver, (ast.Attribute, ast.Call)):
+        receiver = receiver.value if isinstance(receiver, ast.Attribute) else receiver.func
+    if not isinstance(receiver, ast.Name) or receiver.id != root:
+        return False
+    found = an.defs_of(receiver)
+    for definition in (found[0] if found else []):
+        if isinstance(definition, ast.Call):
+            callee = call_name(definition)
+            if callee == cls.name or (callee == "cls" and inside) or (
+                    callee == "from_pretrained" and leaf_name(getattr(definition.func, "value", None) or definition.func) == cls.name):
+                return True
+    return False
+
+
 def _root_object(text: str) -> str:
     """`self.target.get_output_embeddings()` -> `self.target`; `teacher.eval()` -> `teacher`."""
     text = re.sub(r"\.(eval|train|to|cuda|cpu|float|half|bfloat16|requires_grad_)\([^()]*\)", "", text)
@@ -593,6 +614,10 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
         own = re.compile(rf"(^|\.){re.escape(attr)}(\.|$|\b)")
         root = _root_object(source)
         covering = [(n, o) for n, o in freezes if own.search(o) or (root not in {"self", ""} and _root_object(o) == root)]
+        cls = an.enclosing(stmt, (ast.ClassDef,))
+        if not covering and isinstance(cls, ast.ClassDef):
+            # the whole module frozen: `instance = cls(config); instance.requires_grad_(False)`, `self.requires_grad_(False)`
+            covering = [(n, o) for n, o in freezes if _freezes_instance_of(an, n, o, cls)]
         if covering:
             node, owner = covering[0]
             readings.append(reading_at(an, "dflash.frozen_embed_head", "frozen", node, 0.7,
