@@ -301,11 +301,24 @@ def helper_arg_offset(src: Source, lines: list[int]) -> Iterator[tuple[ast.AST, 
             return
 
 
+WHOLE_MODEL = re.compile(r"^(self\.)?(verifier|target|teacher|base_model|base|model)(\.eval\(\))?(\.parameters\(\))?$")
+
+
 def delete_freeze_line(src_files: list[Source]) -> Iterator[tuple[Source, ast.AST, Edit, str]]:
-    """One of several statements that freeze the embeddings or lm_head deleted (needs at least two)."""
-    sites: list[tuple[Source, ast.stmt]] = []
+    """One of several freezes of the embeddings or lm_head undone (needs at least two). A freeze that is
+    the value of an assignment (`self.tok = emb.requires_grad_(False)`) loses only the freeze. Not applied
+    when the whole verifier/target is frozen too: the shared tables would stay frozen through it."""
+    sites: list[tuple[Source, ast.AST]] = []
     for src in src_files:
         for node in ast.walk(src.tree):
+            if isinstance(node, ast.Call) and _call_name(node) == "requires_grad_" and isinstance(node.func, ast.Attribute) \
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value is False:
+                owner = src.seg(node.func.value)
+                if WHOLE_MODEL.match(owner):
+                    return
+                loop = src.parents.get(src.statement(node))
+                if isinstance(loop, ast.For) and WHOLE_MODEL.match(src.seg(loop.iter)):
+                    return
             if not isinstance(node, (ast.Expr, ast.Assign)):
                 continue
             text = src.seg(node)
@@ -315,7 +328,12 @@ def delete_freeze_line(src_files: list[Source]) -> Iterator[tuple[Source, ast.AS
     if len(sites) < 2:
         return
     for src, node in sites:
-        yield src, node, _edit(node, "pass"), f"deleted `{src.seg(node)}`"
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _call_name(node.value) == "requires_grad_" \
+                and isinstance(node.value.func, ast.Attribute):
+            receiver = src.seg(node.value.func.value)
+            yield src, node, _edit(node.value, receiver), f"`{src.seg(node)}` without the freeze"
+        else:
+            yield src, node, _edit(node, "pass"), f"deleted `{src.seg(node)}`"
 
 
 # --- meaning-preserving rewrites (composed with the ones above, or alone) --------------------------------

@@ -593,6 +593,11 @@ def _freezes_instance_of(an: Analyzer, node: ast.AST, owner: str, cls: ast.Class
     return False
 
 
+def _whole_object(text: str) -> str:
+    """The object a freeze applies to, without mode calls: `teacher.eval()` -> `teacher`; `x.parameters()` -> `x`."""
+    return re.sub(r"\.(eval|train|to|cuda|cpu|float|half|bfloat16|parameters|requires_grad_)\([^()]*\)", "", text)
+
+
 def _root_object(text: str) -> str:
     """`self.target.get_output_embeddings()` -> `self.target`; `teacher.eval()` -> `teacher`."""
     text = re.sub(r"\.(eval|train|to|cuda|cpu|float|half|bfloat16|requires_grad_)\([^()]*\)", "", text)
@@ -613,7 +618,9 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
         # the holder's own object, reached through any instance (`self.lm_head`, `model.lm_head.weight`)
         own = re.compile(rf"(^|\.){re.escape(attr)}(\.|$|\b)")
         root = _root_object(source)
-        covering = [(n, o) for n, o in freezes if own.search(o) or (root not in {"self", ""} and _root_object(o) == root)]
+        # or the whole model it was taken from (`teacher.eval().requires_grad_(False)`), not a sibling of it
+        covering = [(n, o) for n, o in freezes
+                    if own.search(o) or (root not in {"self", ""} and _whole_object(o) == root)]
         cls = an.enclosing(stmt, (ast.ClassDef,))
         if not covering and isinstance(cls, ast.ClassDef):
             # the whole module frozen: `instance = cls(config); instance.requires_grad_(False)`, `self.requires_grad_(False)`
@@ -634,6 +641,9 @@ def detect_frozen_embed_head(an: Analyzer) -> list[CodeReading]:
     if holders:
         if any(r.value == "trained" for r in readings):
             return readings
+        if any(r.value == "frozen?" for r in readings):
+            # a held module whose freezing is undecided: the rule is about every one, so no match
+            return [r for r in readings if r.value == "frozen?"]
         missing = {"embeddings", "lm_head"} - {kind for kind, *_ in holders}
         shared = [r for kind, r in _shared_uses(an) if kind in missing]
         if missing and not {kind for kind, _ in _shared_uses(an)} >= missing:
