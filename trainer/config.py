@@ -17,13 +17,25 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 CONFIG_SCHEMA_VERSION = 1
 
+# Bounds that keep a typo from hanging or exhausting the machine; each is far above any real DFlash run.
+MAX_BLOCK_SIZE = 64
+MAX_SEQ_LEN = 2**20
+MAX_EVAL_PROMPTS = 10_000
+MAX_EVAL_NEW_TOKENS = 16_384
+MAX_SEED = 2**63  # exclusive: torch generators take a signed 64-bit seed
+MAX_CONFIG_FILE_BYTES = 2**20
+# A config file expands to at most this many YAML nodes once aliases are followed: a real config has a few
+# hundred; an alias bomb ("billion laughs") has billions and must fail before it is expanded.
+MAX_YAML_NODES = 100_000
+
 
 class ConfigError(ValueError):
     """A user's config is wrong; the message is one line that says what and where."""
 
 
 class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `lr: .inf` or `nan` would train to NaN losses and call the run completed.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     schema_version: int = CONFIG_SCHEMA_VERSION
 
@@ -48,7 +60,7 @@ class TrainConfig(BaseModel):
     )
 
     # --- DFlash architecture: the invariants sleuth checks ---------------------------------------------
-    block_size: int = Field(8, ge=1, le=64, description="Tokens per draft block: slot 0 anchor + B-1 masks.")
+    block_size: int = Field(8, ge=1, le=MAX_BLOCK_SIZE, description="Tokens per draft block: slot 0 anchor + B-1 masks.")
     draft_layers: int = Field(5, ge=1, le=64, description="Qwen3-style decoder layers in the drafter.")
     target_layer_ids: list[int] | None = Field(
         None,
@@ -107,15 +119,15 @@ class TrainConfig(BaseModel):
     )
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     grad_clip: float | None = Field(1.0, gt=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(20, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     steps: int = Field(300, ge=1)
     batch_size: int = Field(8, ge=1, description="Packed sequences per step (global, across processes).")
-    seq_len: int = Field(256, ge=8)
-    seed: int = 0
+    seq_len: int = Field(256, ge=8, le=MAX_SEQ_LEN, description="Tokens per packed sequence.")
+    seed: int = Field(0, ge=0, lt=MAX_SEED, description="Seeds the drafter's init, batches and anchors.")
 
     parallelism: Literal["ddp", "fsdp2"] = Field(
         "ddp",
@@ -141,8 +153,8 @@ class TrainConfig(BaseModel):
         description="Also log metrics to these trackers (their libraries must be installed; wandb runs offline "
         "unless WANDB_MODE says otherwise). metrics.jsonl is always written.",
     )
-    eval_prompts: int = Field(8, ge=1)
-    eval_max_new_tokens: int = Field(64, ge=1)
+    eval_prompts: int = Field(8, ge=1, le=MAX_EVAL_PROMPTS)
+    eval_max_new_tokens: int = Field(64, ge=1, le=MAX_EVAL_NEW_TOKENS)
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype; bfloat16 is for CUDA."
     )
@@ -158,6 +170,13 @@ class TrainConfig(BaseModel):
                 if field is not None and field.annotation is not bool and any(isinstance(v, bool) for v in items):
                     raise ValueError(f"{key} takes a number or a name, not a boolean (got {value!r})")
         return values
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError("each beta must be in [0, 1)")
+        return betas
 
     @field_validator("target_layer_ids")
     @classmethod
@@ -248,6 +267,66 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+class BoundedSafeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses documents whose aliases expand past MAX_YAML_NODES nodes.
+
+    PyYAML shares an aliased node instead of copying it, so loading an alias bomb is quick, but anything
+    that walks the result (validation, json.dumps into config.json) visits every expanded node and hangs.
+    The expanded size is counted on the composed node graph, once per distinct node, before any object
+    is constructed.
+    """
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        if node is not None:
+            _check_expanded_size(node)
+        return node
+
+
+def _check_expanded_size(root: Any) -> None:
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:  # iterative post-order: a deeply nested document must not exhaust Python's stack
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            on_path.discard(key)
+            children = _yaml_children(node)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in children)
+            if sizes[key] > MAX_YAML_NODES:
+                raise yaml.YAMLError(
+                    f"the document expands to more than {MAX_YAML_NODES} nodes through its aliases "
+                    "(an alias bomb?); refusing to load it"
+                )
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise yaml.YAMLError("the document refers to itself through an alias; refusing to load it")
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _yaml_children(node) if id(child) not in sizes)
+
+
+def _yaml_children(node: Any) -> list[Any]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """Parse YAML (or JSON, a subset) with alias expansion and nesting bounded; errors are ConfigError."""
+    try:
+        return yaml.load(text, Loader=BoundedSafeLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} does not parse: {str(exc).strip().splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} nests too deeply to be a config") from None
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """`key=value` from --set; the value is parsed as YAML so `7`, `null`, `[0,1]` and `final` all work."""
     if "=" not in item:
@@ -257,21 +336,30 @@ def parse_override(item: str) -> tuple[str, Any]:
     if key not in TrainConfig.model_fields:
         raise ConfigError(f"unknown config key {key!r} in --set {item!r}{_suggest(key)}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+        value = yaml.load(raw, Loader=BoundedSafeLoader) if raw.strip() else None  # noqa: S506
+    except (yaml.YAMLError, RecursionError):
         value = raw
     return key, value
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        if path.stat().st_size > MAX_CONFIG_FILE_BYTES:
+            raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_FILE_BYTES} bytes; not a config")
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {path} does not parse: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (bad byte at offset {exc.start})") from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} does not parse: {exc.msg} at line {exc.lineno}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path} nests too deeply to be a config") from None
+    else:
+        data = load_yaml(text, f"config file {path}")
     if data is None:
         return {}
     if not isinstance(data, dict):

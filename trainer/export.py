@@ -28,15 +28,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
 import trainer
-from trainer.config import ConfigError, TrainConfig, resolve_for_target, validate_config
+from trainer.config import ConfigError, TrainConfig, resolve_for_target
 from trainer.model.drafter import DFlashDrafter, draft_config_from_target
-from trainer.run.checkpoint import DRAFTER_FILE, latest_checkpoint
+from trainer.run.checkpoint import (
+    DRAFTER_FILE,
+    check_shapes,
+    latest_checkpoint,
+    read_safetensors,
+    write_safetensors,
+)
 from trainer.run.rundir import RunDir, RunError
 
 ExportFormat = Literal["zlab", "speculators"]
@@ -214,18 +218,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # --- reading a run -------------------------------------------------------------------------------------------
 
 
-def resolve_run_dir(run: str | Path, runs_dir: Path) -> Path:
-    """A run name under runs_dir, or the path of a run directory."""
-    named = Path(runs_dir) / str(run)
-    for candidate in (named, Path(run)):
-        if candidate.is_dir() and (candidate / "config.json").is_file():
-            return candidate
-    for candidate in (named, Path(run)):
-        if candidate.is_dir():
-            raise ExportError(f"{candidate} is not a run directory (no config.json)")
-    raise ExportError(f"no run named {str(run)!r} in {runs_dir} (list them with `trainer runs`)")
-
-
 def _target_dir(config: TrainConfig, info: dict[str, Any]) -> Path:
     """The run's target directory: where run.json says it was, else the config's `target`."""
     recorded = (info.get("target") or {}).get("path")
@@ -265,9 +257,9 @@ def drafter_spec_for_run(run: RunDir) -> tuple[DrafterSpec, TrainConfig]:
     from transformers import AutoConfig
 
     try:
-        config = validate_config(run.read_config())
-        info = run.read_info() if run.run_info_path.is_file() else {}
-    except (ConfigError, RunError) as exc:
+        config = run.load_config()
+        info = run.read_info()
+    except RunError as exc:
         raise ExportError(f"run {run.name!r}: {exc}") from None
     target_dir = _target_dir(config, info)
     try:
@@ -295,30 +287,17 @@ def drafter_spec_for_run(run: RunDir) -> tuple[DrafterSpec, TrainConfig]:
     return spec, config
 
 
-def _checked_weights(spec: DrafterSpec, weights_file: Path) -> dict[str, torch.Tensor]:
+def _checked_weights(spec: DrafterSpec, weights_file: Path, run: RunDir) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, after checking they are exactly the drafter the spec describes."""
-    try:
-        weights = load_file(str(weights_file))
-    except (OSError, SafetensorError) as exc:
-        raise ExportError(f"cannot read {weights_file}: {exc}") from None
     with torch.device("meta"):  # shapes only: no memory, no init cost even for a large target's width
         expected = DFlashDrafter(
             spec.draft_config, len(spec.target_layer_ids), spec.block_size, spec.mask_token_id
         ).state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    wrong = sorted(n for n in set(expected) & set(weights) if tuple(expected[n].shape) != tuple(weights[n].shape))
-    if missing or unexpected or wrong:
-        detail = "; ".join(
-            part
-            for part in (
-                f"missing {missing[:3]}" if missing else "",
-                f"unexpected {unexpected[:3]}" if unexpected else "",
-                ", ".join(f"{n} {list(weights[n].shape)} != {list(expected[n].shape)}" for n in wrong[:3]),
-            )
-            if part
-        )
-        raise ExportError(f"{weights_file} does not match the run's config ({detail})")
+    try:
+        weights, _ = read_safetensors(weights_file, run.path)
+        check_shapes(weights_file, weights, expected, "the run's config")
+    except RunError as exc:
+        raise ExportError(str(exc)) from None
     return weights
 
 
@@ -363,7 +342,7 @@ def export_run(
         # draft vocabulary, with d2t/t2d beside it, and that layout is not written yet.
         raise ExportError(f"run {run.name!r} trains a draft vocabulary of {run_config.draft_vocab_size} tokens; "
                           "exporting it (reduced lm_head + d2t/t2d) is not implemented yet")
-    weights = _checked_weights(spec, checkpoint.path / DRAFTER_FILE)
+    weights = _checked_weights(spec, checkpoint.path / DRAFTER_FILE, run)
     out_dtype = DTYPES[dtype] if dtype != "auto" else weights["fc.weight"].dtype
     if export_format == "zlab":
         config = zlab_config(spec, out_dtype)
@@ -383,7 +362,7 @@ def export_run(
     }
     # Each file is staged and renamed into place, so a kill never leaves a torn file under its real name.
     staging = out / f".{WEIGHTS_FILE}.partial"
-    save_file(tensors, str(staging), metadata=metadata)
+    write_safetensors(tensors, staging, metadata=metadata)
     _publish(staging, out / WEIGHTS_FILE)
     staging = out / f".{CONFIG_FILE}.partial"
     staging.write_text(json.dumps(config, indent=2) + "\n")

@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 import math
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from trainer.commands.options import flag
+from trainer.errors import UsageError, user_errors
 
 HISTOGRAM_WIDTH = 30  # characters of the longest histogram bar
 
@@ -46,59 +50,21 @@ def eval_command(
     ] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (default: the run's seed).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda")] = "auto",
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    as_json: Annotated[bool, flag("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Decode held-out prompts with the run's drafter and target (draft-verify loop) and report tau, per-slot
     acceptance, tokens per target forward, speedup over plain decoding and losslessness. Prints only; it
     writes nothing into the run (a run writes its own eval.json when training ends)."""
     stderr = Console(stderr=True)
-    try:
+    with user_errors():
         report, run_name, step = _evaluate_run(
             run, runs_dir, prompts, max_new_tokens, block_size, temperature, data, seed, device, stderr
         )
-    except Exception as exc:
-        if not _is_user_error(exc):
-            raise
-        stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
     result = {"run": run_name, "step": step, **report.model_dump()}
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
         return
     _print_summary(result, Console())
-
-
-class _UsageError(ValueError):
-    """A bad argument or a missing run: one line, exit 2."""
-
-
-def _is_user_error(exc: Exception) -> bool:
-    if isinstance(exc, (_UsageError, FileNotFoundError)):
-        return True
-    # The classes are the modules' own; imported here (not at the top) to keep torch out of CLI start-up.
-    from trainer.config import ConfigError
-    from trainer.eval.speculative import EvalError
-    from trainer.run.rundir import RunError
-
-    known: tuple[type[BaseException], ...] = (EvalError, RunError, ConfigError)
-    try:
-        from trainer.data.datasets import DataError
-        from trainer.target.frozen import TargetError
-
-        known = (*known, DataError, TargetError)
-    except ImportError:  # pragma: no cover - the data/target modules are part of the package
-        pass
-    return isinstance(exc, known)
-
-
-def _resolve_run_dir(run: str, runs_dir: Path) -> Path:
-    named = runs_dir / run
-    for candidate in (named, Path(run)):
-        if candidate.is_dir() and (candidate / "config.json").is_file():
-            return candidate
-    if named.is_dir() or Path(run).is_dir():
-        raise _UsageError(f"{named if named.is_dir() else run} is not a run directory (no config.json)")
-    raise _UsageError(f"no run named {run!r} in {runs_dir} (list them with `trainer runs`)")
 
 
 def _evaluate_run(
@@ -113,13 +79,22 @@ def _evaluate_run(
     device: str,
     stderr: Console,
 ) -> tuple[Any, str, int]:
+    from trainer.config import MAX_BLOCK_SIZE, MAX_EVAL_NEW_TOKENS, MAX_EVAL_PROMPTS  # pydantic: not at start-up
+
     # Argument checks first: a typo should not cost a model load.
     for name, value in (("--prompts", prompts), ("--max-new-tokens", max_new_tokens), ("--block-size", block_size)):
         if value is not None and value < 1:
-            raise _UsageError(f"{name} must be at least 1, got {value}")
+            raise UsageError(f"{name} must be at least 1, got {value}")
+    # Upper bounds too: a block of 100,000 or a million new tokens runs for hours on a tiny model.
+    for name, value, cap in (("--block-size", block_size, MAX_BLOCK_SIZE), ("--prompts", prompts, MAX_EVAL_PROMPTS),
+                             ("--max-new-tokens", max_new_tokens, MAX_EVAL_NEW_TOKENS)):
+        if value is not None and value > cap:
+            raise UsageError(f"{name} must be at most {cap}, got {value}")
     if not (temperature >= 0 and math.isfinite(temperature)):
-        raise _UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
-    run_dir = _resolve_run_dir(run, runs_dir)
+        raise UsageError(f"--temperature must be a finite number >= 0, got {temperature}")
+    from trainer.run.rundir import resolve_run
+
+    run_dir = resolve_run(run, runs_dir).path
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -127,8 +102,11 @@ def _evaluate_run(
     from trainer.eval.speculative import evaluate
     from trainer.run.loop import load_run
 
-    stderr.print(f"loading run {run_dir.name} ...", highlight=False)
-    loaded = load_run(run_dir, device)
+    # A transient spinner on a terminal, a line once loaded otherwise: an error while loading (a damaged
+    # checkpoint, a missing target) stays the only line on stderr.
+    with stderr.status(f"loading run {run_dir.name} ...") if stderr.is_terminal else nullcontext():
+        loaded = load_run(run_dir, device)
+    stderr.print(f"loading run {run_dir.name} ... done (step {loaded.step})", highlight=False)
     config = loaded.config
     prompt_ids = heldout_prompts(data or config.data, loaded.target.tokenizer, prompts or config.eval_prompts)
     with Progress(

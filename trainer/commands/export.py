@@ -15,6 +15,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from trainer.commands.options import flag
+from trainer.errors import UsageError, user_errors
+
 
 class ExportFormatOption(str, Enum):
     zlab = "zlab"
@@ -40,7 +43,7 @@ def export_command(
         ),
     ] = ExportFormatOption.zlab,
     runs_dir: Annotated[Path, typer.Option("--runs-dir", help="Where named runs live.")] = Path("runs"),
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an export already in a non-empty --out.")] = False,
+    force: Annotated[bool, flag("--force", help="Overwrite an export already in a non-empty --out.")] = False,
     dtype: Annotated[
         DtypeOption, typer.Option("--dtype", help="Weight dtype to write (auto: as the checkpoint holds them).")
     ] = DtypeOption.auto,
@@ -56,16 +59,14 @@ def export_command(
     """Export the run's latest checkpoint for serving: config.json + model.safetensors (drafter body only;
     the target's embeddings and lm_head are borrowed at inference)."""
     stderr = Console(stderr=True)
-    from trainer.export import ExportError, export_run, resolve_run_dir
+    with user_errors():  # a missing run, a damaged checkpoint, --out not writable, a full disk: one line
+        from trainer.export import export_run
+        from trainer.run.rundir import resolve_run
 
-    try:
         if verifier is not None and export_format is not ExportFormatOption.speculators:
-            raise ExportError("--verifier only applies to --format speculators")
-        run_dir = resolve_run_dir(run, runs_dir)
+            raise UsageError("--verifier only applies to --format speculators")
+        run_dir = resolve_run(run, runs_dir).path
         result = export_run(run_dir, out, export_format.value, force=force, dtype=dtype.value, verifier=verifier)
-    except (ExportError, OSError) as exc:  # OSError: --out not writable, disk full: still one line
-        stderr.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
     if result.other_files:
         others = ", ".join(result.other_files)
         stderr.print(f"[yellow]note:[/] {out} also holds files the export did not write: {others}",

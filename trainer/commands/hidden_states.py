@@ -8,12 +8,15 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from trainer.commands.options import Command, Group
+from trainer.errors import user_errors
+
 hidden_states_app = typer.Typer(help="Offline target hidden states (train without the target's body).",
-                                no_args_is_help=True)
+                                no_args_is_help=True, cls=Group)
 stderr = Console(stderr=True)
 
 
-@hidden_states_app.command("generate")
+@hidden_states_app.command("generate", cls=Command)
 def generate_command(
     out: Annotated[Path, typer.Option("--out", help="Directory for the shards and manifest.json.")],
     preset: Annotated[Optional[str], typer.Option(help="A preset, as for `trainer run`.")] = None,
@@ -27,8 +30,6 @@ def generate_command(
     Under `torchrun --nproc_per_node N --no-python trainer hidden-states generate ...` each process writes
     every N-th shard.
     """
-    from trainer.cli import user_errors
-
     with user_errors():
         from trainer.config import build_config
         from trainer.hidden_states.generate import generate

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +18,14 @@ from typing import Any
 
 import torch
 
-from trainer.config import ConfigError, TrainConfig, resolve_for_target, validate_config
+from trainer.config import ConfigError, TrainConfig, resolve_for_target
 from trainer.data.datasets import batch_for_step, load_documents, pack_documents
 from trainer.data.draft_vocab import VOCAB_FILE, draft_token_ids, load_vocab, save_vocab, token_frequencies
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import metrics_from_counts
 from trainer.run.checkpoint import (
+    DRAFTER_FILE,
+    check_checkpoint_files,
     latest_checkpoint,
     load_drafter_weights,
     restore_training_state,
@@ -33,7 +36,15 @@ from trainer.run.optim import build_optimizer
 from trainer.run.sharding import ShardedOptimizerLoader, gather_full_state, shard_drafter, unsharded_copy
 from trainer.run.trackers import open_trackers, require_trackers
 from trainer.run.progress import RunProgress
-from trainer.run.rundir import RUN_FORMAT_VERSION, RunDir, RunError, atomic_write_json, now_iso
+from trainer.run.rundir import (
+    RUN_FORMAT_VERSION,
+    RunDir,
+    RunError,
+    RunLock,
+    atomic_write_json,
+    claim_run,
+    now_iso,
+)
 from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
 from trainer.target.frozen import FrozenTarget
 
@@ -99,12 +110,32 @@ def train(
     device: str = "auto",
     resume: bool = False,
     progress: bool = True,
+    steps: int | None = None,
+    claim: RunLock | None = None,
 ) -> TrainResult:
-    """Train `run` (resuming it when asked); under torchrun, every rank calls this and rank 0 writes."""
+    """Train `run` (resuming it when asked); under torchrun, every rank calls this and rank 0 writes.
+
+    Rank 0 claims the run's name first (or takes `claim`, already held): a concurrent `trainer run` of
+    the same name fails at once without touching anything. A failure after the run directory is written
+    marks run.json `failed` (or `interrupted`) with the reason, so no run stays `running` without a process.
+    """
     dist = init_distributed(device)
     try:
-        return _train(run, config, preset=preset, device=device, resume=resume, progress=progress, dist=dist)
+        if dist.is_main and claim is None:
+            claim = claim_run(run, resume=resume)
+        return _train(
+            run, config, preset=preset, device=device, resume=resume, progress=progress, dist=dist, steps=steps
+        )
+    except BaseException as exc:
+        failure = _as_user_error(exc, config or _saved_config(run))
+        if run.header_written:
+            _mark_stopped(run, exc if failure is None else failure)
+        if failure is not None:
+            raise failure from None
+        raise
     finally:
+        if claim is not None:
+            claim.release()
         dist.close()
 
 
@@ -117,17 +148,29 @@ def _train(
     resume: bool,
     progress: bool,
     dist: Distributed,
+    steps: int | None = None,
 ) -> TrainResult:
     created = now_iso()  # when the run was asked for, not when its target finished loading
     torch_device = resolve_device(device, dist.local_rank)
+    checkpoint = None
+    if not dist.is_main:  # rank 0 checked under its claim; the others check the same (read-only): all fail alike
+        if resume:
+            run.check_resumable()
+        else:
+            run.check_new()
     if resume:
-        if not run.exists():
-            raise RunError(f"nothing to resume: {run.path} holds no run")
-        saved = validate_config(run.read_config())
+        # Every run file is read and checked before any model loads: a damaged one fails in a second.
+        saved = run.load_config()
+        run.read_info()
+        rows = run.read_metrics()
+        run.read_fingerprint()
+        checkpoint = latest_checkpoint(run.checkpoints_dir)
+        if checkpoint is not None:
+            check_checkpoint_files(checkpoint, run.path)
+            _check_metrics_cover(run, rows, checkpoint.step, checkpoint.state, saved.log_every)
         # --steps may extend a resumed run; every other field is what the run started with.
-        config = saved.model_copy(update={"steps": max(config.steps, saved.steps)}) if config else saved
-    elif run.exists():
-        raise RunError(f"run {run.name!r} already exists in {run.path.parent}; use --resume or another name")
+        asked = max(steps or 0, config.steps if config else 0)
+        config = saved.model_copy(update={"steps": max(asked, saved.steps)})
     assert config is not None
     if config.batch_size % dist.world_size:
         raise ConfigError(
@@ -137,6 +180,11 @@ def _train(
     dist.barrier()  # every rank has checked the directory before rank 0 writes into it
 
     display = RunProgress(run.name, total=config.steps, enabled=progress and dist.is_main)
+    if config.warmup_steps >= config.steps:
+        display.note(
+            f"warmup_steps {config.warmup_steps} >= steps {config.steps}: the whole run is warmup, the learning "
+            f"rate never reaches lr {config.lr:g} (lower warmup_steps or raise --steps)"
+        )
     display.message(f"loading target {config.target}")
     if config.hidden_states:
         from trainer.hidden_states.offline import OfflineTarget
@@ -148,6 +196,7 @@ def _train(
             config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
         )
     config = resolve_for_target(config, target.num_layers)
+    check_fits_memory(config, target, dist.world_size)
 
     documents = load_documents(config.data, target.tokenizer, split="train")
     packed = pack_documents(documents, config.seq_len, target.pad_token_id)
@@ -163,7 +212,6 @@ def _train(
 
     drafter = build_drafter(config, target, plan)
     start_step = 0
-    checkpoint = latest_checkpoint(run.checkpoints_dir) if resume else None
     if checkpoint is not None:
         # Checkpoints hold full tensors, so they resume under any world size and either parallelism.
         load_drafter_weights(drafter, checkpoint)
@@ -187,6 +235,7 @@ def _train(
     if resume:
         _check_same_inputs(run, target.fingerprint, packed.fingerprint)
     if dist.is_main:
+        run.header_written = True  # from here on a failure is recorded in run.json (see train())
         _write_run_header(
             run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created
         )
@@ -244,6 +293,11 @@ def _train(
             if dist.is_main:
                 run.append_metrics(row)
                 trackers.log(row, "train")
+            if not math.isfinite(row["loss"]):
+                raise RunError(
+                    f"the loss is {row['loss']} at step {step} (lr {lr:g}): the run diverged; start a new run "
+                    "with a lower lr"
+                )
             last = row
             tokens_since, clock = 0, time.perf_counter()
             display.metrics(row)
@@ -276,6 +330,77 @@ def _train(
     return TrainResult(run=run, steps_done=config.steps, last_metrics=last)
 
 
+# Bytes per element that the packed target forward holds at once, at the least: three [N, S, S] boolean
+# masks (same document, causal, allowed) and the [N, S, V] float32 logits.
+_MASK_BYTES_PER_ELEMENT = 3
+_LOGIT_BYTES = 4
+
+
+def check_fits_memory(config: TrainConfig, target: FrozenTarget, world_size: int = 1) -> None:
+    """Refuse a seq_len / batch_size whose attention masks and logits alone exceed the device's memory, with
+    the numbers, instead of an allocator traceback after minutes of packing (or a swap storm)."""
+    rows = max(1, config.batch_size // world_size)
+    needed = rows * config.seq_len * (config.seq_len * _MASK_BYTES_PER_ELEMENT + target.vocab_size * _LOGIT_BYTES)
+    available = _device_memory_bytes(target.device)
+    if available is not None and needed > available:
+        raise ConfigError(
+            f"seq_len {config.seq_len} with batch_size {config.batch_size} needs at least {needed / 2**30:.1f} GiB "
+            f"for the target's attention masks and logits, more than the {available / 2**30:.1f} GiB of "
+            f"{target.device.type} memory here: lower seq_len or batch_size"
+        )
+
+
+def _device_memory_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no preflight, the runtime check remains
+        return None
+
+
+def _as_user_error(exc: BaseException, config: TrainConfig | None) -> Exception | None:
+    """An out-of-memory failure mid-run as one line that says what to change."""
+    text = str(exc)
+    if isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    ):
+        sizes = (f" (seq_len {config.seq_len}, batch_size {config.batch_size}, max_anchors {config.max_anchors})"
+                 if config is not None else "")
+        return RunError(f"out of memory{sizes}: start a new run with a smaller seq_len or batch_size")
+    return None
+
+
+def _saved_config(run: RunDir) -> TrainConfig | None:
+    try:
+        return run.load_config()
+    except RunError:
+        return None
+
+
+def _mark_stopped(run: RunDir, exc: BaseException) -> None:
+    """Best effort: the record says the run stopped and why (the disk may be full; then it stays as is)."""
+    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    reason = " ".join(str(exc).split())[:500] or type(exc).__name__
+    try:
+        run.update_info(status=status, stopped=now_iso(), error=None if status == "interrupted" else reason)
+    except (OSError, RunError):
+        pass
+
+
+def _check_metrics_cover(
+    run: RunDir, rows: list[dict[str, Any]], step: int, state: dict[str, Any], log_every: int
+) -> None:
+    """The metrics must hold the last row logged before the checkpoint: rows are appended before the
+    checkpoint is saved, so a missing one means the file lost rows (cut at a line boundary, emptied)."""
+    expected = step if step == state.get("config_steps") else step // log_every * log_every
+    if expected and not any(row["step"] == expected for row in rows):
+        raise RunError(
+            f"{run.metrics_path} has no row for step {expected}, which the checkpoint at step {step} follows; "
+            "the file lost rows (truncated or emptied)"
+        )
+
+
 def _write_run_header(
     run: RunDir,
     config: TrainConfig,
@@ -292,7 +417,10 @@ def _write_run_header(
         run.truncate_metrics(start_step)  # rows after the checkpoint are recomputed, never duplicated
         # --steps may have extended the run: config.json always says what the run trains to.
         atomic_write_json(run.config_path, config.model_dump(mode="json"))
-        run.update_info(status="running", resumed_at=now_iso(), steps_done=start_step, world_size=dist.world_size)
+        # A resumed run that had failed or was interrupted is running again: the old reason no longer holds.
+        info = {key: value for key, value in run.read_info().items() if key not in ("error", "stopped")}
+        run.write_info({**info, "status": "running", "resumed_at": now_iso(), "steps_done": start_step,
+                        "world_size": dist.world_size})
     else:
         run.path.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run.config_path, config.model_dump(mode="json"))
@@ -439,11 +567,12 @@ class LoadedRun:
 def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:
     """The run's drafter at its latest checkpoint, on its target, ready for inference."""
     run = RunDir(Path(run_dir))
-    config = validate_config(run.read_config())
+    config = run.load_config()
     torch_device = resolve_device(device) if isinstance(device, str) else device
     checkpoint = latest_checkpoint(run.checkpoints_dir)
     if checkpoint is None:
         raise RunError(f"run {run.name!r} has no checkpoint yet ({run.checkpoints_dir})")
+    check_checkpoint_files(checkpoint, run.path, (DRAFTER_FILE,))  # before the slow target load
     target = FrozenTarget.load(
         config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
     )

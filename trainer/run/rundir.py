@@ -3,6 +3,12 @@
 Everything here is written so that a run killed at any moment leaves a directory that either resumes
 exactly or is diagnosable: JSON files are replaced atomically, metric rows are appended whole and
 fsync'd, and a resume first drops any row logged after the checkpoint it restarts from.
+
+Every run file is read through one validated reader (read_json_object, RunDir.read_metrics, and the
+checkpoint readers in checkpoint.py) shared by resume, eval, export and `trainer runs`: a damaged file
+(truncated, empty, the wrong JSON type, not UTF-8, a link out of the run) is one RunError naming it.
+A run's name is claimed under a lock (RunLock) before anything is written, and a new run only ever goes
+where nothing is, or into an empty directory.
 """
 
 from __future__ import annotations
@@ -27,14 +33,29 @@ TRAINER_PACKAGE_DIR = Path(trainer.__file__).resolve().parent
 
 
 class RunError(Exception):
-    """A run directory problem a user can fix (exists already, missing, not a run)."""
+    """A run directory problem a user can fix (exists already, missing, not a run, a damaged file)."""
+
+
+class RunInUse(RunError):
+    """Another trainer process holds the run: the loser of a race exits without touching anything."""
+
+
+# Files and folders the trainer writes into a run directory; anything else in it belongs to the user.
+RUN_ENTRIES = frozenset(
+    {"config.json", "run.json", "metrics.jsonl", "eval.json", "env.json", "fingerprint.json", "code",
+     "checkpoints", "diagnosis"}
+)
+# A run record is a few kB; a larger one is not ours, and reading it whole would only cost memory.
+MAX_RECORD_BYTES = 16 * 2**20
+# What a kill between "write the temporary file" and "rename it into place" leaves behind.
+_DEBRIS = re.compile(r"\.(config\.json|run\.json|metrics\.jsonl|eval\.json|env\.json|fingerprint\.json)\..+\.tmp|\.code\.partial")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
@@ -53,11 +74,75 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
+# --- the one reader of every run file ---------------------------------------------------------------------
+
+
+def check_inside(path: Path, root: Path) -> None:
+    """Refuse a run file that is a link leading outside its run directory: reading it would report on
+    someone else's file, and writing through it would change a file that is not the run's."""
+    if not os.path.lexists(path):
+        return
+    resolved, base = path.resolve(), root.resolve()
+    if resolved != base and base not in resolved.parents:
+        raise RunError(f"{path} links to {resolved}, outside the run directory; refusing to use it")
+
+
+def read_bytes(path: Path, root: Path, limit: int = MAX_RECORD_BYTES) -> bytes:
+    check_inside(path, root)
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise RunError(f"{path} is {size} bytes, more than any run file holds ({limit}); refusing to read it")
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise RunError(f"{path} is missing") from None
+    except IsADirectoryError:
+        raise RunError(f"{path} is a directory, not a file") from None
+    except OSError as exc:
+        raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def read_text(path: Path, root: Path, limit: int = MAX_RECORD_BYTES) -> str:
+    data = read_bytes(path, root, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RunError(f"{path} is not UTF-8 text (bad byte at offset {exc.start}); the file is damaged") from None
+
+
+def read_json(path: Path, root: Path) -> Any:
+    text = read_text(path, root)
+    if not text.strip():
+        raise RunError(f"{path} is empty; the file is damaged")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RunError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be truncated") from None
+    except RecursionError:
+        raise RunError(f"{path} nests too deeply to be a run file") from None
+
+
+def read_json_object(path: Path, root: Path) -> dict[str, Any]:
+    data = read_json(path, root)
+    if not isinstance(data, dict):
+        raise RunError(f"{path} holds a JSON {_json_type(data)} where an object is expected; the file is damaged")
+    return data
+
+
+def _json_type(value: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+
+
+def is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class RunDir:
     """One named run: `<runs-dir>/<name>/`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.header_written = False  # set by the training loop once this process wrote the run's record
 
     @property
     def name(self) -> str:
@@ -73,21 +158,32 @@ class RunDir:
     def exists(self) -> bool:
         return self.config_path.is_file()
 
+    def has_record(self) -> bool:
+        """config.json or run.json is there (damaged or not): the directory is, or was, a run."""
+        return os.path.lexists(self.config_path) or os.path.lexists(self.run_info_path)
+
     def read_config(self) -> dict[str, Any]:
+        if not os.path.lexists(self.config_path):
+            raise RunError(f"{self.path} is not a run directory (no config.json)")
+        return read_json_object(self.config_path, self.path)
+
+    def load_config(self) -> Any:
+        """The run's config.json as a validated TrainConfig; a file that does not validate is named."""
+        from trainer.config import ConfigError, validate_config
+
         try:
-            return json.loads(self.config_path.read_text())
-        except FileNotFoundError:
-            raise RunError(f"{self.path} is not a run directory (no config.json)") from None
-        except json.JSONDecodeError as exc:
-            raise RunError(f"{self.config_path} is corrupt: {exc.msg} at line {exc.lineno}") from None
+            return validate_config(self.read_config())
+        except ConfigError as exc:
+            raise RunError(f"{self.config_path} is not a valid run config ({exc})") from None
 
     def read_info(self) -> dict[str, Any]:
-        try:
-            return json.loads(self.run_info_path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        """run.json, strictly: a damaged record is an error, never silently replaced by an empty one."""
+        if not os.path.lexists(self.run_info_path):
             return {}
+        return read_json_object(self.run_info_path, self.path)
 
     def write_info(self, info: dict[str, Any]) -> None:
+        check_inside(self.run_info_path, self.path)
         atomic_write_json(self.run_info_path, info)
 
     def update_info(self, **changes: Any) -> None:
@@ -96,31 +192,117 @@ class RunDir:
     # --- metrics ------------------------------------------------------------------------------------------
     def append_metrics(self, row: dict[str, Any]) -> None:
         # One write() of a whole line, then fsync: a kill leaves at most one torn last line, which
-        # truncate_metrics (on resume) and sleuth (tolerant reader) both drop.
-        line = json.dumps(row) + "\n"
-        with open(self.metrics_path, "a") as handle:
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
+        # truncate_metrics (on resume) and sleuth (tolerant reader) both drop. O_NOFOLLOW: never append
+        # through a link to somebody else's file.
+        line = (json.dumps(row) + "\n").encode()
+        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        rows = []
-        if not self.metrics_path.exists():
-            return rows
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from a kill
-            if isinstance(row, dict) and "step" in row:
-                rows.append(row)
+    def _metric_lines(self) -> list[tuple[int, int, dict[str, Any]]]:
+        """(start offset, end offset, row) of every whole row; a torn last line (a kill mid-write) is dropped,
+        any other line that is not a metrics row is an error naming the file and the line."""
+        if not os.path.lexists(self.metrics_path):
+            return []
+        data = read_bytes(self.metrics_path, self.path, limit=2**40)
+        rows: list[tuple[int, int, dict[str, Any]]] = []
+        offset = 0
+        lines = data.split(b"\n")
+        for number, raw in enumerate(lines, start=1):
+            end = offset + len(raw) + 1
+            torn = number == len(lines)  # no newline after it: written by a process that was killed
+            if raw.strip():
+                row = _metrics_row(raw)
+                if row is None:
+                    if not torn:
+                        raise RunError(f"{self.metrics_path} line {number} is not a metrics row (a JSON object "
+                                       "with an integer step); the file is damaged")
+                else:
+                    rows.append((offset, min(end, len(data)), row))
+            offset = end
         return rows
 
+    def read_metrics(self) -> list[dict[str, Any]]:
+        return [row for _, _, row in self._metric_lines()]
+
     def truncate_metrics(self, last_step: int) -> int:
-        """Keep only whole rows with step <= last_step (the checkpoint we resume from); return kept count."""
-        kept = [row for row in self.read_metrics() if row["step"] <= last_step]
-        atomic_write_text(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+        """Keep only whole rows with step <= last_step (the checkpoint we resume from); return kept count.
+
+        Rows are appended in step order, so the kept rows are a prefix: the file is cut in place (one
+        syscall, no temporary file for a kill to leave behind). Out-of-order rows fall back to a rewrite.
+        """
+        lines = self._metric_lines()
+        kept = [entry for entry in lines if entry[2]["step"] <= last_step]
+        if kept == lines[: len(kept)]:
+            cut = kept[-1][1] if kept else 0
+            if os.path.lexists(self.metrics_path):
+                check_inside(self.metrics_path, self.path)
+                if self.metrics_path.stat().st_size != cut:
+                    fd = os.open(self.metrics_path, os.O_WRONLY | os.O_NOFOLLOW)
+                    try:
+                        os.ftruncate(fd, cut)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+        else:
+            atomic_write_text(self.metrics_path, "".join(json.dumps(row) + "\n" for _, _, row in kept))
         return len(kept)
+
+    # --- claiming -----------------------------------------------------------------------------------------
+    def lock_path(self) -> Path:
+        # Next to the run, not in it: claiming a name never writes into a directory that may be a user's.
+        return self.path.parent / f".{self.name}.lock"
+
+    def check_new(self) -> None:
+        """A new run goes only where nothing is, or into an empty directory: never over a run (even a
+        damaged one) and never into somebody's folder."""
+        if not os.path.lexists(self.path):
+            return
+        if not self.path.is_dir():
+            raise RunError(f"{self.path} exists and is not a directory; pick another run name")
+        entries = sorted(p.name for p in self.path.iterdir())
+        if not entries:
+            return
+        if self.has_record():
+            try:
+                self.read_config()
+                self.read_info()
+            except RunError as exc:
+                raise RunError(f"run {self.name!r} in {self.path.parent} is damaged ({exc}); refusing to "
+                               "overwrite it: move it away or pick another name") from None
+            raise RunError(f"run {self.name!r} already exists in {self.path.parent}; use --resume or another name")
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise RunError(f"{self.path} exists and is not a trainer run (it holds {shown}); refusing to write "
+                       "into it: pick another run name")
+
+    def check_resumable(self) -> None:
+        if not self.path.is_dir() or not self.has_record():
+            raise RunError(f"nothing to resume: {self.path} holds no run")
+        if not os.path.lexists(self.config_path):
+            raise RunError(f"run {self.name!r} lost its config.json ({self.config_path}); it cannot be resumed")
+        for entry in (*self.path.iterdir(), *(self.checkpoints_dir.iterdir() if self.checkpoints_dir.is_dir() else ())):
+            check_inside(entry, self.path)
+        self.read_info()
+
+    def sweep_debris(self) -> list[str]:
+        """Remove what a kill left between writing a temporary file and renaming it: only names the
+        trainer itself uses for staging, never anything else in the directory."""
+        removed = []
+        for parent, pattern in ((self.path, _DEBRIS), (self.checkpoints_dir, _CHECKPOINT_DEBRIS)):
+            if not parent.is_dir():
+                continue
+            for entry in parent.iterdir():
+                if pattern.fullmatch(entry.name) and not entry.is_symlink():
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                    removed.append(str(entry.relative_to(self.path)))
+        return removed
+
+    def read_fingerprint(self) -> dict[str, Any] | None:
+        path = self.path / "fingerprint.json"
+        return read_json_object(path, self.path) if os.path.lexists(path) else None
 
     # --- provenance ----------------------------------------------------------------------------------------
     def write_code_fingerprint(self, keep_existing: bool = False) -> dict[str, Any]:
@@ -138,7 +320,7 @@ class RunDir:
         code_root = self.path / "code"
         fingerprint_path = self.path / "fingerprint.json"
         if keep_existing and code_root.is_dir() and fingerprint_path.is_file():
-            started = json.loads(fingerprint_path.read_text())
+            started = self.read_fingerprint() or {}
             if started.get("files") != files:
                 self.update_info(resumed_with_code={"files": files, "git_commit": _git_commit(TRAINER_PACKAGE_DIR.parent)})
             return started
@@ -200,15 +382,138 @@ def _git_dirty(repo: Path) -> bool | None:
 
 
 def list_runs(runs_dir: Path) -> list[RunDir]:
+    """Every directory under runs_dir that is, or was, a run (damaged ones included), by name."""
     if not runs_dir.is_dir():
         return []
-    return sorted(
-        (RunDir(p) for p in runs_dir.iterdir() if (p / "config.json").is_file()),
-        key=lambda run: run.read_info().get("created", ""),
-    )
+    return sorted((RunDir(p) for p in runs_dir.iterdir() if p.is_dir() and RunDir(p).has_record()),
+                  key=lambda run: run.name)
 
 
 def next_version_name(runs_dir: Path) -> str:
     """The next free `vN` after the highest existing one (v3, v5, v6 -> v7)."""
     numbers = [int(m.group(1)) for p in runs_dir.glob("v*") if (m := re.fullmatch(r"v(\d+)", p.name))]
     return f"v{max(numbers, default=0) + 1}"
+
+
+def resolve_run(run: str | Path, runs_dir: Path) -> RunDir:
+    """A run name under runs_dir, or the path of a run directory: the one resolver every command uses."""
+    named = Path(runs_dir) / str(run)
+    for candidate in (named, Path(run)):
+        if candidate.is_dir() and RunDir(candidate).has_record():
+            return RunDir(candidate)
+    for candidate in (named, Path(run)):
+        if candidate.is_dir():
+            raise RunError(f"{candidate} is not a run directory (no config.json)")
+    raise RunError(f"no run named {str(run)!r} in {runs_dir} (list them with `trainer runs`)")
+
+
+def _metrics_row(raw: bytes) -> dict[str, Any] | None:
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None
+    return row if isinstance(row, dict) and is_step(row.get("step")) else None
+
+
+_CHECKPOINT_DEBRIS = re.compile(r"\.step-\d+\.partial|\.latest\..+\.tmp")
+
+
+class RunLock:
+    """The claim on a run name: an exclusive lock on `<runs-dir>/.<name>.lock` held for the whole command.
+
+    flock rather than a bare create-exclusive file: the kernel drops the lock when its process dies, so a
+    run killed with SIGKILL never leaves a stale claim that would need guessing about dead pids. After
+    locking, the file must still be the one at the path (a releasing holder unlinks it), so two processes
+    can never both believe they hold the name.
+    """
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self.path = run.lock_path()
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip()
+                os.close(fd)
+                raise RunInUse(
+                    f"run {self.run.name!r} in {self.run.path.parent} is in use by another trainer process"
+                    f"{f' (pid {holder})' if holder.isdigit() else ''}; wait for it or pick another name"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder released and unlinked it between our open and lock: try again
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # unlink while still holding it: see acquire()
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim_run(run: RunDir, *, resume: bool) -> RunLock:
+    """Lock the run's name, then check the directory under the lock: a new run only where nothing (or an
+    empty directory) is, a resume only of a run; debris of an earlier kill is swept. The caller releases."""
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        if resume:
+            run.check_resumable()
+            run.sweep_debris()
+        else:
+            run.check_new()
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def claim_next_version(runs_dir: Path, attempts: int = 100) -> tuple[RunDir, RunLock]:
+    """`--fixed`'s `vN`: the next free number, claimed; a process that loses the race takes the next one."""
+    first = int(next_version_name(runs_dir)[1:])
+    for number in range(first, first + attempts):
+        run = RunDir(runs_dir / f"v{number}")
+        try:
+            return run, claim_run(run, resume=False)
+        except RunError:  # held by another process, or created meanwhile: the next number
+            continue
+    raise RunError(f"could not claim a free vN run name in {runs_dir} after {attempts} tries")
+
+
+def run_is_active(run: RunDir) -> bool:
+    """Whether a live process holds the run's lock (on this machine)."""
+    try:
+        holder = run.lock_path().read_text(errors="replace").strip()
+    except OSError:
+        return False
+    if not holder.isdigit():
+        return False
+    try:
+        os.kill(int(holder), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True

@@ -57,7 +57,7 @@ def sample_step_anchors(
     """Anchors for the whole global batch, a function of (seed, step) alone: a resumed run samples exactly
     the blocks it would have, and every rank of a distributed run agrees before taking its rows."""
     generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed * 1_000_003 + step)
+    generator.manual_seed((seed * 1_000_003 + step) % 2**63)  # any seed in [0, 2**63) stays in 64 bits
     return sample_anchors(batch["loss_mask"], batch["doc_ids"], plan.block_size, plan.max_anchors, generator)
 
 

@@ -1,0 +1,133 @@
+"""`trainer run NAME`: train a drafter into <runs-dir>/<name>/, resume it, or train sleuth's fix as a new vN.
+
+The run's name is claimed before anything is loaded: a second `trainer run` of the same name exits 2 and
+touches nothing, and a new run never goes into a directory that is not empty.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from trainer.commands.options import RunsDir, flag
+from trainer.errors import UsageError, user_errors
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def run_command(
+    name: Annotated[Optional[str], typer.Argument(metavar="NAME", help="Run name (default: the preset's name).")] = None,
+    preset: Annotated[Optional[str], typer.Option(metavar="NAME", help="fixed | v3 | v5 | v6: the seed's history.")] = None,
+    config_file: Annotated[
+        Optional[Path], typer.Option("--config", metavar="FILE", help="YAML or JSON config file.")
+    ] = None,
+    overrides: Annotated[
+        Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", help="Override one config key (repeatable).")
+    ] = None,
+    steps: Annotated[Optional[int], typer.Option(metavar="N", help="Training steps (extends a resumed run).")] = None,
+    runs_dir: RunsDir = Path("runs"),
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="auto | cpu | cuda")] = "auto",
+    resume: Annotated[bool, flag("--resume", help="Continue a killed, failed or finished run.")] = False,
+    fixed: Annotated[
+        bool, flag("--fixed", help="Apply the latest diagnosis's fix (or the reference preset) to a new vN run.")
+    ] = False,
+    from_run: Annotated[
+        Optional[str], typer.Option("--from", metavar="RUN", help="With --fixed: the diagnosed run whose fix to apply.")
+    ] = None,
+    quiet: Annotated[bool, flag("--quiet", "-q", help="No progress display or progress lines.")] = False,
+) -> None:
+    """Train a drafter into <runs-dir>/<name>/ (config, metrics.jsonl, checkpoints, eval.json)."""
+    with user_errors():
+        from trainer.config import build_config
+        from trainer.run.rundir import RunDir, claim_next_version
+
+        if from_run and not fixed:
+            raise UsageError("--from only makes sense with --fixed")
+        if name is not None:
+            _check_run_name(name)
+        extra: dict[str, Any] = {"steps": steps} if steps is not None else {}
+        claim = None
+        if fixed:
+            if preset or config_file:
+                raise UsageError("--fixed builds its own config; drop --preset/--config (use --set to adjust)")
+            values, preset, notes = _fixed_config(runs_dir, from_run)
+            config = build_config(extra={**values, **extra}, overrides=overrides)
+            errors = Console(stderr=True, highlight=False)
+            for note in notes:  # only once the fixed config is valid: an error stays the only line
+                errors.print(note, soft_wrap=True)
+            if name is None:
+                run, claim = claim_next_version(runs_dir)
+            else:
+                run = RunDir(runs_dir / name)
+        elif resume:
+            if name is None:
+                raise UsageError("--resume needs the run's name")
+            if preset or config_file or overrides:
+                raise UsageError("--resume continues with the run's saved config; only --steps may change")
+            run, config = RunDir(runs_dir / name), None
+        else:
+            config = build_config(preset=preset, config_file=config_file, overrides=overrides, extra=extra)
+            name = name or preset
+            if name is None:
+                raise UsageError("name the run (trainer run NAME) or pick a --preset")
+            _check_run_name(name)
+            run = RunDir(runs_dir / name)
+
+        from trainer.run.loop import train
+
+        result = train(
+            run, config, preset=preset, device=device, resume=resume, progress=not quiet, steps=steps, claim=claim
+        )
+    last = result.last_metrics
+    summary = ", ".join(
+        f"{key} {last[key]:.4g}" for key in ("loss", "acc", "streak", "eval_tau") if isinstance(last.get(key), float)
+    )
+    Console().print(
+        f"{result.run.name}: {result.steps_done} steps -> {result.run.path}  ({summary})",
+        soft_wrap=True, highlight=False,
+    )
+
+
+def _check_run_name(name: str) -> None:
+    if not RUN_NAME.fullmatch(name) or name in {".", ".."}:
+        raise UsageError(f"run name {name!r}: use letters, digits, '.', '_' and '-' (it names a directory)")
+
+
+def _fixed_config(runs_dir: Path, from_run: str | None) -> tuple[dict[str, Any], str | None, list[str]]:
+    """The config for `--fixed`: the diagnosed run's config plus sleuth's fix.yaml, else the reference;
+    and the notes (rich markup) that say what was applied."""
+    from trainer.config import load_yaml
+    from trainer.run.rundir import RunDir, RunError, read_text
+
+    if from_run is not None:
+        _check_run_name(from_run)
+        source = RunDir(runs_dir / from_run)
+        fix_file = source.diagnosis_dir / "fix.yaml"
+        if not fix_file.is_file():
+            raise UsageError(f"run {from_run!r} has no diagnosis; run `sleuth diagnose --run {from_run}` first")
+    else:
+        diagnosed = sorted(runs_dir.glob("*/diagnosis/fix.yaml"), key=lambda p: p.stat().st_mtime)
+        if not diagnosed:
+            return {}, "fixed", ["no diagnosed run found: using the reference configuration (preset 'fixed')"]
+        fix_file = diagnosed[-1]
+        source = RunDir(fix_file.parent.parent)
+    fix = load_yaml(read_text(fix_file, source.path, limit=2**20), str(fix_file)) or {}
+    if not isinstance(fix, dict):
+        raise RunError(f"{fix_file} must hold a mapping (config_patch, code_changes); the file is damaged")
+    patch = fix.get("config_patch") or {}
+    changes = fix.get("code_changes") or []
+    if not isinstance(patch, dict):
+        raise RunError(f"{fix_file}: config_patch must be a mapping of config keys; the file is damaged")
+    if not isinstance(changes, list) or not all(isinstance(change, dict) for change in changes):
+        raise RunError(f"{fix_file}: code_changes must be a list of entries with id and hint; the file is damaged")
+    values = {**source.read_config(), **patch}
+    shown = ", ".join(f"{k}={v!r}" for k, v in patch.items()) or "nothing (no config-fixable finding)"
+    notes = [escape(f"applying the fix from {fix_file}: {shown}")]
+    notes += [f"[yellow]not fixed by config[/] {escape(str(change.get('id')))}: {escape(str(change.get('hint')))}"
+              for change in changes]
+    return values, None, notes

@@ -1,0 +1,97 @@
+"""The one place where an error becomes what the user sees: every `trainer` command runs in `user_errors()`.
+
+A user's mistake or a damaged file is one line on stderr and exit code 2, never a traceback; an
+interrupted run exits 130 and says how to resume; a bug in the trainer is one line too, with the
+environment variable that shows its traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+# Set to see the traceback of an unexpected failure (a bug in the trainer, not a user's mistake).
+DEBUG_ENV = "TRAINER_DEBUG"
+
+
+class UsageError(ValueError):
+    """A bad command-line argument: the message says which and what is allowed."""
+
+
+# (module, class) of every error whose message is written for the user.
+_USER_ERRORS = (
+    ("trainer.config", "ConfigError"),
+    ("trainer.run.rundir", "RunError"),
+    ("trainer.data.datasets", "DataError"),
+    ("trainer.target.frozen", "TargetError"),
+    ("trainer.eval.speculative", "EvalError"),
+    ("trainer.export", "ExportError"),
+)
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Every user-facing error class among the modules loaded so far: an exception of a module that was
+    never imported cannot be raised, and importing it (torch, transformers) would cost seconds per error."""
+    types: list[type[BaseException]] = [UsageError]
+    for module_name, class_name in _USER_ERRORS:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            types.append(getattr(module, class_name))
+    return tuple(types)
+
+
+def print_error(message: str) -> None:
+    # One line whatever the terminal width; the message is plain text, never rich markup.
+    Console(stderr=True, highlight=False).print(Text("error: ", style="bold red") + Text(message), soft_wrap=True)
+
+
+def os_error_message(exc: OSError) -> str:
+    where = f" {exc.filename}" if exc.filename else ""
+    if exc.errno == errno.ENOSPC:
+        return (f"disk full writing{where}: what was written before is intact; free space, then continue "
+                "a run with `trainer run NAME --resume`")
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"cannot write{where}: {exc.strerror}"
+    return f"{exc.strerror or exc}{':' + where if where else ''}"
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())  # messages are single lines by design; a path with a newline too
+    return text or type(exc).__name__
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Map every error to one line: exit 2 for anything a user can cause (and, with a hint, for bugs)."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, SystemExit):
+        raise
+    except KeyboardInterrupt:
+        print_error("interrupted: resume with `trainer run NAME --resume` (the last checkpoint is intact)")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except OSError as exc:
+        print_error(os_error_message(exc))
+        raise typer.Exit(EXIT_USER_ERROR) from None
+    except MemoryError:
+        print_error("out of memory: lower seq_len or batch_size (or --prompts / --max-new-tokens for eval)")
+        raise typer.Exit(EXIT_USER_ERROR) from None
+    except Exception as exc:
+        if isinstance(exc, user_error_types()):
+            print_error(one_line(exc))
+            raise typer.Exit(EXIT_USER_ERROR) from None
+        if os.environ.get(DEBUG_ENV):
+            raise
+        first = one_line(exc)
+        print_error(f"internal error ({type(exc).__name__}: {first[:300]}); rerun with {DEBUG_ENV}=1 for the "
+                    "traceback and report it")
+        raise typer.Exit(EXIT_USER_ERROR) from None
