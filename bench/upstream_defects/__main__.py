@@ -48,7 +48,8 @@ def _summary(result: dict[str, Any]) -> str:
         alarms = ", ".join(u["false_alarms"]) or "none"
         lines.append(f"{name} ({info['version']}): {s['defects']} defects, detected {s['detected']}, silent false "
                      f"match {s['silent_false_match']}, unknown {s['unknown']}, elsewhere {s['detected_elsewhere']}, "
-                     f"error {s['error']}; unmodified: false alarms {alarms}" + (f", ERROR {u['error']}" if u["error"] else ""))
+                     f"error {s['error']}; unmodified: false alarms {alarms}"
+                     + (f", ERROR {u['error']}" if u["error"] else ""))
     for name, why in result["skipped_sources"].items():
         lines.append(f"{name}: skipped ({why})")
     recall = "n/a" if t["recall"] is None else f"{t['recall']:.0%}"

@@ -138,7 +138,8 @@ def _speculators_fallbacks() -> list[Path]:
     spec = importlib.util.find_spec("speculators")
     if spec is not None and spec.submodule_search_locations:
         found.append(Path(next(iter(spec.submodule_search_locations))))
-    found += [Path(p) for p in sorted(glob.glob(str(REPO / ".venv-speculators/lib/python3*/site-packages/speculators")))]
+    pattern = REPO / ".venv-speculators" / "lib" / "python3*" / "site-packages" / "speculators"
+    found += [Path(p) for p in sorted(glob.glob(str(pattern)))]
     return found
 
 
@@ -157,7 +158,8 @@ def resolve_source(name: SourceName, spec: SourceSpec, given: str | None) -> tup
                 return root, "installed package"
         return None, (f"speculators is not installed here and {spec.env} is unset (`make parity` builds "
                       ".venv-speculators with speculators 0.9.0)")
-    return None, f"no checkout: set {spec.env} or pass --{name} PATH (defects were written against {spec.written_against})"
+    return None, (f"no checkout: set {spec.env} or pass --{name} PATH (defects were written against "
+                  f"{spec.written_against})")
 
 
 def describe_version(name: SourceName, root: Path) -> str:

@@ -239,7 +239,8 @@ def run_benchmark(
         diagnosis = _diagnose_copy(roots[name], catalog.sources[name].package, defect, command, timeout_s)
         done = next(finished)  # atomic under the GIL, unlike `+= 1`
         label = defect.id if defect else f"{name} (unmodified)"
-        state = diagnosis.error or ", ".join(f"{s} {len(diagnosis.ids_with(s))}" for s in ("mismatch", "match", "unknown"))
+        state = diagnosis.error or ", ".join(f"{s} {len(diagnosis.ids_with(s))}"
+                                             for s in ("mismatch", "match", "unknown"))
         progress(f"[{done}/{len(tasks)}] {label}: {state} ({diagnosis.seconds:.1f} s)")
         return diagnosis
 
