@@ -9,8 +9,9 @@ the repo's .venv-speculators; SpecForge and z-lab/dflash only from a checkout gi
 $UPSTREAM_SPECFORGE_PATH / $UPSTREAM_ZLAB_PATH (a missing one is skipped with the reason). sleuth: --sleuth
 "CMD" (e.g. "env PYTHONPATH=/path/to/checkout /path/to/.venv/bin/python -m sleuth.cli"), else
 $UPSTREAM_BENCH_SLEUTH, else the repo's .venv running this checkout's sleuth.
-Prints one row per defect and the totals on stdout (progress on stderr); exit 0 when the benchmark ran,
-2 when it could not (a defect that no longer plants, no sleuth, a bad flag).
+Prints one row per defect and the totals on stdout (progress on stderr). Exit 0 when every sleuth run gave a
+report, 1 when some did not (the results are incomplete: see the errors), 2 when the benchmark could not run
+(no source, a defect that no longer plants, no sleuth environment, a bad flag).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    incomplete = result["totals"]["error"] + result["totals"]["unmodified_errors"]
+    return 1 if incomplete else 0
 
 
 if __name__ == "__main__":

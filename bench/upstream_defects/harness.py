@@ -225,6 +225,8 @@ def run_benchmark(
         available[name] = {"path": str(root), "found_by": how, "version": describe_version(name, root),
                            "written_against": catalog.sources[name].written_against}
 
+    if not roots:
+        raise CatalogError("no source to run: " + "; ".join(f"{name}: {why}" for name, why in skipped.items()))
     defects = [d for d in catalog.for_sources(list(roots)) if only is None or d.id in only]
     if only is not None and (missing := only - {d.id for d in defects}):
         raise CatalogError(f"no such defect among the available sources: {', '.join(sorted(missing))}")
