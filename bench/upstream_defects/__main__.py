@@ -57,7 +57,7 @@ def _summary(result: dict[str, Any]) -> str:
     lines.append(f"total: {t['defects']} defects, recall {recall} ({t['detected']} detected), silent false matches "
                  f"{t['silent_false_match']}, unknown {t['unknown']}, detected elsewhere {t['detected_elsewhere']}, "
                  f"errors {t['error']}, false alarms {t['false_alarms']}; wall {result['wall_s']} s "
-                 f"with {result['jobs']} workers")
+                 f"with {result['jobs']} workers, sleuth CPU {result['sleuth_cpu_s']} s")
     lines.append(f"sleuth: {result['sleuth']}")
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -210,6 +211,7 @@ def run_benchmark(
 ) -> dict[str, Any]:
     """Diagnose every source unmodified and with each of its defects; the results as one JSON-able dict."""
     started = time.monotonic()
+    cpu_before = _children_cpu_s()
     roots: dict[str, Path] = {}
     available: dict[str, dict[str, str]] = {}
     skipped: dict[str, str] = {}
@@ -275,4 +277,11 @@ def run_benchmark(
         "totals": {**totals(results, false_alarms),
                    "unmodified_errors": sum(d.error is not None for d in unmodified.values())},
         "wall_s": round(time.monotonic() - started, 1),
+        # CPU of every sleuth process together: unlike wall time, it does not depend on what else the machine runs
+        "sleuth_cpu_s": round(_children_cpu_s() - cpu_before, 1),
     }
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
