@@ -26,7 +26,8 @@ from .catalog import SOURCE_NAMES, CatalogError, load_catalog
 from .harness import DEFAULT_TIMEOUT_S, run_benchmark, sleuth_command
 
 SHORT = {"detected": "detected", "silent_false_match": "SILENT MATCH", "unknown": "unknown",
-         "detected_elsewhere": "elsewhere", "error": "ERROR"}
+         "detected_elsewhere": "elsewhere", "same_as_unmodified": "as unmodified",
+         "error": "ERROR"}
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -49,14 +50,14 @@ def _summary(result: dict[str, Any]) -> str:
         alarms = ", ".join(u["false_alarms"]) or "none"
         lines.append(f"{name} ({info['version']}): {s['defects']} defects, detected {s['detected']}, silent false "
                      f"match {s['silent_false_match']}, unknown {s['unknown']}, elsewhere {s['detected_elsewhere']}, "
-                     f"error {s['error']}; unmodified: false alarms {alarms}"
+                     f"as unmodified {s['same_as_unmodified']}, error {s['error']}; unmodified: false alarms {alarms}"
                      + (f", ERROR {u['error']}" if u["error"] else ""))
     for name, why in result["skipped_sources"].items():
         lines.append(f"{name}: skipped ({why})")
     recall = "n/a" if t["recall"] is None else f"{t['recall']:.0%}"
     lines.append(f"total: {t['defects']} defects, recall {recall} ({t['detected']} detected), silent false matches "
                  f"{t['silent_false_match']}, unknown {t['unknown']}, detected elsewhere {t['detected_elsewhere']}, "
-                 f"errors {t['error']}, false alarms {t['false_alarms']}; wall {result['wall_s']} s "
+                 f"same as unmodified {t['same_as_unmodified']}, errors {t['error']}, false alarms {t['false_alarms']}; wall {result['wall_s']} s "
                  f"with {result['jobs']} workers, sleuth CPU {result['sleuth_cpu_s']} s")
     lines.append(f"sleuth: {result['sleuth']}")
     return "\n".join(lines)

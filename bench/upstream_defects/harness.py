@@ -8,6 +8,8 @@ and then, from OUT/report.json, the finding of the invariant the defect breaks:
   detected_elsewhere  that invariant is `unknown`, but another invariant turned `mismatch` (one that is not
                       already `mismatch` on the unmodified source)
   unknown             that invariant is `unknown` (or absent) and nothing else turned `mismatch`
+  same_as_unmodified  that invariant is `mismatch` with the same observed value on the unmodified source: a
+                      false alarm, not a detection (sleuth does not tell the defect apart)
   error               sleuth exited 2, timed out or wrote no readable report
 The unmodified source is diagnosed the same way: every `mismatch` there is a false alarm.
 
@@ -47,7 +49,7 @@ from .catalog import (
     resolve_source,
 )
 
-CLASSES = ("detected", "silent_false_match", "unknown", "detected_elsewhere", "error")
+CLASSES = ("detected", "silent_false_match", "unknown", "detected_elsewhere", "same_as_unmodified", "error")
 SLEUTH_ENV_OVERRIDE = "UPSTREAM_BENCH_SLEUTH"
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -153,12 +155,16 @@ class DefectResult:
     error: str | None
 
 
-def classify(defect: Defect, diagnosis: Diagnosis, baseline_mismatches: set[str]) -> DefectResult:
+def classify(defect: Defect, diagnosis: Diagnosis, unmodified: Diagnosis) -> DefectResult:
     finding = diagnosis.findings.get(defect.invariant)
+    before = unmodified.findings.get(defect.invariant)
     status = finding["status"] if finding else None
-    new_mismatches = sorted(diagnosis.ids_with("mismatch") - baseline_mismatches - {defect.invariant})
+    new_mismatches = sorted(diagnosis.ids_with("mismatch") - unmodified.ids_with("mismatch") - {defect.invariant})
     if diagnosis.error is not None:
         classification = "error"
+    elif status == "mismatch" and before is not None and before["status"] == "mismatch" \
+            and before["observed"] == finding["observed"]:  # type: ignore[index]
+        classification = "same_as_unmodified"
     elif status == "mismatch":
         classification = "detected"
     elif status == "match":
@@ -252,7 +258,7 @@ def run_benchmark(
         diagnoses = list(pool.map(work, tasks))
     unmodified = dict(zip(roots, diagnoses[: len(roots)]))
     false_alarms = {name: sorted(d.ids_with("mismatch")) for name, d in unmodified.items()}
-    results = [classify(defect, diag, set(false_alarms[defect.source]))
+    results = [classify(defect, diag, unmodified[defect.source])
                for defect, diag in zip(defects, diagnoses[len(roots):])]
 
     by_invariant: dict[str, dict[str, int]] = {}
@@ -268,7 +274,8 @@ def run_benchmark(
         "skipped_sources": skipped,
         "unmodified": {name: {"false_alarms": false_alarms[name], "error": d.error, "exit_code": d.exit_code,
                               "seconds": round(d.seconds, 2),
-                              "findings": {i: f["status"] for i, f in sorted(d.findings.items())}}
+                              "findings": {i: {"status": f["status"], "observed": f["observed"]}
+                                           for i, f in sorted(d.findings.items())}}
                        for name, d in unmodified.items()},
         "defects": [asdict(r) for r in results],
         "by_invariant": dict(sorted(by_invariant.items())),

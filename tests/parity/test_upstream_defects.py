@@ -89,22 +89,29 @@ def test_the_copy_carries_the_defect_and_the_source_is_untouched(tiny_package: P
     assert (tiny_package / "models" / "core.py").read_text() == original
 
 
+def _finding(status: str, observed: str | None = "x") -> dict:
+    return {"status": status, "observed": observed, "where": None, "reason": ""}
+
+
 @pytest.mark.parametrize(
-    ("status", "others", "baseline", "error", "expected"),
+    ("status", "others", "unmodified", "error", "expected"),
     [
-        ("mismatch", [], [], None, "detected"),
-        ("match", ["dflash.kv_injection"], [], None, "silent_false_match"),
-        ("unknown", ["dflash.kv_injection"], [], None, "detected_elsewhere"),
-        ("unknown", ["dflash.kv_injection"], ["dflash.kv_injection"], None, "unknown"),  # already on unmodified code
-        (None, [], [], None, "unknown"),  # the invariant is not in the report at all
-        (None, [], [], "exit 2: boom", "error"),
+        ("mismatch", [], {}, None, "detected"),
+        ("match", ["dflash.kv_injection"], {}, None, "silent_false_match"),
+        ("unknown", ["dflash.kv_injection"], {}, None, "detected_elsewhere"),
+        # a mismatch the unmodified source has too is no news
+        ("unknown", ["dflash.kv_injection"], {"dflash.kv_injection": _finding("mismatch", None)}, None, "unknown"),
+        ("mismatch", [], {"dflash.fc_norm": _finding("mismatch")}, None, "same_as_unmodified"),
+        ("mismatch", [], {"dflash.fc_norm": _finding("mismatch", "y")}, None, "detected"),  # told apart
+        (None, [], {}, None, "unknown"),  # the invariant is not in the report at all
+        (None, [], {}, "exit 2: boom", "error"),
     ],
 )
-def test_classification(status, others, baseline, error, expected):
-    findings = {i: {"status": "mismatch", "observed": None, "where": None, "reason": ""} for i in others}
+def test_classification(status, others, unmodified, error, expected):
+    findings = {i: _finding("mismatch", None) for i in others}
     if status is not None:
-        findings["dflash.fc_norm"] = {"status": status, "observed": "x", "where": None, "reason": ""}
-    result = classify(_defect(("f.py", "a", "b")), Diagnosis(1, 0.1, findings, error), set(baseline))
+        findings["dflash.fc_norm"] = _finding(status)
+    result = classify(_defect(("f.py", "a", "b")), Diagnosis(1, 0.1, findings, error), Diagnosis(0, 0.1, unmodified))
     assert result.classification == expected
 
 
