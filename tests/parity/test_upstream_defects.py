@@ -1,0 +1,160 @@
+"""sleuth on defects planted in speculators 0.9.0's real source (bench/upstream_defects), as a black box.
+
+The benchmark copies the installed speculators package once per defect, plants that one defect (exact
+text edits from bench/upstream_defects/defects.yaml), runs `sleuth diagnose --code COPY --offline` through
+the CLI of the main environment and classifies the verdict on the broken invariant. The bar the issue sets:
+no false alarm on the unmodified source, and no silent `match` on a planted defect.
+
+It needs speculators' source (the parity environment: `make parity`) and the main environment that runs
+sleuth (`<repo>/.venv`, or a command in $UPSTREAM_BENCH_SLEUTH); without them the benchmark tests skip and
+only the harness's own tests run. $UPSTREAM_BENCH_OUT=FILE keeps the full results as JSON.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.upstream_defects.catalog import (
+    CatalogError,
+    Defect,
+    Edit,
+    check_defects_apply,
+    copy_with_defect,
+    load_catalog,
+    resolve_source,
+)
+from bench.upstream_defects.harness import Diagnosis, classify, run_benchmark, sleuth_command
+
+REQUIRED = os.environ.get("SPECULATORS_PARITY_REQUIRED") == "1"
+DFLASH_INVARIANTS = {
+    "dflash.target_layer_ids", "dflash.fc_input_layers", "dflash.fc_norm", "dflash.kv_injection",
+    "dflash.context_excludes_anchor", "dflash.block_bidirectional", "dflash.blocks_isolated",
+    "dflash.block_position_ids", "dflash.target_logits_source", "dflash.target_shift",
+    "dflash.anchor_slot_untrained", "dflash.loss_decay_gamma", "dflash.loss_kind", "dflash.frozen_embed_head",
+    "dflash.anchor_sampling",
+}
+# Measured on main at e452b8c and again at 5bf601a (BENCHMARKS.md, "sleuth on defects planted in real
+# upstream code"); the lead removes the xfail below when the static-reading and probe fixes land and this
+# reaches 0.
+SILENT_MATCHES_ON_MAIN = 20
+
+
+# ---- the harness itself: runs anywhere ------------------------------------------------------------------
+
+def _defect(*edits: tuple[str, str, str]) -> Defect:
+    return Defect(id="d", source="speculators", invariant="dflash.fc_norm", what="test",
+                  edits=[Edit(file=f, find=a, replace=b) for f, a, b in edits])
+
+
+@pytest.fixture
+def tiny_package(tmp_path: Path) -> Path:
+    root = tmp_path / "speculators"
+    (root / "models").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "models" / "core.py").write_text("x = norm(fc(h))\ny = fc(h)\ny = fc(h)\n")
+    return root
+
+
+def test_catalog_covers_every_invariant_with_enough_defects():
+    catalog = load_catalog()
+    speculators = [d for d in catalog.defects if d.source == "speculators"]
+    assert len(speculators) >= 30
+    assert {d.invariant for d in catalog.defects} == DFLASH_INVARIANTS
+    assert {d.invariant for d in speculators} == DFLASH_INVARIANTS
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("models/core.py", "y = fc(h)", "y = h"), "occurs 2 times"),
+        (("models/core.py", "z = 1", "z = 2"), "occurs 0 times"),
+        (("models/core.py", "x = norm(fc(h))", "x = norm(fc(h)"), "no longer parses"),
+        (("models/other.py", "a", "b"), "does not exist"),
+    ],
+)
+def test_a_defect_that_does_not_plant_exactly_stops_the_run(tiny_package: Path, edit, message):
+    with pytest.raises(CatalogError, match=message):
+        check_defects_apply(tiny_package, [_defect(edit)])
+
+
+def test_the_copy_carries_the_defect_and_the_source_is_untouched(tiny_package: Path, tmp_path: Path):
+    original = (tiny_package / "models" / "core.py").read_text()
+    copy = copy_with_defect(tiny_package, tmp_path / "copy" / "speculators",
+                            _defect(("models/core.py", "x = norm(fc(h))", "x = fc(h)")))
+    assert (copy / "models" / "core.py").read_text().startswith("x = fc(h)\n")
+    assert (tiny_package / "models" / "core.py").read_text() == original
+
+
+def _finding(status: str, observed: str | None = "x") -> dict:
+    return {"status": status, "observed": observed, "where": None, "reason": ""}
+
+
+@pytest.mark.parametrize(
+    ("status", "others", "unmodified", "error", "expected"),
+    [
+        ("mismatch", [], {}, None, "detected"),
+        ("match", ["dflash.kv_injection"], {}, None, "silent_false_match"),
+        ("unknown", ["dflash.kv_injection"], {}, None, "detected_elsewhere"),
+        # a mismatch the unmodified source has too is no news
+        ("unknown", ["dflash.kv_injection"], {"dflash.kv_injection": _finding("mismatch", None)}, None, "unknown"),
+        ("mismatch", [], {"dflash.fc_norm": _finding("mismatch")}, None, "same_as_unmodified"),
+        ("mismatch", [], {"dflash.fc_norm": _finding("mismatch", "y")}, None, "detected"),  # told apart
+        (None, [], {}, None, "unknown"),  # the invariant is not in the report at all
+        (None, [], {}, "exit 2: boom", "error"),
+    ],
+)
+def test_classification(status, others, unmodified, error, expected):
+    findings = {i: _finding("mismatch", None) for i in others}
+    if status is not None:
+        findings["dflash.fc_norm"] = _finding(status)
+    result = classify(_defect(("f.py", "a", "b")), Diagnosis(1, 0.1, findings, error), Diagnosis(0, 0.1, unmodified))
+    assert result.classification == expected
+
+
+# ---- the benchmark on speculators' real source: the parity environment ---------------------------------
+
+@pytest.fixture(scope="module")
+def speculators_result() -> dict:
+    catalog = load_catalog()
+    if importlib.util.find_spec("speculators") is None and not os.environ.get("UPSTREAM_SPECULATORS_PATH"):
+        if REQUIRED:
+            pytest.fail("SPECULATORS_PARITY_REQUIRED=1 but speculators is not installed here", pytrace=False)
+        pytest.skip("speculators is not installed in this environment; the benchmark runs in the parity venv "
+                    "(`make parity`)")
+    root, how = resolve_source("speculators", catalog.sources["speculators"], None)
+    if root is None:
+        pytest.fail(f"speculators is importable but its source was not found: {how}", pytrace=False)
+    try:
+        command = sleuth_command()
+    except CatalogError as exc:
+        pytest.skip(f"no environment to run sleuth in: {exc}")
+    result = run_benchmark(catalog, ["speculators"], {}, command, jobs=2)
+    if out := os.environ.get("UPSTREAM_BENCH_OUT"):  # keep the numbers behind a CI verdict
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+@pytest.mark.slow
+def test_every_speculators_defect_was_diagnosed(speculators_result: dict):
+    errors = {r["id"]: r["error"] for r in speculators_result["defects"] if r["classification"] == "error"}
+    assert not errors, f"sleuth failed on planted defects: {errors}"
+    assert speculators_result["unmodified"]["speculators"]["error"] is None
+
+
+@pytest.mark.slow
+def test_no_false_alarm_on_unmodified_speculators(speculators_result: dict):
+    assert speculators_result["unmodified"]["speculators"]["false_alarms"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=f"main at 5bf601a gives {SILENT_MATCHES_ON_MAIN} silent false matches on "
+                                        "40 planted speculators defects (issues 10/11 fix them)")
+def test_no_silent_false_match_on_planted_speculators_defects(speculators_result: dict):
+    silent = [f"{r['id']} ({r['invariant']} reported match, observed {r['observed']!r})"
+              for r in speculators_result["defects"] if r["classification"] == "silent_false_match"]
+    assert not silent, f"{len(silent)} silent false matches: " + "; ".join(silent)
