@@ -64,6 +64,11 @@ class DiagnoseRequest:
     out: Path | None = None
     playbook: str = DEFAULT_PLAYBOOK
     reference_cache_dir: Path | None = None
+    # Probes (sleuth/probes): None = the default policy (a run's code/ yes, --code only when asked).
+    probe: bool | None = None
+    probe_python: str | None = None
+    probe_entry: str | None = None
+    probe_timeout_s: float = 300.0
 
 
 @dataclass
@@ -127,7 +132,7 @@ def diagnose(
 AGENT_STEPS = frozenset({
     "read-run", "regression", "load-playbook", "resolve-reference", "read-config", "locate-checkpoint",
     "locate-code", "check-invariants", "look-for-evidence", "recheck-invariants", "merge-findings",
-    "rank-findings", "draw-chart", "write-report",
+    "rank-findings", "draw-chart", "write-report", "run-probes", "apply-probes",
 })
 
 
@@ -191,6 +196,7 @@ class _Investigation:
         self.read_code()
         findings = self.check_invariants()
         findings = self.follow_up(findings)
+        findings = self.probe(findings)
         with self.trace.step("rank-findings", count=len(findings)) as step:
             findings = rank_findings(findings, self.rules)
             top = [f"{f.id} ({f.severity})" for f in findings if f.status == "mismatch"][:3]
@@ -208,6 +214,12 @@ class _Investigation:
                 raise DiagnoseError(f"{option} {path} does not exist")
         if request.config is not None and not request.config.is_file():
             raise DiagnoseError(f"--config {request.config} is not a file")
+        from sleuth.probes.runner import ProbeError, check_options
+
+        try:
+            check_options(request.probe_python, request.probe_entry)
+        except ProbeError as exc:
+            raise DiagnoseError(str(exc)) from None
 
     def read_run(self) -> None:
         request = self.request
@@ -383,6 +395,18 @@ class _Investigation:
                 self.checkpoint = extra_checkpoint
             step.outcome = f"{len(improved)} improved: {', '.join(improved)}" if improved else "nothing improved"
         return merged
+
+    def probe(self, findings: list[Finding]) -> list[Finding]:
+        """Experiments on the code under diagnosis (sleuth/probes); their verdicts decide over static readings."""
+        from sleuth.probes.agent import probe_findings
+
+        request, info = self.request, self.run_info
+        return probe_findings(
+            findings, trace=self.trace, playbook=self.playbook, probe=request.probe, entry=request.probe_entry,
+            python=request.probe_python, run_dir=info.path if info is not None else None,
+            run_name=info.name if info is not None else None, run_code=info.code_dir if info is not None else None,
+            code=request.code, config=self.config, timeout_s=request.probe_timeout_s,
+        )
 
     def write(self, findings: list[Finding]) -> Diagnosis:
         from sleuth import __version__
