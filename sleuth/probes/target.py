@@ -66,13 +66,19 @@ class Layout:
     def num_anchors(self) -> int:
         return len(self.anchors)
 
+    @property
+    def documents(self) -> int:
+        return 1 if self.doc0_end == self.seq_len else 2
 
-def make_layout(block_size: int) -> Layout:
+
+def make_layout(block_size: int, documents: int = 2) -> Layout:
+    """Two documents per row; `documents=1` for subjects that never pack (their rows hold one document)."""
     b = block_size
     a0 = 4
-    doc0_end = a0 + 2 + b + 4  # block 1 (a0 + 2) ends inside document 0, with context after it
-    a2 = doc0_end + 4
-    seq_len = a2 + b + 4  # block 2 ends inside document 1; anchors stay out of the last B positions
+    boundary = a0 + 2 + b + 4  # block 1 (a0 + 2) ends before it, with context after it
+    a2 = boundary + 4
+    seq_len = a2 + b + 4  # block 2 ends inside the row; anchors stay out of the last B positions
+    doc0_end = seq_len if documents == 1 else boundary
     return Layout(block_size=b, seq_len=seq_len, doc0_end=doc0_end, anchors=(a0, a0 + 2, a2))
 
 
