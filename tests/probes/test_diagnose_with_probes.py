@@ -61,3 +61,19 @@ def test_bad_probe_flags_exit_2_with_one_line(tmp_path: Path, flag: str, value: 
     assert done.returncode == 2
     assert done.stderr.strip().startswith(message) and len(done.stderr.strip().splitlines()) == 1
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_code_whose_imports_fail_here_is_unknown_with_the_import_error(tmp_path: Path):
+    from sleuth.probes.runner import plan_for_code, run_plan
+    from sleuth.probes.verdict import PROBED_INVARIANTS
+
+    package = tmp_path / "checkout" / "specforge"
+    (package / "modeling" / "draft").mkdir(parents=True)
+    (package / "__init__.py").write_text("import sglang_kernels_that_need_a_gpu  # noqa: F401\n")
+    (package / "modeling" / "draft" / "dflash.py").write_text("")
+    outcome = run_plan(plan_for_code(tmp_path / "checkout", None))
+    assert outcome.error.startswith("cannot set up the subject: ModuleNotFoundError: No module named "
+                                    "'sglang_kernels_that_need_a_gpu'")
+    assert {v.invariant for v in outcome.verdicts} == set(PROBED_INVARIANTS)
+    assert all(v.status == "unknown" and v.reason == outcome.error for v in outcome.verdicts)
