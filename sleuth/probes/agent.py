@@ -93,9 +93,10 @@ def probe_findings(
         if outcome.error:
             step.outcome = f"{plan.subject}: no experiment ran: {outcome.error}"
         else:
-            step.outcome = (f"{plan.subject}: {len(outcome.verdicts)} verdicts, {decided} decided, in "
-                            f"{outcome.seconds.get('total', outcome.wall_s):.2f} s of experiments "
-                            f"({outcome.wall_s:.2f} s with the process)")
+            setup = outcome.seconds.get("setup", 0.0)
+            experiments = outcome.seconds.get("total", outcome.wall_s) - setup
+            step.outcome = (f"{plan.subject}: {len(outcome.verdicts)} verdicts, {decided} decided; experiments "
+                            f"{experiments:.2f} s, imports and set-up {setup:.2f} s, process {outcome.wall_s:.2f} s")
     merged, changed = apply_probes(findings, outcome, trace)
     with trace.step("apply-probes", changed=changed) as step:
         step.outcome = (f"the probe decided {', '.join(changed)} against the static reading" if changed
