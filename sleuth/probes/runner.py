@@ -22,8 +22,9 @@ from sleuth.probes.verdict import DECIDES, PROBED_INVARIANTS, Expectations, Verd
 
 DEFAULT_TIMEOUT_S = 120.0
 TRAINER_ENTRY = "trainer.probe:probe_subject"
-# Where sleuth itself lives: the worker imports sleuth.probes from here in the child interpreter.
-SLEUTH_ROOT = Path(__file__).resolve().parents[2]
+# The sleuth package: linked into the child's scratch directory (its sys.path[0]), so the child imports
+# sleuth.probes without seeing anything else that lives beside sleuth (a site-packages, a checkout's trainer/).
+SLEUTH_PACKAGE = Path(__file__).resolve().parents[1]
 
 
 class ProbeError(Exception):
@@ -135,9 +136,10 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
             "threads": threads or min(2, os.cpu_count() or 1), "seed": 0}
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(SLEUTH_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sleuth-probe-") as scratch:
+        (Path(scratch) / "sleuth").symlink_to(SLEUTH_PACKAGE, target_is_directory=True)
+        env["PYTHONPATH"] = os.pathsep.join([scratch, *filter(None, [os.environ.get("PYTHONPATH")])])
         spec_path, out_path = Path(scratch) / "spec.json", Path(scratch) / "out.json"
         spec_path.write_text(json.dumps(spec))
         try:
