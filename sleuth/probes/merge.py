@@ -4,7 +4,7 @@ Rules:
   * a probe `match` or `mismatch` sets the finding's status; where the static reading said otherwise, the
     finding says so in a note ("probe decided: ...") and its observed value is the measured one;
   * a probe that agrees adds its evidence and raises the confidence;
-  * a probe `unknown` adds its reason as evidence and leaves the status to the static reading;
+  * a probe `unknown` adds its reason as evidence (no note) and leaves the status to the static reading;
   * `not_applicable` (e.g. layer ids of a subject that receives pre-selected features) adds nothing.
 Every verdict is also a trace step: hypothesis, what was perturbed, the number measured, the verdict.
 """
@@ -61,7 +61,7 @@ def merge_one(finding: Finding, verdict: Verdict) -> Finding:
     notes = list(finding.notes)
     update: dict[str, object] = {"evidence": evidence}
     if verdict.status == "unknown":
-        notes.append(f"probe {verdict.experiment} could not decide: {verdict.reason}")
+        pass  # the evidence carries the reason; the static reading keeps the status
     elif verdict.status == finding.status:
         notes.append(f"probe {verdict.experiment} agrees: {verdict.observed or verdict.status}")
         update["confidence"] = max(finding.confidence, PROBE_CONFIDENCE)
