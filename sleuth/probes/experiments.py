@@ -436,8 +436,14 @@ def probe_positions(lab: Lab) -> list[Verdict]:
     verdict.measured = {"block_positions": observed.tolist()}
     verdict.measurement = f"position ids of the block tokens: {observed.tolist()}"
     context = row[:-q]
-    context_ok = context.numel() == layout.seq_len and torch.equal(context, lab.batch.position_ids[0])
-    if torch.equal(observed, expected_block):
+    # The context's own positions are judged only where the rotary call lays them out before the block's.
+    context_laid_out = context.numel() == layout.seq_len
+    context_ok = context_laid_out and torch.equal(context, lab.batch.position_ids[0])
+    if context_laid_out and not context_ok:
+        verdict.status = "mismatch"
+        verdict.observed = f"context positions {context.tolist()} are not the target's {lab.batch.position_ids[0].tolist()}"
+        verdict.fix = "Keep the context at the target's own position ids (per document in packed rows)."
+    elif torch.equal(observed, expected_block):
         verdict.status = "match"
         verdict.observed = "anchor + j" + ("; context keeps its positions" if context_ok else "")
     else:
