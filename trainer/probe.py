@@ -120,6 +120,7 @@ class TrainerProbeSubject:
         # The run's own mask token id belongs to its real vocabulary; the probe's target has its own.
         self.run_config = resolve_for_target(self.config.model_copy(update={"mask_token_id": None}),
                                              self.num_target_layers)
+        # A run's reduced draft vocabulary maps its real vocabulary; the probe's has 64 tokens, all drafted.
         self.plan = StepPlan.from_config(self.run_config, self.target)
         self.drafter = build_drafter(self.run_config, self.target, self.plan).float()
 
@@ -141,8 +142,8 @@ class TrainerProbeSubject:
         embed, logits = FrozenTarget.embed.__get__(target), FrozenTarget.logits.__get__(target)
         drafted: list[Tensor] = []
 
-        def hooked_logits(hidden: Tensor) -> Tensor:
-            out = hooks.draft_logits(logits(hidden))
+        def hooked_logits(hidden: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+            out = hooks.draft_logits(logits(hidden, vocab_ids))
             drafted.append(out)
             return out
 

@@ -42,6 +42,11 @@ def test_v6_anchor_leak_is_measured():
     assert set(mismatches("v6")) == {"dflash.context_excludes_anchor"}
 
 
+def test_recipe_preset_dpace_is_recognised():
+    gamma = preset_verdicts("recipe-2026")["dflash.loss_decay_gamma"]
+    assert gamma.status == "match" and "D-PACE" in gamma.observed
+
+
 def test_every_run_records_the_entry_point(tmp_path):
     from trainer.run.rundir import RunDir
 
