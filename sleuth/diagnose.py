@@ -108,7 +108,7 @@ def diagnose(
 AGENT_STEPS = frozenset({
     "read-run", "regression", "load-playbook", "resolve-reference", "read-config", "locate-checkpoint",
     "locate-code", "check-invariants", "look-for-evidence", "recheck-invariants", "merge-findings",
-    "rank-findings", "draw-chart", "write-report",
+    "rank-findings", "draw-chart", "write-report", "run-probes", "apply-probes",
 })
 
 
@@ -171,6 +171,7 @@ class _Investigation(InputDiscovery):
         self.read_code()
         findings = self.check_invariants()
         findings = self.follow_up(findings)
+        findings = self.probe(findings)
         with self.trace.step("rank-findings", count=len(findings)) as step:
             findings = rank_findings(findings, self.rules)
             top = [f"{f.id} ({f.severity})" for f in findings if f.status == "mismatch"][:3]
@@ -289,6 +290,18 @@ class _Investigation(InputDiscovery):
                 self.checkpoint = extra_checkpoint
             step.outcome = f"{len(improved)} improved: {', '.join(improved)}" if improved else "nothing improved"
         return merged
+
+    def probe(self, findings: list[Finding]) -> list[Finding]:
+        """Experiments on the code under diagnosis (sleuth/probes); their verdicts decide over static readings."""
+        from sleuth.probes.agent import probe_findings
+
+        request, info = self.request, self.run_info
+        return probe_findings(
+            findings, trace=self.trace, playbook=self.playbook, probe=request.probe, entry=request.probe_entry,
+            python=request.probe_python, run_dir=info.path if info is not None else None,
+            run_name=info.name if info is not None else None, run_code=info.code_dir if info is not None else None,
+            code=request.code, config=self.config, timeout_s=request.probe_timeout_s,
+        )
 
     def write(self, findings: list[Finding]) -> Diagnosis:
         report, out_dir, files = write_diagnosis(self, findings)

@@ -12,7 +12,8 @@ from pydantic import BaseModel, Field
 
 Status = Literal["match", "mismatch", "unknown"]
 Severity = Literal["critical", "high", "medium", "low", "info"]
-EvidenceKind = Literal["reference", "code", "config", "checkpoint", "docs", "pinned", "metrics"]
+# `probe`: measured by running the implementation (sleuth/probes); ranked above static `code` readings.
+EvidenceKind = Literal["reference", "code", "config", "checkpoint", "docs", "pinned", "metrics", "probe"]
 
 
 class Evidence(BaseModel):

@@ -64,6 +64,19 @@ def diagnose_command(
     out: Annotated[
         Path | None, typer.Option("--out", metavar="DIR", help="Report directory (default: <run>/diagnosis/).")
     ] = None,
+    probe: Annotated[
+        bool | None,
+        typer.Option("--probe/--no-probe", help="Run experiments on the code (default: yes for a run's code/, "
+                     "no for --code)."),
+    ] = None,
+    probe_python: Annotated[
+        str | None,
+        typer.Option("--probe-python", metavar="PYTHON", help="Interpreter the probes run in (default: this one)."),
+    ] = None,
+    probe_entry: Annotated[
+        str | None,
+        typer.Option("--probe-entry", metavar="MODULE:FUNCTION", help="Your trainer's probe protocol entry point."),
+    ] = None,
 ) -> None:
     """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl."""
     from rich.console import Console
@@ -82,6 +95,9 @@ def diagnose_command(
         config=config,
         offline=offline,
         out=out,
+        probe=probe,
+        probe_python=probe_python,
+        probe_entry=probe_entry,
     )
     listener = live_listener(errors) if sys.stderr.isatty() else None
     try:

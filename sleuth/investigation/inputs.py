@@ -47,6 +47,12 @@ class InputDiscovery:
                 raise DiagnoseError(f"{option} {path} does not exist")
         if request.config is not None and not request.config.is_file():
             raise DiagnoseError(f"--config {request.config} is not a file")
+        from sleuth.probes.runner import ProbeError, check_options
+
+        try:
+            check_options(request.probe_python, request.probe_entry)
+        except ProbeError as exc:
+            raise DiagnoseError(str(exc)) from None
 
     def read_run(self) -> None:
         request = self.request

@@ -28,3 +28,8 @@ class DiagnoseRequest:
     out: Path | None = None
     playbook: str = DEFAULT_PLAYBOOK
     reference_cache_dir: Path | None = None
+    # Probes (sleuth/probes): None = the default policy (a run's code/ yes, --code only when asked).
+    probe: bool | None = None
+    probe_python: str | None = None
+    probe_entry: str | None = None
+    probe_timeout_s: float = 300.0

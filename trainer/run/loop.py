@@ -95,6 +95,18 @@ def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> 
     return drafter.to(device=target.device, dtype=target.dtype)
 
 
+def optimizer_step(
+    config: TrainConfig, drafter: torch.nn.Module, optimizer: Any, loss: torch.Tensor
+) -> None:
+    """One update: clear, backward, clip to config.grad_clip, step (the optimizer of trainer.run.optim).
+    trainer/probe.py calls this too, so sleuth's probe measures the update the loop makes."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
+    optimizer.step()
+
+
 @dataclass
 class TrainResult:
     run: RunDir
@@ -263,11 +275,7 @@ def _train(
         rows = dist.rows(config.batch_size)
         batch = {key: value[rows].to(torch_device) for key, value in global_batch.items()}
         loss, metrics = dflash_step(target, model, batch, anchors[rows], anchor_valid[rows], plan)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if config.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
-        optimizer.step()
+        optimizer_step(config, drafter, optimizer, loss)
         tokens_since += metrics.pop("tokens")
         counts = metrics.pop("counts")
 

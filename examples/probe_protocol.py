@@ -1,0 +1,237 @@
+"""A whole DFlash drafter and training step in one file, exposing sleuth's probe protocol.
+
+    sleuth diagnose --code examples/probe_protocol.py --probe-entry probe_protocol:subject
+
+sleuth imports this module in a separate process (the file's directory first on sys.path), calls
+`subject(context)` and runs its experiments on the object returned: `describe`, `build`, `parameters`,
+`draft_logits`, `loss`, `train_step`, `draft_layers`, `rotary` (sleuth/probes/protocol.py documents each).
+Your own trainer needs the same few methods, each wired to the functions your training really uses.
+
+`context["config"]` may carry `defects` (a list of names in DEFECTS) to plant one of the bugs the probes
+catch; sleuth's own tests use that to check every probe on a correct and a broken implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+DEFECTS = {
+    "fc_subset": "fc reads all selected layers but the last",
+    "layer_offset": "layer id i reads hidden_states[i] instead of hidden_states[i + 1]",
+    "anchor_leak": "a block sees context at its anchor (kv <= anchor)",
+    "future_context": "a block sees context after its anchor",
+    "cross_block": "block tokens see the other blocks' tokens",
+    "causal_block": "slots see only earlier slots of their block",
+    "context_first_layer_only": "only the first layer attends to the context",
+    "position_offset": "block token j sits at anchor + j + 1",
+    "teacher_last_selected": "the teacher is lm_head(norm(h)) of the last selected layer",
+    "no_shift": "slot j is trained toward the target's prediction at p+j",
+    "slot0_weighted": "slot 0 gets loss weight",
+    "trainable_head": "embeddings and lm_head are trained",
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", theta ** (-torch.arange(0, head_dim, 2).float() / head_dim), persistent=False)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:  # [N, T] -> 2 x [N, T, hd]
+        angles = position_ids[..., None].float() * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [N, heads, T, hd], cos/sin [N, T, hd]
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + turned * sin[:, None]
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int, head_dim: int, intermediate: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.norm1, self.norm2 = RMSNorm(hidden), RMSNorm(hidden)
+        self.q, self.k, self.v = (nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(3))
+        self.o = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.up, self.down = nn.Linear(hidden, intermediate, bias=False), nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, hidden_states: Tensor, context: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        n, q_len, _ = hidden_states.shape
+        x = self.norm1(hidden_states)
+        keys_in = x if context is None else torch.cat([context, x], dim=1)  # context K/V first, then the block's
+        if context is None:
+            cos, sin, mask = cos[:, -q_len:], sin[:, -q_len:], mask[..., -q_len:]
+
+        def split(t: Tensor) -> Tensor:
+            return t.view(n, -1, self.heads, self.head_dim).transpose(1, 2)
+
+        q = rotate(split(self.q(x)), cos[:, -q_len:], sin[:, -q_len:])
+        k = rotate(split(self.k(keys_in)), cos, sin)
+        out = F.scaled_dot_product_attention(q, k, split(self.v(keys_in)), attn_mask=mask[:, None])
+        hidden_states = hidden_states + self.o(out.transpose(1, 2).reshape(n, q_len, -1))
+        return hidden_states + self.down(F.silu(self.up(self.norm2(hidden_states))))
+
+
+class Drafter(nn.Module):
+    def __init__(self, num_features: int, hidden: int, layers: int, heads: int, head_dim: int,
+                 intermediate: int, theta: float, context_first_layer_only: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden)
+        self.layers = nn.ModuleList(Layer(hidden, heads, head_dim, intermediate) for _ in range(layers))
+        self.norm = RMSNorm(hidden)
+        self.rotary = Rotary(head_dim, theta)
+        self.context_first_layer_only = context_first_layer_only
+
+    def forward(self, block: Tensor, features: Tensor, position_ids: Tensor, mask: Tensor) -> Tensor:
+        context = self.hidden_norm(self.fc(features))  # [N, S, H]
+        cos, sin = self.rotary(block, position_ids)
+        for index, layer in enumerate(self.layers):
+            sees = index == 0 or not self.context_first_layer_only
+            block = layer(block, context if sees else None, cos, sin, mask)
+        return self.norm(block)
+
+
+def reference_layer_ids(num_layers: int, k: int) -> list[int]:
+    return [num_layers // 2] if k == 1 else [round(1 + i * (num_layers - 4) / (k - 1)) for i in range(k)]
+
+
+class TinyDFlash:
+    """The probe protocol over this file's drafter and loss."""
+
+    def __init__(self, defects: set[str], block_size: int = 6, num_target_layers: int = 8, num_features: int = 3,
+                 gamma: float | None = 4.0, loss: str = "ce", weighting: str = "decay") -> None:
+        unknown = defects - set(DEFECTS)
+        if unknown:
+            raise ValueError(f"unknown defects {sorted(unknown)}")
+        self.defects, self.block_size, self.gamma, self.loss_kind, self.weighting = defects, block_size, gamma, loss, weighting
+        self.num_target_layers = num_target_layers
+        self.layer_ids = reference_layer_ids(num_target_layers, num_features)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": "probe_protocol example", "protocol": 1, "block_size": self.block_size,
+                "num_target_layers": self.num_target_layers, "layer_ids": self.layer_ids,
+                "layer_id_convention": "zlab", "notes": sorted(self.defects)}
+
+    def build(self, target: Any) -> None:
+        self.target = target
+        if "trainable_head" in self.defects:
+            self.embed = nn.Parameter(target.embed_weight.clone())
+            self.head = nn.Parameter(target.lm_head_weight.clone())
+        else:  # the target's own tensors, never trained
+            self.embed, self.head = target.embed_weight, target.lm_head_weight
+        read = self.layer_ids[:-1] if "fc_subset" in self.defects else self.layer_ids
+        self.read = [i if "layer_offset" in self.defects else i + 1 for i in read]  # hidden_states indices
+        self.drafter = Drafter(len(self.read), target.hidden_size, 2, target.num_heads, target.head_dim,
+                               target.intermediate_size, target.rope_theta, "context_first_layer_only" in self.defects)
+
+    def parameters(self) -> dict[str, nn.Parameter]:
+        found = dict(self.drafter.named_parameters())
+        if isinstance(self.embed, nn.Parameter):
+            found.update({"embed": self.embed, "lm_head": self.head})
+        return found
+
+    def draft_layers(self) -> list[nn.Module]:
+        return list(self.drafter.layers)
+
+    def rotary(self) -> nn.Module:
+        return self.drafter.rotary
+
+    def mask(self, anchors: Tensor, doc_ids: Tensor) -> Tensor:  # [N, Q, S+Q] bool
+        n, s = doc_ids.shape
+        b, q_len = self.block_size, anchors.shape[1] * self.block_size
+        block_of = torch.arange(q_len) // b
+        anchor = anchors[:, block_of]  # [N, Q]
+        kv = torch.arange(s)[None, None, :]
+        if "future_context" in self.defects:
+            before = torch.ones(n, q_len, s, dtype=torch.bool)
+        elif "anchor_leak" in self.defects:
+            before = kv <= anchor[..., None]
+        else:
+            before = kv < anchor[..., None]
+        same_doc = doc_ids[:, None, :] == doc_ids.gather(1, anchor)[..., None]
+        own = block_of[:, None] == block_of[None, :]
+        if "cross_block" in self.defects:
+            own = torch.ones_like(own)
+        if "causal_block" in self.defects:
+            own = own & (torch.arange(q_len)[None, :] <= torch.arange(q_len)[:, None])
+        return torch.cat([before & same_doc, own.expand(n, -1, -1)], dim=-1)
+
+    def _logits(self, batch: Any, hooks: Any) -> Tensor:  # [N, A*B, V]
+        n, a = batch.anchors.shape
+        b = self.block_size
+        ids = torch.full((n, a, b), self.target.mask_token_id)
+        ids[:, :, 0] = batch.input_ids.gather(1, batch.anchors)
+        block = hooks.block_embeddings(F.embedding(ids.view(n, a * b), self.embed))
+        features = torch.cat([batch.hidden_states[i] for i in self.read], dim=-1)
+        shift = 1 if "position_offset" in self.defects else 0
+        block_positions = batch.position_ids.gather(1, batch.anchors)[..., None] + torch.arange(b) + shift
+        positions = torch.cat([batch.position_ids, block_positions.view(n, a * b)], dim=1)
+        hidden = self.drafter(block, features, positions, self.mask(batch.anchors, batch.doc_ids))
+        return hooks.draft_logits(hidden @ self.head.T)
+
+    def draft_logits(self, batch: Any, hooks: Any) -> Tensor:
+        n, a = batch.anchors.shape
+        return self._logits(batch, hooks).view(n, a, self.block_size, -1)
+
+    def loss(self, batch: Any, hooks: Any) -> Tensor:
+        n, a = batch.anchors.shape
+        b = self.block_size
+        logp = F.log_softmax(self._logits(batch, hooks).view(n, a, b, -1).float(), dim=-1)
+        teacher = batch.logits
+        if "teacher_last_selected" in self.defects:
+            h = batch.hidden_states[self.layer_ids[-1] + 1]
+            normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.target.rms_norm_eps) * self.target.norm_weight
+            teacher = normed @ self.target.lm_head_weight.T
+        shift = 0 if "no_shift" in self.defects else -1
+        where = (batch.anchors[..., None] + torch.arange(b) + shift).clamp(0, teacher.shape[1] - 1)  # [N, A, B]
+        target = teacher.gather(1, where.view(n, -1, 1).expand(-1, -1, teacher.shape[-1])).view(n, a, b, -1)
+        if self.loss_kind == "ce":
+            per_slot = -logp.gather(-1, target.argmax(-1, keepdim=True)).squeeze(-1)
+        else:
+            q = F.log_softmax(target, -1)
+            per_slot = (q.exp() * (q - logp)).sum(-1)
+        slot = torch.arange(b, dtype=torch.float32)
+        if self.weighting == "dpace":  # speculators' D-PACE: suffix sums of cumulative smoothed confidence
+            with torch.no_grad():
+                mask = (slot > 0).float().expand(n, a, b)
+                smooth = torch.where(mask > 0, 0.5 * torch.exp(-per_slot) + 0.5, torch.ones_like(per_slot))
+                prefix = torch.cumprod(smooth, -1)
+                weights = torch.flip(torch.cumsum(torch.flip(prefix * mask, [-1]), -1), [-1]) * mask
+        else:
+            decay = torch.ones(b) if self.gamma is None else torch.exp(-(slot - 1).clamp(min=0) / self.gamma)
+            if "slot0_weighted" not in self.defects:
+                decay[0] = 0.0
+            weights = decay.expand(n, a, b)
+        return (weights * per_slot).sum() / (weights > 0).sum()
+
+    def train_step(self, batch: Any) -> None:
+        trainable = [p for p in self.parameters().values() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+        identity = type("NoHooks", (), {"block_embeddings": staticmethod(lambda x: x),
+                                        "draft_logits": staticmethod(lambda x: x)})()
+        optimizer.zero_grad()
+        self.loss(batch, identity).backward()
+        optimizer.step()
+
+
+def subject(context: dict[str, Any]) -> TinyDFlash:
+    """The entry point sleuth calls: `--probe-entry probe_protocol:subject`."""
+    config = context.get("config") or {}
+    return TinyDFlash(set(config.get("defects", [])), gamma=config.get("gamma", 4.0), loss=config.get("loss", "ce"),
+                      weighting=config.get("weighting", "decay"), block_size=config.get("block_size", 6))

@@ -1,0 +1,72 @@
+"""What a probe reports: one verdict per invariant an experiment decides, and the values it is judged by.
+
+Torch-free, so sleuth's own process reads the worker's answers without importing the heavy stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+PROBE_STATUSES = ("match", "mismatch", "unknown", "not_applicable")
+
+
+@dataclass
+class Verdict:
+    invariant: str
+    status: str  # one of PROBE_STATUSES
+    experiment: str
+    hypothesis: str
+    perturbed: str
+    measurement: str
+    threshold: str
+    observed: str = ""
+    expected: str = ""
+    measured: Any = None
+    reason: str = ""
+    fix: str = ""
+    seconds: float = 0.0  # the experiment's wall time (shared by the verdicts it produced)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Verdict:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class Expectations:
+    """Values the reference allows where the rule is a value rather than a structure (read from the playbook)."""
+
+    gamma: float | None = 4.0
+    gamma_by_block_size: dict[int, float] = field(default_factory=lambda: {16: 7.0})
+    loss_kinds: tuple[str, ...] = ("ce", "kl")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gamma": self.gamma, "gamma_by_block_size": {str(k): v for k, v in self.gamma_by_block_size.items()},
+                "loss_kinds": list(self.loss_kinds)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> Expectations:
+        if not data:
+            return cls()
+        return cls(
+            gamma=data.get("gamma"),
+            gamma_by_block_size={int(k): float(v) for k, v in (data.get("gamma_by_block_size") or {}).items()},
+            loss_kinds=tuple(data.get("loss_kinds") or ("ce", "kl")),
+        )
+
+
+# Which invariants each experiment decides (for `unknown` verdicts when an experiment cannot run at all).
+DECIDES: dict[str, tuple[str, ...]] = {
+    "layers-read": ("dflash.fc_input_layers", "dflash.target_layer_ids"),
+    "attention": ("dflash.context_excludes_anchor", "dflash.blocks_isolated", "dflash.block_bidirectional"),
+    "context-per-layer": ("dflash.kv_injection",),
+    "rotary-positions": ("dflash.block_position_ids",),
+    "loss-gradient": ("dflash.target_logits_source", "dflash.target_shift", "dflash.loss_kind",
+                      "dflash.anchor_slot_untrained", "dflash.loss_decay_gamma"),
+    "optimizer-step": ("dflash.frozen_embed_head",),
+}
+PROBED_INVARIANTS: tuple[str, ...] = tuple(i for ids in DECIDES.values() for i in ids)

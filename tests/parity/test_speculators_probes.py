@@ -1,0 +1,135 @@
+"""sleuth's probes on speculators 0.9.0 itself: the unmodified package, and copies with one defect each.
+
+Each copy of the installed package gets one realistic edit (the classes static reading missed, issue 10),
+then `sleuth.probes` runs its experiments on that copy in a child process of this interpreter, with the
+copy's import root first on sys.path. The unmodified package must come out with no mismatch and no
+probe-able invariant unknown; each defect must be a mismatch of its invariant, with the measurement.
+
+Runs in the speculators environment (`make parity`); elsewhere it skips, and with
+SPECULATORS_PARITY_REQUIRED=1 a missing speculators is a failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REQUIRED = os.environ.get("SPECULATORS_PARITY_REQUIRED") == "1"
+try:
+    import speculators
+    from speculators.models.dflash.core import DFlashDraftModel  # noqa: F401
+except Exception as exc:  # ImportError, or a broken install
+    if REQUIRED:
+        pytest.fail(f"SPECULATORS_PARITY_REQUIRED=1 but speculators does not import: {exc!r}", pytrace=False)
+    pytest.skip(f"speculators is not importable here ({type(exc).__name__}); run `make parity`",
+                allow_module_level=True)
+
+from sleuth.probes.runner import plan_for_code, run_plan  # noqa: E402
+from sleuth.probes.verdict import PROBED_INVARIANTS  # noqa: E402
+
+PACKAGE = Path(speculators.__file__).resolve().parent
+
+# name -> [(file in the package, exact text, replacement)], the invariant it breaks, and what the probe says.
+DEFECTS: dict[str, tuple[list[tuple[str, str, str]], str, str]] = {
+    "anchor-mask-le": (
+        [("models/dflash/attention.py", "before_anchor = kv_base_pos < q_anchor", "before_anchor = kv_base_pos <= q_anchor")],
+        "dflash.context_excludes_anchor", "sees its anchor's own context position",
+    ),
+    "no-teacher-shift": (
+        [("models/dflash/core.py", "else (anchored_block_indices - 1) % total_seq_len", "else anchored_block_indices % total_seq_len"),
+         ("models/dflash/core.py", "torch.roll(verifier_logits, 1, dims=1)", "torch.roll(verifier_logits, 0, dims=1)")],
+        "dflash.target_shift", "p+j+0",
+    ),
+    "teacher-from-last-aux-layer": (
+        [("models/dflash/core.py", "self.verifier_norm(verifier_last_hidden_states[:, target_indices])",
+          "self.verifier_norm(hidden_states[..., -verifier_last_hidden_states.shape[-1]:][:, target_indices])")],
+        "dflash.target_logits_source", "lm_head(norm(hidden_states[5]))",
+    ),
+    "slot0-weighted": (
+        [("losses/utils.py", "decay_mult = decay_mult * (pos_idx != 0).to(decay_mult.dtype)", "decay_mult = decay_mult * 1.0"),
+         ("models/dflash/core.py", "aligned_loss_mask[:, :: self.block_size] = 0", "pass")],
+        "dflash.anchor_slot_untrained", "slot 0 weighs",
+    ),
+    "decay-off": (
+        [("losses/utils.py", "decay_mult = torch.exp(-((pos_idx - 1).clamp(min=0)) / gamma)",
+          "decay_mult = torch.ones_like(pos_idx)")],
+        "dflash.loss_decay_gamma", "no decay",
+    ),
+    "lm-head-trainable": (
+        [("model.py", "        self.lm_head.weight.requires_grad = False\n", ""),
+         ("model.py", "        self.lm_head.weight.requires_grad_(False)\n", "")],
+        "dflash.frozen_embed_head", "lm_head trained",
+    ),
+}
+
+
+def planted_copy(root: Path, name: str) -> Path:
+    """A copy of the installed speculators package with one defect; fails if an edit no longer applies."""
+    copy = root / name / "speculators"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for relative, old, new in DEFECTS[name][0] if name in DEFECTS else []:
+        path = copy / relative
+        text = path.read_text()
+        assert text.count(old) == 1, f"{relative}: the text to edit for {name} is not there once: {old!r}"
+        path.write_text(text.replace(old, new))
+    return copy
+
+
+@functools.cache
+def outcomes() -> dict[str, object]:
+    """Every copy probed, two child processes at a time (each imports its own speculators)."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="spec-probes-"))
+    jobs = {"unmodified": (planted_copy(root, "unmodified"), None)}
+    jobs["dpace"] = (jobs["unmodified"][0], {"per_position_loss_weight": "dpace"})
+    jobs.update({name: (planted_copy(root, name), None) for name in DEFECTS})
+
+    def probe(item):
+        name, (package, config) = item
+        return name, run_plan(plan_for_code(package, config), python=sys.executable, timeout_s=600)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        found = dict(pool.map(probe, jobs.items()))
+    shutil.rmtree(root, ignore_errors=True)
+    return found
+
+
+def verdicts(name: str) -> dict[str, object]:
+    outcome = outcomes()[name]
+    assert outcome.error is None, outcome.error
+    return {v.invariant: v for v in outcome.verdicts}
+
+
+def test_unmodified_speculators_has_no_mismatch_and_no_unknown():
+    found = verdicts("unmodified")
+    assert set(found) == set(PROBED_INVARIANTS)
+    bad = {k: (v.status, v.observed or v.reason) for k, v in found.items() if v.status not in ("match", "not_applicable")}
+    assert bad == {}
+    # Layer selection happens in vLLM, outside the package: that one probe does not apply.
+    assert [k for k, v in found.items() if v.status == "not_applicable"] == ["dflash.target_layer_ids"]
+    assert found["dflash.loss_decay_gamma"].measured["gamma"] == pytest.approx(4.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", list(DEFECTS))
+def test_each_planted_defect_is_flagged_with_probe_evidence(name):
+    _, invariant, observed = DEFECTS[name]
+    found = verdicts(name)
+    verdict = found[invariant]
+    assert verdict.status == "mismatch", (verdict.observed, verdict.reason)
+    assert observed in verdict.observed
+    assert verdict.measurement and verdict.threshold and verdict.perturbed
+    others = {k: v.status for k, v in found.items() if k != invariant and v.status == "mismatch"}
+    # A teacher without the shift or from another layer is still "a teacher": only its own rule breaks.
+    assert others == {}, others
+
+
+def test_dpace_weighting_is_recognised():
+    gamma = verdicts("dpace")["dflash.loss_decay_gamma"]
+    assert gamma.status == "match" and "D-PACE" in gamma.observed

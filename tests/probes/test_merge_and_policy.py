@@ -1,0 +1,110 @@
+"""Verdicts onto findings (the probe decides, the report says so) and when sleuth probes at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sleuth.findings import Evidence, Finding, Fix
+from sleuth.probes.agent import choose_plan, expectations_from_playbook
+from sleuth.probes.merge import apply_probes
+from sleuth.probes.runner import ProbeError, ProbeOutcome, check_options, plan_for_code, plan_for_run, run_plan
+from sleuth.probes.verdict import PROBED_INVARIANTS, Verdict
+from sleuth.trace import Trace
+
+
+def finding(status: str, observed: str = "final", fix: Fix | None = None) -> Finding:
+    return Finding(id="dflash.target_logits_source", title="targets", status=status, severity="critical",
+                   expected="final", observed=observed, confidence=0.8, fix=fix,
+                   evidence=[Evidence(kind="code", location="train.py:12", value=observed)])
+
+
+def verdict(status: str, observed: str = "", reason: str = "") -> Verdict:
+    return Verdict(invariant="dflash.target_logits_source", status=status, experiment="loss-gradient",
+                   hypothesis="each slot is trained toward the final logits", perturbed="the drafter's logits",
+                   measurement="best teacher explains 100% of trained slots", threshold=">= 90%",
+                   observed=observed, reason=reason, fix="Take the teacher from the final output.")
+
+
+def test_a_probe_overrules_a_static_match_and_says_so():
+    trace = Trace()
+    merged, changed = apply_probes([finding("match")], ProbeOutcome("run v5", [verdict("mismatch", "layer 5")]), trace)
+    result = merged[0]
+    assert changed == ["dflash.target_logits_source"]
+    assert result.status == "mismatch" and result.observed == "layer 5" and result.confidence == 0.95
+    assert result.evidence[0].kind == "probe" and result.evidence[0].location == "probe:loss-gradient"
+    assert "best teacher explains 100%" in result.evidence[0].value
+    assert result.evidence[1].kind == "code"  # the static reading stays, ranked below
+    assert any(n.startswith("probe decided: the static reading said match (final)") for n in result.notes)
+    assert result.fix is not None and result.fix.code_hint == "Take the teacher from the final output."
+    assert [s.step for s in trace.steps] == ["probe"]
+    assert "mismatch" in trace.steps[0].outcome and trace.steps[0].inputs["hypothesis"]
+
+
+def test_an_agreeing_probe_adds_evidence_and_confidence_and_keeps_the_fix():
+    fix = Fix(config_patch={"target_logits_source": "final"})
+    merged, changed = apply_probes([finding("mismatch", "intermediate", fix)],
+                                   ProbeOutcome("run v5", [verdict("mismatch", "layer 5")]), Trace())
+    assert changed == [] and merged[0].status == "mismatch" and merged[0].observed == "intermediate"
+    assert merged[0].fix == fix and merged[0].confidence == 0.95
+    assert any(n.startswith("probe loss-gradient agrees") for n in merged[0].notes)
+
+
+def test_an_unknown_probe_leaves_the_status_and_records_why():
+    merged, changed = apply_probes([finding("match")], ProbeOutcome("x", [verdict("unknown", reason="no gradient")]),
+                                   Trace())
+    assert changed == [] and merged[0].status == "match" and merged[0].confidence == 0.8
+    assert merged[0].evidence[0].value == "unknown: no gradient; measured best teacher explains 100% of trained slots"
+
+
+def test_a_run_recorded_before_the_entry_point_gets_unknown_probes(tmp_path: Path):
+    (tmp_path / "code" / "trainer").mkdir(parents=True)
+    plan = plan_for_run(tmp_path, tmp_path / "code", "old")
+    assert plan.spec is None and "recorded before the trainer exposed a probe entry point" in plan.reason
+    outcome = run_plan(plan)
+    assert {v.invariant for v in outcome.verdicts} == set(PROBED_INVARIANTS)
+    assert all(v.status == "unknown" and v.reason == plan.reason for v in outcome.verdicts)
+    assert plan_for_run(tmp_path, None, "old").reason == "the run has no code/ copy, so there is no code to run"
+
+
+def test_policy_runs_probes_by_default_for_runs_and_only_on_request_for_code(tmp_path: Path):
+    run = dict(entry=None, run_dir=tmp_path, run_name="v5", run_code=tmp_path / "code", code=None, config=None)
+    assert choose_plan(probe=None, **run)[0] is not None
+    assert choose_plan(probe=False, **run) == (None, "--no-probe")
+    code = dict(run, run_dir=None, run_code=None, code=tmp_path)
+    plan, why = choose_plan(probe=None, **code)
+    assert plan is None and "only with --probe" in why
+    plan, _ = choose_plan(probe=True, **code)
+    assert plan.spec is None and "neither speculators nor SpecForge" in plan.reason
+    plan, _ = choose_plan(probe=None, **{**code, "entry": "my_trainer.probe:subject"})
+    assert plan.spec["entry"] == "my_trainer.probe:subject" and plan.spec["sys_path"] == [str(tmp_path.resolve())]
+
+
+def test_speculators_layouts_are_recognised(tmp_path: Path):
+    package = tmp_path / "src" / "speculators"
+    (package / "models" / "dflash").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "models" / "dflash" / "core.py").write_text("")
+    for given in (tmp_path, package):
+        plan = plan_for_code(given, None)
+        assert plan.spec == {"subject": "speculators", "package_dir": str(package.resolve()),
+                             "sys_path": [str(package.parent.resolve())], "context": {"config": None}}
+
+
+@pytest.mark.parametrize(("python", "entry", "message"), [
+    ("/nonexistent/python", None, "--probe-python /nonexistent/python does not exist"),
+    (None, "no_function", "--probe-entry must be module:function"),
+    (None, "a.b:c-d", "--probe-entry must be module:function"),
+])
+def test_bad_probe_options_are_one_line_errors(python, entry, message):
+    with pytest.raises(ProbeError, match=message):
+        check_options(python, entry)
+
+
+def test_expectations_come_from_the_playbook():
+    from sleuth.invariants import load_playbook
+
+    expected = expectations_from_playbook(load_playbook("dflash"))
+    assert expected.gamma == 4.0 and expected.gamma_by_block_size == {16: 7.0}
+    assert set(expected.loss_kinds) == {"ce", "kl"}

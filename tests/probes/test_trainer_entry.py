@@ -1,0 +1,61 @@
+"""The trainer's probe entry point (trainer/probe.py): the trainer's own code, probed with each preset of the
+story, gives the verdicts the config says it should; and every run's code/ copy carries the entry point."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.probes.lab import verdicts
+from trainer.config import PRESETS
+from trainer.probe import probe_subject
+
+EMBEDDED_TARGET_LAYERS = 8  # the embedded target's depth: the presets' layer ids are resolved against it
+
+
+@functools.cache
+def preset_verdicts(preset: str):
+    subject = probe_subject({"config": dict(PRESETS[preset]), "num_target_layers": EMBEDDED_TARGET_LAYERS})
+    return verdicts(subject)
+
+
+def mismatches(preset: str) -> dict[str, str]:
+    return {k: v.observed for k, v in preset_verdicts(preset).items() if v.status == "mismatch"}
+
+
+def test_fixed_preset_matches_every_probe():
+    found = preset_verdicts("fixed")
+    assert {k: v.status for k, v in found.items() if v.status != "match"} == {}
+
+
+def test_v5_mismatches_are_measured_from_the_code():
+    found = mismatches("v5")
+    assert set(found) == {"dflash.fc_input_layers", "dflash.target_logits_source", "dflash.loss_decay_gamma"}
+    assert found["dflash.fc_input_layers"].startswith("4 of 5 selected layers read")
+    # last_selected resolves to layer id 5, which is hidden_states[6].
+    assert "hidden_states[6]" in found["dflash.target_logits_source"]
+    assert preset_verdicts("v5")["dflash.loss_decay_gamma"].measured["gamma"] == pytest.approx(7.0, rel=1e-3)
+
+
+def test_v6_anchor_leak_is_measured():
+    assert set(mismatches("v6")) == {"dflash.context_excludes_anchor"}
+
+
+def test_recipe_preset_dpace_is_recognised():
+    gamma = preset_verdicts("recipe-2026")["dflash.loss_decay_gamma"]
+    assert gamma.status == "match" and "D-PACE" in gamma.observed
+
+
+def test_every_run_records_the_entry_point(tmp_path):
+    from trainer.run.rundir import RunDir
+
+    RunDir(tmp_path / "run").write_code_fingerprint()
+    copied = tmp_path / "run" / "code" / "trainer" / "probe.py"
+    assert copied.is_file()
+    assert "def probe_subject(" in copied.read_text()
+
+
+def test_subject_needs_a_run_or_a_config():
+    with pytest.raises(ValueError, match="needs a run directory"):
+        probe_subject({})
