@@ -94,6 +94,9 @@ class DrafterSpec:
     mask_token_id: int
     target_path: str  # the verifier, for the speculators layout
     target_architectures: list[str]
+    # The target's input-embedding module when it does more than a table lookup (Gemma scales by sqrt(H)):
+    # the drafter trained on its output, which speculators' plain embed_tokens cannot reproduce.
+    embedding_transform: str | None = None
 
 
 @dataclass
@@ -136,6 +139,15 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
     the target (a path or a hub id) wherever the export is served.
     """
     vllm_ids = zlab_to_vllm_layer_ids(spec.target_layer_ids)
+    if spec.embedding_transform is not None:
+        # speculators reloads embed_tokens from the verifier as a plain nn.Embedding (model.py,
+        # _load_verifier_weights) and has no embedding scale, so the exported drafter would see other inputs
+        # than the ones it trained on (measured on Gemma2: logits off by 2, argmax agreement 0).
+        raise ExportError(
+            f"the target's embeddings go through {spec.embedding_transform} (scaled), but speculators' "
+            "DFlashDraftModel reloads them as a plain table, so the drafter would see other inputs than in "
+            "training; export with --format zlab instead"
+        )
     if spec.num_target_layers in vllm_ids:
         # vLLM captures auxiliary hidden states at the input of decoder layers; the last layer's output is
         # only the (normed) final state, which speculators treats separately and drops from this list.
@@ -291,8 +303,25 @@ def drafter_spec_for_run(run: RunDir) -> tuple[DrafterSpec, TrainConfig]:
         mask_token_id=_mask_token_id(config, target_dir, int(text_config.vocab_size)),
         target_path=str(target_dir.resolve()),
         target_architectures=list(getattr(target_config, "architectures", None) or []),
+        embedding_transform=embedding_transform(target_config),
     )
     return spec, config
+
+
+def embedding_transform(target_config: Any) -> str | None:
+    """The class name of the target's input-embedding module when it is not a plain nn.Embedding lookup.
+
+    Built on the meta device from the config alone (no weights, no memory), so it works for any size.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(target_config)
+    except Exception:  # an architecture transformers cannot build: nothing to say about its embeddings
+        return None
+    embeddings = model.get_input_embeddings()
+    return None if type(embeddings) is torch.nn.Embedding else type(embeddings).__name__
 
 
 def _checked_weights(spec: DrafterSpec, weights_file: Path) -> dict[str, torch.Tensor]:
