@@ -82,10 +82,23 @@ FAMILIES: dict[str, Callable[[int, Any], Any]] = {
         "GptOssConfig", sliding_window=SLIDING_WINDOW, layer_types=_alternating(), num_local_experts=4,
         num_experts_per_tok=2,
     ),
+    "cohere2": _llama_like("Cohere2Config", sliding_window=SLIDING_WINDOW, layer_types=_alternating()),
+    # chunked (local) attention on 3 of 4 layers
+    "llama4_text": _llama_like(
+        "Llama4TextConfig", attention_chunk_size=SLIDING_WINDOW, intermediate_size_mlp=64, num_local_experts=2,
+    ),
+    # hybrid: gated delta-net linear attention (a recurrent state) alternating with full attention
+    "qwen3_next": _llama_like(
+        "Qwen3NextConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=_alternating("linear_attention"),
+    ),
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
 }
-SLIDING_FAMILIES = frozenset({"mistral", "phi3", "gemma2", "gemma3_text", "gpt_oss"})
+SLIDING_FAMILIES = frozenset({"mistral", "phi3", "gemma2", "gemma3_text", "gpt_oss", "cohere2", "llama4_text"})
+# Families no packed mask can reproduce (a recurrent state would flow across documents): per-document forwards.
+PER_DOCUMENT_FAMILIES = frozenset({"qwen3_next"})
 
 
 def save_family_target(family: str, directory: Path, tokenizer: Any, seed: int = 0) -> Path:

@@ -41,7 +41,7 @@ class FidelityRecord:
     packing: PackingMode  # how the run packs rows (the mode that was measured above)
     longest_window: int | None  # the target's longest sliding / chunked window; None: full attention only
     dtype: str
-    tried: dict[str, dict[str, float]] = field(default_factory=dict)  # modes that failed before this one
+    tried: dict[str, dict[str, Any]] = field(default_factory=dict)  # modes that failed before this one
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,13 +130,16 @@ def choose_packing(
     tolerance = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(target.dtype, 1e-1)
     lead, document = stream[:lead_length], stream[lead_length:]
     modes: tuple[PackingMode, ...] = PACKING_MODES if packing == "auto" else (packing,)  # type: ignore[assignment]
-    tried: dict[str, dict[str, float]] = {}
+    tried: dict[str, dict[str, Any]] = {}
     result: tuple[PackingMode, float, float] | None = None
     for mode in modes:
         try:
             hidden_diff, logit_diff = measure(target, lead, document, mode)
-        except TargetError as exc:  # e.g. a layer type masking_utils has no builder for
-            tried[mode] = {"error": str(exc)}  # type: ignore[dict-item]
+        except Exception as exc:  # a mode this model cannot run (a layer type without a mask builder, a
+            # forward that takes no {layer type: mask} mapping) is simply not a way to pack it
+            if mode == "per_document":
+                raise
+            tried[mode] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             continue
         result = (mode, hidden_diff, logit_diff)
         if max(hidden_diff, logit_diff) <= tolerance:

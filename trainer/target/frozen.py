@@ -230,8 +230,9 @@ class FrozenTarget:
         )
         return tuple(output.hidden_states), output.logits
 
-    def _layer_masks(self, input_ids: Tensor, position_ids: Tensor) -> dict[str, Any]:
-        """{layer type: mask} for packed rows, built by transformers' own masking_utils from the positions."""
+    def _layer_masks(self, input_ids: Tensor, position_ids: Tensor) -> Any:
+        """{layer type: mask} for packed rows (one mask when the config has no layer types), built by
+        transformers' own masking_utils from the positions."""
         from transformers import masking_utils
 
         builders = {
@@ -239,14 +240,19 @@ class FrozenTarget:
             "sliding_attention": masking_utils.create_sliding_window_causal_mask,
             "chunked_attention": masking_utils.create_chunked_causal_mask,
         }
-        layer_types = set(getattr(self.config, "layer_types", None) or ["full_attention"])
-        unknown = layer_types - set(builders)
-        if unknown:
-            raise TargetError(f"no packed mask for layer types {sorted(unknown)}; use per-document packing")
         n, s = input_ids.shape
         shape_only = torch.empty((n, s, 1), dtype=self.dtype, device=self.device)  # the builders read shape/dtype
+        layer_types = getattr(self.config, "layer_types", None)
+        if not layer_types:
+            # One kind for every layer: the forward takes the single prepared 4D mask as it is.
+            sliding = getattr(self.config, "sliding_window", None) and getattr(self.config, "use_sliding_window", True)
+            kind = "sliding_attention" if sliding else "full_attention"
+            return builders[kind](self.config, shape_only, None, None, position_ids=position_ids)
+        unknown = set(layer_types) - set(builders)
+        if unknown:
+            raise TargetError(f"no packed mask for layer types {sorted(unknown)}; use per-document packing")
         return {kind: builders[kind](self.config, shape_only, None, None, position_ids=position_ids)
-                for kind in layer_types}
+                for kind in set(layer_types)}
 
     def _per_document(self, input_ids: Tensor, position_ids: Tensor,
                       doc_ids: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
