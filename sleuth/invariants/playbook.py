@@ -57,7 +57,7 @@ class Expected(_Strict):
 class ConfigSource(_Strict):
     keys: list[str]
     reader: Literal["target_layer_ids", "fc_layers", "logits_source", "context_includes_anchor", "number",
-                    "loss_kind", "max_anchors"]
+                    "loss_kind", "max_anchors", "target_fidelity"]
 
 
 class CheckpointSource(_Strict):
