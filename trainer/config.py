@@ -232,25 +232,22 @@ def default_target_layer_ids(num_target_layers: int, k: int) -> list[int]:
     """The layer rule: z-lab's k layers evenly from 1 to L-3 (a single layer: L//2), valid for any L >= 2.
 
     64, 5 -> [1,16,31,46,61]; 36, 5 -> [1,9,17,25,33]: exactly z-lab's build_target_layer_ids whenever
-    the target has room for k distinct layers in 1..L-3 (L >= k + 3). A shallower target gets every
-    layer of that range instead (fewer than k: fc reads k' < k layers), and the range is widened to
-    min(1, L-2)..max(start, L-3) so that a 2- or 3-layer target still has one: 8 -> [1,2,3,4,5],
-    6 -> [1,2,3], 4 -> [1], 3 -> [1], 2 -> [0]. The last layer (L-1) is never chosen: its HF hidden state
-    is the final-normed output, and vLLM cannot capture it as an auxiliary state.
+    the target has room for k distinct layers in 1..L-3 (L >= k + 3). A shallower target gets every layer
+    of that range instead (k' < k layers, so fc reads k' layers), and when the range holds a single layer
+    the single-layer rule applies: with k = 5, 8 -> [1,2,3,4,5], 7 -> [1,2,3,4], 6 -> [1,2,3], 5 -> [1,2],
+    4 -> [2], 3 -> [1], 2 -> [0]. The last layer (L-1) is never chosen: its HF hidden state is the
+    final-normed output, which vLLM cannot capture as an auxiliary state.
     """
     if num_target_layers < 2:
         raise ConfigError(
             f"a {num_target_layers}-layer target has no layer to condition the drafter on besides its output; "
             "DFlash needs a target with at least 2 decoder layers"
         )
-    if k == 1:
-        return [min(num_target_layers // 2, num_target_layers - 2)]
-    start = min(1, num_target_layers - 2)
-    end = max(start, num_target_layers - 3)
+    start, end = 1, num_target_layers - 3
     k = min(k, end - start + 1)
-    if k == 1:
-        return [start]
-    # a step of at least 1 keeps the rounded ids distinct
+    if k <= 1:
+        return [min(num_target_layers // 2, num_target_layers - 2)]
+    # k <= end - start + 1 keeps the step >= 1, so the rounded ids are distinct
     return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
 
 

@@ -152,6 +152,12 @@ def _train(
             config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
         )
     config = resolve_for_target(config, target.num_layers)
+    if target.eos_token_id is None and dist.is_main:
+        print(
+            f"note: the target's tokenizer has no eos token: documents are packed without an end marker and "
+            f"eval decodes each prompt to eval_max_new_tokens ({config.eval_max_new_tokens})",
+            file=sys.stderr,
+        )
 
     documents = load_documents(config.data, target.tokenizer, split="train")
     packed = pack_documents(documents, config.seq_len, target.pad_token_id)
