@@ -120,4 +120,4 @@ def test_speculators_loads_our_export_and_drafts_the_same_logits(family, tmp_pat
     diff = float((got - expected).abs().max())
     agreement = float((got.argmax(-1) == expected.argmax(-1)).float().mean())
     print(f"\n{family} export without the refusal: max abs logit diff {diff:.3g}, argmax agreement {agreement:.2f}")
-    assert diff > 0.1
+    assert diff > 100 * 1e-4  # a hundred times the tolerance the other families meet
