@@ -136,3 +136,21 @@ def test_family_exports_reload_with_the_drafters_logits(trained, family):
     else:
         config = json.loads((built["speculators"] / "config.json").read_text())
         assert config["aux_hidden_state_layer_ids"] == [i + 1 for i in original.feature_layer_ids]
+
+
+def test_drafter_config_reads_each_familys_own_names():
+    """Gemma3 nests RoPE per layer type (the drafter takes the full-attention one), GPT-2 names its MLP width
+    n_inner (None: 4H) and has no RoPE, GPT-NeoX's partial rotary factor is its own head layout."""
+    from transformers import Gemma3TextConfig, GPT2Config, GPTNeoXConfig
+
+    from trainer.model.drafter import draft_config_from_target
+
+    gemma3 = Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    rope = draft_config_from_target(gemma3, 1).rope_parameters
+    assert rope["rope_theta"] == gemma3.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
+    assert draft_config_from_target(gemma3, 1).hidden_act == "gelu_pytorch_tanh"
+    gpt2 = draft_config_from_target(GPT2Config(n_embd=64, n_head=4, n_layer=2), 1)
+    assert (gpt2.intermediate_size, gpt2.head_dim, gpt2.hidden_act) == (256, 16, "gelu_new")
+    assert gpt2.rope_parameters["rope_theta"] == 10000.0 and gpt2.rms_norm_eps == 1e-5
+    neox = draft_config_from_target(GPTNeoXConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2), 1)
+    assert "partial_rotary_factor" not in neox.rope_parameters

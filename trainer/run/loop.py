@@ -374,9 +374,13 @@ def check_target_fidelity(config: TrainConfig, target: FrozenTarget, announce: b
             f"tolerance {record.tolerance:.3g}, packing {record.packing})"
         )
         if not config.allow_target_fidelity_failure:
+            remedy = (
+                "set target_packing: auto" if config.target_packing != "auto"
+                else "even each document alone differs from it, so raise target_fidelity_tolerance"
+            )
             raise RunError(
-                f"{summary}: the drafter would learn states the target never produces; set target_packing: auto "
-                "(or per_document), or allow_target_fidelity_failure: true to train anyway"
+                f"{summary}: the drafter would learn states the target never produces; {remedy}, or set "
+                "allow_target_fidelity_failure: true to train anyway"
             )
         if announce:
             print(f"warning: {summary}; training anyway (allow_target_fidelity_failure)", file=sys.stderr)
