@@ -14,6 +14,8 @@ DFLASH_IDS = [
     "dflash.block_position_ids", "dflash.target_logits_source", "dflash.target_shift",
     "dflash.anchor_slot_untrained", "dflash.loss_decay_gamma", "dflash.loss_kind", "dflash.frozen_embed_head",
     "dflash.anchor_sampling",
+    # not a reference-code rule but a trainer-side one: the packed target forward equals the model's own
+    "dflash.target_forward_fidelity",
 ]
 
 
