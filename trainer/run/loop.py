@@ -171,7 +171,9 @@ def _train(
         target.cache.check_serves(target_fingerprint=target.fingerprint, data_fingerprint=packed.fingerprint,
                                   seq_len=config.seq_len, layers=needed)
     if config.hidden_states:
-        fidelity = None  # the hidden-state cache's generator ran the target; this run never does
+        # The cache's generator ran the target and measured it; this run never does: carry its record.
+        stored = target.cache.manifest.get("target_fidelity")
+        fidelity = FidelityRecord(**stored) if isinstance(stored, dict) else None
     else:
         display.message("checking the target's packed forward against its own")
         fidelity = check_target_fidelity(config, target, announce=dist.is_main)
