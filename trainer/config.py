@@ -65,7 +65,8 @@ class TrainConfig(BaseModel):
     target_layer_ids: list[int] | None = Field(
         None,
         description="Target decoder layers whose outputs condition the drafter (z-lab convention: id i is "
-        "HF hidden_states[i+1]). None: round(1 + i*(L-4)/(k-1)) for k = draft_layers, [L//2] for k = 1.",
+        "HF hidden_states[i+1]). None: the layer rule of default_target_layer_ids (z-lab's "
+        "round(1 + i*(L-4)/(k-1)) for k = draft_layers, [L//2] for k = 1; fewer layers on shallow targets).",
     )
     fc_layers: list[int] | None = Field(
         None,
@@ -159,6 +160,21 @@ class TrainConfig(BaseModel):
         "float32", description="Compute dtype; bfloat16 is for CUDA."
     )
 
+    # --- target fidelity (trainer/target/fidelity.py, `dflash.target_forward_fidelity`) ------------------
+    target_packing: Literal["auto", "positions", "layer_masks", "per_document"] = Field(
+        "auto",
+        description="How packed rows go through the target. auto: the first way whose fidelity check passes "
+        "(per_document, exact but slower, is the last resort).",
+    )
+    target_fidelity_tolerance: float | None = Field(
+        None, gt=0,
+        description="Largest max-abs difference (hidden states, logits) between the packed and the plain target "
+        "forward that a run accepts. None: 1e-3 in float32, 1e-1 in bfloat16.",
+    )
+    allow_target_fidelity_failure: bool = Field(
+        False, description="Train even when the fidelity check fails (the record in run.json says so)."
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, values: Any) -> Any:
@@ -185,7 +201,7 @@ class TrainConfig(BaseModel):
             if not ids:
                 raise ValueError("must name at least one layer")
             if any(i < 0 for i in ids) or sorted(set(ids)) != ids:
-                raise ValueError(f"must be distinct non-negative layer ids in increasing order, got {ids}")
+                raise ValueError("must be distinct non-negative layer ids in increasing order, e.g. [1, 3]")
         return ids
 
     @model_validator(mode="after")
@@ -193,7 +209,7 @@ class TrainConfig(BaseModel):
         if self.fc_layers is not None:
             k = len(self.target_layer_ids) if self.target_layer_ids is not None else self.draft_layers
             if not self.fc_layers or sorted(set(self.fc_layers)) != self.fc_layers:
-                raise ValueError(f"fc_layers must be distinct increasing indices, got {self.fc_layers}")
+                raise ValueError(f"fc_layers must be distinct increasing indices, e.g. [0, 1]; {self.fc_layers} is not")
             if self.fc_layers[0] < 0 or self.fc_layers[-1] >= k:
                 raise ValueError(f"fc_layers {self.fc_layers} index outside the {k} selected target layers")
         if isinstance(self.target_logits_source, int) and self.target_logits_source < 0:
@@ -212,8 +228,10 @@ class TrainConfig(BaseModel):
         """The target layer ids for an L-layer target (validated against L)."""
         ids = self.target_layer_ids or default_target_layer_ids(num_target_layers, self.draft_layers)
         if ids[-1] >= num_target_layers:
+            valid = default_target_layer_ids(num_target_layers, self.draft_layers)
             raise ConfigError(
-                f"target_layer_ids {ids} name a layer past the target's last ({num_target_layers - 1})"
+                f"target_layer_ids {ids} name a layer past the target's last ({num_target_layers - 1}); "
+                f"set target_layer_ids to null for the default rule (here {valid}) or to ids below {num_target_layers}"
             )
         source = self.target_logits_source
         if isinstance(source, int) and source >= num_target_layers:
@@ -230,12 +248,25 @@ class TrainConfig(BaseModel):
 
 
 def default_target_layer_ids(num_target_layers: int, k: int) -> list[int]:
-    """z-lab's rule: k layers evenly from 1 to L-3; a single layer is L//2. 64, 5 -> [1,16,31,46,61]."""
-    if k == 1:
-        return [num_target_layers // 2]
+    """The layer rule: z-lab's k layers evenly from 1 to L-3 (a single layer: L//2), valid for any L >= 2.
+
+    64, 5 -> [1,16,31,46,61]; 36, 5 -> [1,9,17,25,33]: exactly z-lab's build_target_layer_ids whenever
+    the target has room for k distinct layers in 1..L-3 (L >= k + 3). A shallower target gets every layer
+    of that range instead (k' < k layers, so fc reads k' layers), and when the range holds a single layer
+    the single-layer rule applies: with k = 5, 8 -> [1,2,3,4,5], 7 -> [1,2,3,4], 6 -> [1,2,3], 5 -> [1,2],
+    4 -> [2], 3 -> [1], 2 -> [0]. The last layer (L-1) is never chosen: its HF hidden state is the
+    final-normed output, which vLLM cannot capture as an auxiliary state.
+    """
+    if num_target_layers < 2:
+        raise ConfigError(
+            f"a {num_target_layers}-layer target has no layer to condition the drafter on besides its output; "
+            "DFlash needs a target with at least 2 decoder layers"
+        )
     start, end = 1, num_target_layers - 3
-    if end < start:
-        raise ConfigError(f"a {num_target_layers}-layer target is too shallow to select {k} layers")
+    k = min(k, end - start + 1)
+    if k <= 1:
+        return [min(num_target_layers // 2, num_target_layers - 2)]
+    # k <= end - start + 1 keeps the step >= 1, so the rounded ids are distinct
     return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
 
 

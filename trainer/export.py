@@ -98,6 +98,8 @@ class DrafterSpec:
     mask_token_id: int
     target_path: str  # the verifier, for the speculators layout
     target_architectures: list[str]
+    # Why speculators cannot serve this drafter on its target (None: it can); see speculators_refusal.
+    speculators_refusal: str | None = None
 
 
 @dataclass
@@ -140,6 +142,8 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
     the target (a path or a hub id) wherever the export is served.
     """
     vllm_ids = zlab_to_vllm_layer_ids(spec.target_layer_ids)
+    if spec.speculators_refusal is not None:
+        raise ExportError(f"{spec.speculators_refusal}; export with --format zlab instead")
     if spec.num_target_layers in vllm_ids:
         # vLLM captures auxiliary hidden states at the input of decoder layers; the last layer's output is
         # only the (normed) final state, which speculators treats separately and drops from this list.
@@ -283,8 +287,47 @@ def drafter_spec_for_run(run: RunDir) -> tuple[DrafterSpec, TrainConfig]:
         mask_token_id=_mask_token_id(config, target_dir, int(text_config.vocab_size)),
         target_path=str(target_dir.resolve()),
         target_architectures=list(getattr(target_config, "architectures", None) or []),
+        speculators_refusal=speculators_refusal(target_config),
     )
     return spec, config
+
+
+# The weight names speculators 0.9.0 looks the verifier's embeddings up by (exact or as a suffix):
+# src/speculators/utils/loading.py, _WEIGHT_ALIASES and _resolve_key.
+SPECULATORS_EMBEDDING_NAMES = ("embed_tokens", "tok_embeddings", "llm.embed", "backbone.embeddings")
+
+
+def speculators_refusal(target_config: Any) -> str | None:
+    """Why speculators' DFlashDraftModel cannot give this drafter its training inputs, or None.
+
+    speculators reloads embed_tokens from the verifier's weight files as a plain nn.Embedding table
+    (model.py, _load_verifier_weights). That fails when the verifier names the table otherwise (GPT-2's
+    transformer.wte), and silently changes the drafter's inputs when the target's embedding module does
+    more than a lookup (Gemma's sqrt(H) scaling). The model is built on the meta device from the config
+    alone (no weights, no memory), so this works for any size.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(target_config)
+    except Exception:  # an architecture transformers cannot build here: nothing known against it
+        return None
+    embeddings = model.get_input_embeddings()
+    architecture = type(model).__name__
+    if type(embeddings) is not torch.nn.Embedding:
+        return (
+            f"{architecture} embeds tokens through {type(embeddings).__name__} (scaled), which the drafter "
+            "trained on, but speculators' DFlashDraftModel reloads the verifier's embeddings as a plain table, "
+            "so the served drafter would see other inputs"
+        )
+    name = next((n for n, module in model.named_modules() if module is embeddings), "")
+    if not name.endswith(SPECULATORS_EMBEDDING_NAMES):
+        return (
+            f"{architecture} keeps its token embeddings as {name}.weight, and speculators' DFlashDraftModel "
+            f"finds a verifier's embeddings only by the names {', '.join(SPECULATORS_EMBEDDING_NAMES)}"
+        )
+    return None
 
 
 def _checked_weights(spec: DrafterSpec, weights_file: Path, run: RunDir) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ class ConfigReading:
     detail: str = ""
     notes: list[str] = field(default_factory=list)
     count: int | None = None  # how many target layers feed fc, for the fc reader
+    location: str | None = None  # where it was read when not config.json (e.g. run.json:target_fidelity)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class RunMeta:
     num_layers: int | None = None
     hidden_size: int | None = None
     source: str | None = None  # path of the run.json read
+    target_fidelity: Any = None  # run.json's `target_fidelity` record, as written (None: absent)
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -81,6 +83,7 @@ def find_run_meta(config_source: str | None, checkpoint: Path | None, config: di
                 num_layers=layers if isinstance(layers, int) else None,
                 hidden_size=hidden if isinstance(hidden, int) else None,
                 source=str(path),
+                target_fidelity=data.get("target_fidelity"),
             )
     found = lookup(config, ["num_target_layers"])
     if found is not None and isinstance(found[1], int) and not isinstance(found[1], bool):
@@ -215,6 +218,42 @@ def _read_max_anchors(config: dict, keys: list[str], meta: RunMeta) -> ConfigRea
     reading = ConfigReading(None, key, value, confidence=0.0, detail=f"max_anchors {value}")
     if isinstance(value, int) and value != 512:
         reading.notes.append(f"max_anchors {value} (speculators' default is 512): fewer blocks per sequence, same rule")
+    return reading
+
+
+@config_reader("target_fidelity")
+def _read_target_fidelity(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    """run.json's `target_fidelity` record, judged here: max abs hidden / logit difference between the
+    trainer's packed target forward and the model's own, against the tolerance the record states."""
+    if meta.source is None or not meta.source.endswith("run.json"):
+        return ConfigReading(None, "target_fidelity", None, confidence=0.0,
+                             detail="no run.json beside the config, where the target-fidelity record is kept")
+    location = f"{meta.source}:target_fidelity"
+    record = meta.target_fidelity
+    if record is None:
+        return ConfigReading(
+            None, "target_fidelity", None, confidence=0.0, location=location,
+            detail="run.json has no target_fidelity record: the trainer never measured its packed target forward "
+            "against the model's own (a trainer that predates the check, or another trainer)",
+        )
+    numbers = {k: record.get(k) if isinstance(record, dict) else None
+               for k in ("max_abs_hidden_diff", "max_abs_logit_diff", "tolerance")}
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers.values()):
+        return ConfigReading(None, "target_fidelity", record, confidence=0.0, location=location,
+                             detail=f"run.json's target_fidelity record is incomplete: {record!r}"[:300])
+    worst = max(numbers["max_abs_hidden_diff"], numbers["max_abs_logit_diff"])
+    tokens, packing = record.get("tokens"), record.get("packing")
+    detail = (f"max abs hidden diff {numbers['max_abs_hidden_diff']:.3g}, logit diff {numbers['max_abs_logit_diff']:.3g}, "
+              f"tolerance {numbers['tolerance']:.3g}" + (f", on {tokens} held-out tokens" if tokens else "")
+              + (f", packing {packing}" if packing else ""))
+    reading = ConfigReading("within tolerance" if worst <= numbers["tolerance"] else "above tolerance",
+                            "target_fidelity", record, detail=detail, location=location)
+    window = record.get("longest_window")
+    if isinstance(window, int) and isinstance(tokens, int) and tokens <= window:
+        reading.notes.append(f"the checked document ({tokens} tokens) is not longer than the target's window "
+                             f"({window}): a dropped window would not show in this record")
+    if record.get("passed") is not None and bool(record.get("passed")) != (worst <= numbers["tolerance"]):
+        reading.notes.append(f"the record says passed={record.get('passed')}, but its own numbers say otherwise")
     return reading
 
 

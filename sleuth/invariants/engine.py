@@ -332,12 +332,13 @@ def _config_observation(inv: Invariant, run: _Run) -> tuple[Observation | None, 
                 return None, [CONFIG_VALUE_INVALID + problem]
             step.outcome = f"none of {spec.keys} in {run.config_source}"
             return None, []
-        evidence = Evidence(kind="config", location=f"{run.config_source}:{reading.key}", value=_text(reading.raw))
+        location = reading.location or f"{run.config_source}:{reading.key}"
+        evidence = Evidence(kind="config", location=location, value=_text(reading.raw))
         # for a number, null is a value (gamma null = no decay); elsewhere None means "does not decide"
         decides = reading.confidence > 0 and (reading.value is not None or spec.reader == "number")
         if not decides:
             step.outcome = f"{reading.key} = {reading.raw!r}: does not decide this rule ({reading.detail})"
-            extra = [reading.detail] if spec.reader == "target_layer_ids" and reading.detail else []
+            extra = [reading.detail] if spec.reader in ("target_layer_ids", "target_fidelity") and reading.detail else []
             return None, reading.notes + extra
         step.outcome = f"{reading.key} = {reading.raw!r} -> {reading.value!r}"
         observation = Observation(reading.value, "config", reading.confidence, [evidence], reading.detail, reading.count)
@@ -449,7 +450,9 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
 
     code_obs, code_reason, code_notes = _code_observation(inv, run, ok)
     low_confidence_code = code_obs is None or code_obs.confidence < 0.6
-    if low_confidence_code and (inv.observed.config is not None or inv.observed.checkpoint is not None) and run.code is not None:
+    # (an invariant that no source extractor reads, e.g. one judged from run.json, skips this step)
+    if (low_confidence_code and inv.observed.code and (inv.observed.config is not None or inv.observed.checkpoint is not None)
+            and run.code is not None):
         # the code alone does not settle it: go to what the run actually used
         with run.trace.step("defer", invariant=inv.id, source="code",
                             to=[s for s in ("config", "checkpoint") if getattr(inv.observed, s) is not None]) as step:
@@ -515,7 +518,9 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
             if run.config is None and inv.observed.config is not None:
                 reasons.append("no run config was given")
             elif inv.observed.config is not None and run.config is not None and not code_reason:
-                reasons.append(f"the run's config has none of {inv.observed.config.keys}")
+                # a record read from run.json says itself why it cannot decide (the last note it added)
+                own = inv.observed.config.reader == "target_fidelity" and config_notes
+                reasons.append(config_notes[-1] if own else f"the run's config has none of {inv.observed.config.keys}")
             if run.code is None and inv.observed.code:
                 reasons.append("no source code was given")
             reason = "; ".join(reasons) or "no evidence for this rule in the inputs"

@@ -79,7 +79,7 @@ def runs(tmp_path_factory) -> Path:
     tokenizer.save_pretrained(root / "target")
     common = dict(
         target=str(root / "target"), steps=2, batch_size=2, seq_len=48, draft_layers=2, block_size=BLOCK,
-        max_anchors=4, eval_every=None, warmup_steps=0, checkpoint_every=2,
+        max_anchors=4, eval_every=None, eval_prompts=1, eval_max_new_tokens=8, warmup_steps=0, checkpoint_every=2,
     )
     runs_dir = root / "runs"
     train(RunDir(runs_dir / "fixed"), build_config(extra=common), preset=None, device="cpu", progress=False)

@@ -27,6 +27,9 @@ TINY = {
     "warmup_steps": 2,
     "log_every": 1,
     "eval_every": None,
+    # every run ends with eval.json, eval_every or not: keep that final eval tiny
+    "eval_prompts": 2,
+    "eval_max_new_tokens": 8,
     "checkpoint_every": 3,
 }
 

@@ -51,6 +51,10 @@ def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: tor
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     target = FrozenTarget.load(config.target, device, dtype, mask_token_id=config.mask_token_id)
     config = resolve_for_target(config, target.num_layers)
+    from trainer.run.loop import check_target_fidelity  # lazy: the run loop imports this package
+
+    # The same check a run makes (and the packing it picks), before any state is stored.
+    fidelity = check_target_fidelity(config, target, announce=rank == 0)
     layers = stored_layers(config, target.num_layers)
     packed = pack_documents(load_documents(config.data, target.tokenizer, split="train"), config.seq_len,
                             target.pad_token_id)
@@ -67,6 +71,7 @@ def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: tor
         "shards": shards,
         "dtype": str(dtype).removeprefix("torch."),
         "logits_check": {"max_abs_logit_diff": 0.0, "tolerance": LOGITS_TOLERANCE},
+        "target_fidelity": fidelity.to_json(),
         "complete": False,
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -34,27 +34,26 @@ def draft_config_from_target(target_config: Any, num_layers: int) -> Qwen3Config
     """A Qwen3Config for the drafter: the target's width, heads, RoPE and norm eps; `num_layers` layers.
 
     The drafter shares the target's RoPE (its context keys sit at the target's absolute positions) and
-    its hidden size (the fused context and the target's embeddings/lm_head live in that space).
+    its hidden size (the fused context and the target's embeddings/lm_head live in that space). Its layers
+    are always Qwen3 decoder layers (full attention); sizes, activation and RoPE come from the target, and families
+    that name them differently (GPT-2, Gemma) are read under their own names.
     """
     text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     hidden = text_config.hidden_size
     heads = text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or hidden // heads
-    rope_parameters = getattr(text_config, "rope_parameters", None)
-    if not rope_parameters:  # configs from before transformers 5 keep a bare rope_theta
-        rope_parameters = {"rope_type": "default", "rope_theta": getattr(text_config, "rope_theta", 10000.0)}
     return Qwen3Config(
         vocab_size=text_config.vocab_size,
         hidden_size=hidden,
-        intermediate_size=text_config.intermediate_size,
+        intermediate_size=_intermediate_size(text_config),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
-        hidden_act=getattr(text_config, "hidden_act", "silu"),
-        max_position_embeddings=getattr(text_config, "max_position_embeddings", 32768),
-        rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
-        rope_parameters=dict(rope_parameters),
+        hidden_act=_activation(text_config),
+        max_position_embeddings=_max_positions(text_config),
+        rms_norm_eps=_norm_eps(text_config),
+        rope_parameters=full_attention_rope(text_config),
         attention_bias=False,
         attention_dropout=0.0,
         initializer_range=getattr(text_config, "initializer_range", 0.02),
@@ -62,6 +61,56 @@ def draft_config_from_target(target_config: Any, num_layers: int) -> Qwen3Config
         use_sliding_window=False,
         num_target_layers=text_config.num_hidden_layers,  # z-lab's config carries it for the layer-id rule
     )
+
+
+def full_attention_rope(text_config: Any) -> dict[str, Any]:
+    """The target's RoPE as the drafter's full-attention layers use it.
+
+    Gemma3-style configs nest RoPE per layer type ({"full_attention": {...}, "sliding_attention": {...}}):
+    the drafter attends over the whole context like the target's full-attention layers, so it takes
+    theirs. A partial rotary factor (GPT-NeoX, Phi) is the target's own head layout, not the drafter's,
+    and a target without RoPE (GPT-2's learned positions) leaves the drafter the Qwen3 default.
+    """
+    rope = getattr(text_config, "rope_parameters", None)
+    if isinstance(rope, dict) and "rope_type" not in rope and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    if not rope:  # configs from before transformers 5 keep a bare rope_theta
+        rope = {"rope_type": "default", "rope_theta": getattr(text_config, "rope_theta", None) or 10000.0}
+    return {key: value for key, value in dict(rope).items() if key != "partial_rotary_factor"}
+
+
+def _intermediate_size(text_config: Any) -> int:
+    # GPT-2 names it n_inner, and None there means 4 * hidden.
+    for name in ("intermediate_size", "n_inner", "ffn_dim"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 4 * text_config.hidden_size
+
+
+def _activation(text_config: Any) -> str:
+    # Gemma names it hidden_activation, GPT-2 activation_function; the drafter's Qwen3 MLP takes any ACT2FN name.
+    for name in ("hidden_act", "hidden_activation", "activation_function"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, str) and value:
+            return value
+    return "silu"
+
+
+def _max_positions(text_config: Any) -> int:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 32768
+
+
+def _norm_eps(text_config: Any) -> float:
+    for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, float) and value > 0:
+            return value
+    return 1e-6
 
 
 def crop_cache(cache: Cache, length: int) -> None:

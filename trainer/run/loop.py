@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,8 @@ from trainer.run.rundir import (
     now_iso,
 )
 from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
-from trainer.target.frozen import FrozenTarget
+from trainer.target.fidelity import FidelityRecord, check_lengths, choose_packing, token_stream
+from trainer.target.frozen import PACKING_MODES, FrozenTarget
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
@@ -184,6 +186,8 @@ def _train(
         asked = max(steps or 0, config.steps if config else 0)
         config = saved.model_copy(update={"steps": max(asked, saved.steps)})
     assert config is not None
+    # The run record names its inputs absolutely, so eval and export work from any directory.
+    config = config.model_copy(update=absolute_inputs(config))
     if config.batch_size % dist.world_size:
         raise ConfigError(
             f"batch_size {config.batch_size} must divide evenly over {dist.world_size} processes "
@@ -209,6 +213,12 @@ def _train(
         )
     config = resolve_for_target(config, target.num_layers)
     check_fits_memory(config, target, dist.world_size)
+    if target.eos_token_id is None and dist.is_main:
+        print(
+            f"note: the target's tokenizer has no eos token: documents are packed without an end marker and "
+            f"eval decodes each prompt to eval_max_new_tokens ({config.eval_max_new_tokens})",
+            file=sys.stderr,
+        )
 
     documents = load_documents(config.data, target.tokenizer, split="train")
     packed = pack_documents(documents, config.seq_len, target.pad_token_id)
@@ -221,6 +231,13 @@ def _train(
         needed = sorted(set(plan.feature_layer_ids) | ({plan.logits_source} if isinstance(plan.logits_source, int) else set()))
         target.cache.check_serves(target_fingerprint=target.fingerprint, data_fingerprint=packed.fingerprint,
                                   seq_len=config.seq_len, layers=needed)
+    if config.hidden_states:
+        # The cache's generator ran the target and measured it; this run never does: carry its record.
+        stored = target.cache.manifest.get("target_fidelity")
+        fidelity = FidelityRecord(**stored) if isinstance(stored, dict) else None
+    else:
+        display.message("checking the target's packed forward against its own")
+        fidelity = check_target_fidelity(config, target, announce=dist.is_main)
 
     drafter = build_drafter(config, target, plan)
     start_step = 0
@@ -241,7 +258,8 @@ def _train(
             return drafter
         return unsharded_copy(eval_template, drafter)  # None on the ranks that only took part in the gather
     # Everything a user can get wrong (held-out prompts included) fails before the run directory is written.
-    evaluator = _Evaluator(config, target, vocab_ids) if config.eval_every and dist.is_main else None
+    # Every run ends with eval.json, whether or not it also evaluates periodically (eval_every).
+    evaluator = _Evaluator(config, target, vocab_ids) if dist.is_main else None
     validator = _Validator(config, target, plan, dist, torch_device) if config.val_every else None
     require_trackers(config)
     if resume:
@@ -249,7 +267,7 @@ def _train(
     if dist.is_main:
         run.header_written = True  # from here on a failure is recorded in run.json (see train())
         _write_run_header(
-            run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created
+            run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created, fidelity
         )
     if dist.is_main and vocab_ids is not None:
         save_vocab(run.path / VOCAB_FILE, vocab_ids, target.vocab_size)
@@ -420,6 +438,7 @@ def _write_run_header(
     device: torch.device,
     dist: Distributed,
     created: str,
+    fidelity: FidelityRecord | None,
 ) -> None:
     if resume:
         run.truncate_metrics(start_step)  # rows after the checkpoint are recomputed, never duplicated
@@ -428,7 +447,8 @@ def _write_run_header(
         # A resumed run that had failed or was interrupted is running again: the old reason no longer holds.
         info = {key: value for key, value in run.read_info().items() if key not in ("error", "stopped")}
         run.write_info({**info, "status": "running", "resumed_at": now_iso(), "steps_done": start_step,
-                        "world_size": dist.world_size})
+                        "world_size": dist.world_size,
+                        "target_fidelity": fidelity.to_json() if fidelity else info.get("target_fidelity")})
     else:
         run.path.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run.config_path, config.model_dump(mode="json"))
@@ -449,10 +469,58 @@ def _write_run_header(
                     "vocab_size": target.vocab_size,
                 },
                 "data": {"source": config.data, "fingerprint": data_fingerprint},
+                "target_fidelity": fidelity.to_json() if fidelity else None,
             }
         )
     run.write_code_fingerprint(keep_existing=resume)
     run.write_environment(str(device))
+
+
+def absolute_inputs(config: TrainConfig) -> dict[str, str]:
+    """`target` and `data` paths made absolute (the built-in 'embedded' ones stay as they are)."""
+    update = {}
+    for key in ("target", "data"):
+        value = getattr(config, key)
+        if value != "embedded":
+            update[key] = str(Path(value).expanduser().resolve())
+    return update
+
+
+def check_target_fidelity(config: TrainConfig, target: FrozenTarget, announce: bool = True) -> FidelityRecord:
+    """Measure the packed target forward against the model's own on a held-out document longer than any
+    window, choose how rows are packed, and refuse to train above the tolerance unless allowed."""
+    heldout = load_documents(config.data, target.tokenizer, split="heldout")
+    lead, length = check_lengths(target, config.seq_len)
+    stream = token_stream([doc.input_ids for doc in heldout], lead + length)
+    record = choose_packing(target, stream, lead, config.target_fidelity_tolerance, config.target_packing)
+    if announce and record.packing == "per_document" and config.target_packing == "auto":
+        failed = ", ".join(
+            f"{mode} {max(diffs.values()):.3g}" if "error" not in diffs else f"{mode} ({diffs['error']})"
+            for mode, diffs in record.tried.items()
+        )
+        print(
+            f"note: {type(target.model).__name__} cannot be packed exactly ({failed}); every document goes "
+            "through the target alone (exact, slower)",
+            file=sys.stderr,
+        )
+    if not record.passed:
+        summary = (
+            f"the target's packed forward differs from its own forward on a {record.tokens}-token held-out document "
+            f"(max abs hidden diff {record.max_abs_hidden_diff:.3g}, logit diff {record.max_abs_logit_diff:.3g}, "
+            f"tolerance {record.tolerance:.3g}, packing {record.packing})"
+        )
+        if not config.allow_target_fidelity_failure:
+            remedy = (
+                "set target_packing: auto" if config.target_packing != "auto"
+                else "even each document alone differs from it, so raise target_fidelity_tolerance"
+            )
+            raise RunError(
+                f"{summary}: the drafter would learn states the target never produces; {remedy}, or set "
+                "allow_target_fidelity_failure: true to train anyway"
+            )
+        if announce:
+            print(f"warning: {summary}; training anyway (allow_target_fidelity_failure)", file=sys.stderr)
+    return record
 
 
 def _check_same_inputs(run: RunDir, target_fingerprint: str, data_fingerprint: str) -> None:
@@ -591,6 +659,9 @@ def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:
         if not vocab_file.is_file():
             raise RunError(f"run {run.name!r} has a draft vocabulary but no {VOCAB_FILE}")
         vocab_ids = load_vocab(vocab_file)
+    recorded = run.read_info().get("target_fidelity") or {}
+    if recorded.get("packing") in PACKING_MODES:  # pack rows as the run did (probes read features this way)
+        target.packing = recorded["packing"]
     plan = StepPlan.from_config(config, target, vocab_ids)
     drafter = build_drafter(config, target, plan)
     load_drafter_weights(drafter, checkpoint)

@@ -7,15 +7,25 @@ own predictions, so this module is where two DFlash invariants live:
 - `dflash.target_logits_source`: "final" logits are the model's own output, lm_head(norm(h_L)).
 
 Rows are packed (several documents per row); the target must compute on each document exactly what it
-would compute on that document alone, so attention is block-diagonal causal and positions restart
-at 0 for every document.
+would compute on that document alone (`dflash.target_forward_fidelity`): positions restart at 0 for every
+document and attention is block-diagonal causal, with each layer's own variant on top (sliding windows
+per layer type, chunked attention, sinks, soft-capping all live inside the model). transformers builds
+those per-layer masks itself; we only tell it where documents start. Three ways, tried in this order by
+the fidelity check (trainer/target/fidelity.py), which keeps the first that reproduces the model's own
+forward on a held-out document longer than any window:
+- "positions": no mask, positions that restart per document; transformers' masking_utils detects the
+  packing from the positions and builds every layer type's mask (most models);
+- "layer_masks": the same per-layer-type masks built here with masking_utils and handed over as a
+  {layer_type: mask} mapping (models whose forward builds masks without the positions, e.g. gpt-oss);
+- "per_document": each document through the model alone (slower; exact for anything, e.g. recurrent
+  linear-attention layers whose state would flow across a packed boundary).
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +36,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 # byte: hashing a 16 GB checkpoint on every run start would cost more than the run's first steps.
 FULL_HASH_LIMIT = 512 * 1024 * 1024
 SAMPLE_CHUNK = 4 * 1024 * 1024
+
+
+PackingMode = Literal["positions", "layer_masks", "per_document"]
+PACKING_MODES: tuple[PackingMode, ...] = ("positions", "layer_masks", "per_document")
 
 
 class TargetError(Exception):
@@ -106,6 +120,8 @@ class FrozenTarget:
         fallback_pad = self.eos_token_id if self.eos_token_id is not None else 0
         self.pad_token_id: int = pad if pad is not None else fallback_pad
         self.mask_token_id: int = self._resolve_mask_token_id(mask_token_id)
+        # How packed rows are run; the fidelity check at a run's start picks it by measurement.
+        self.packing: PackingMode = "positions"
 
     def _resolve_mask_token_id(self, override: int | None) -> int:
         if override is not None:
@@ -183,24 +199,85 @@ class FrozenTarget:
         for layer in feature_layer_ids:
             if not 0 <= layer < self.num_layers:
                 raise TargetError(f"feature layer {layer} is outside the target's layers 0..{self.num_layers - 1}")
-        implementation = getattr(self.model.config, "_attn_implementation", "eager")
-        mask = packed_attention_mask(doc_ids.to(self.device), implementation, self.dtype)  # [N, 1, S, S]
-        output = self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=position_ids.to(self.device),
-            attention_mask=mask,
-            output_hidden_states=True,
-            use_cache=False,
-        )
-        hidden_states = output.hidden_states  # L+1 entries of [N, S, H]; [0] is the embedding output
+        hidden_states, final_logits = self.forward_rows(input_ids, position_ids, doc_ids)
         features = torch.cat([hidden_states[i + 1] for i in feature_layer_ids], dim=-1)  # [N, S, k*H]
         if logits_source == "final":
-            logits = output.logits  # [N, S, V]
+            logits = final_logits  # [N, S, V]
         elif isinstance(logits_source, int) and not isinstance(logits_source, bool):
             logits = self._intermediate_logits(hidden_states, logits_source)
         else:
             raise TargetError(f"logits_source must be 'final' or a layer id, got {logits_source!r}")
         return features, logits
+
+    @torch.no_grad()
+    def forward_rows(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+                     packing: PackingMode | None = None) -> tuple[tuple[Tensor, ...], Tensor]:
+        """All hidden states (L+1 entries of [N, S, H]; [0] is the embedding output) and logits [N, S, V]
+        of packed rows, computed the `packing` way (default: the target's chosen one)."""
+        packing = packing or self.packing
+        input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
+        if packing == "per_document":
+            return self._per_document(input_ids, position_ids, doc_ids.to(self.device))
+        if packing == "layer_masks":
+            mask: Any = self._layer_masks(input_ids, position_ids)
+        elif packing == "positions":
+            mask = None  # transformers reads the document starts off the positions
+        else:
+            raise TargetError(f"unknown packing {packing!r}; choose one of {', '.join(PACKING_MODES)}")
+        output = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, output_hidden_states=True,
+            use_cache=False,
+        )
+        return tuple(output.hidden_states), output.logits
+
+    def _layer_masks(self, input_ids: Tensor, position_ids: Tensor) -> Any:
+        """{layer type: mask} for packed rows (one mask when the config has no layer types), built by
+        transformers' own masking_utils from the positions."""
+        from transformers import masking_utils
+
+        builders = {
+            "full_attention": masking_utils.create_causal_mask,
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+            "chunked_attention": masking_utils.create_chunked_causal_mask,
+        }
+        n, s = input_ids.shape
+        shape_only = torch.empty((n, s, 1), dtype=self.dtype, device=self.device)  # the builders read shape/dtype
+        layer_types = getattr(self.config, "layer_types", None)
+        if not layer_types:
+            # One kind for every layer: the forward takes the single prepared 4D mask as it is.
+            sliding = getattr(self.config, "sliding_window", None) and getattr(self.config, "use_sliding_window", True)
+            kind = "sliding_attention" if sliding else "full_attention"
+            return builders[kind](self.config, shape_only, None, None, position_ids=position_ids)
+        unknown = set(layer_types) - set(builders)
+        if unknown:
+            raise TargetError(f"no packed mask for layer types {sorted(unknown)}; use per-document packing")
+        return {kind: builders[kind](self.config, shape_only, None, None, position_ids=position_ids)
+                for kind in set(layer_types)}
+
+    def _per_document(self, input_ids: Tensor, position_ids: Tensor,
+                      doc_ids: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+        n, s = input_ids.shape
+        hidden: list[Tensor] | None = None
+        logits: Tensor | None = None
+        for row in range(n):
+            for doc in torch.unique(doc_ids[row]).tolist():
+                if doc < 0:
+                    continue  # padding stays zero: it carries no loss and no anchor
+                span = (doc_ids[row] == doc).nonzero().flatten()
+                start, end = int(span[0]), int(span[-1]) + 1
+                output = self.model(
+                    input_ids=input_ids[row:row + 1, start:end], position_ids=position_ids[row:row + 1, start:end],
+                    output_hidden_states=True, use_cache=False,
+                )
+                if hidden is None or logits is None:
+                    hidden = [h.new_zeros((n, s, h.shape[-1])) for h in output.hidden_states]
+                    logits = output.logits.new_zeros((n, s, output.logits.shape[-1]))
+                for buffer, h in zip(hidden, output.hidden_states):
+                    buffer[row, start:end] = h[0]
+                logits[row, start:end] = output.logits[0]
+        if hidden is None or logits is None:
+            raise TargetError("packed rows hold no document (every position is padding)")
+        return tuple(hidden), logits
 
     def _intermediate_logits(self, hidden_states: tuple[Tensor, ...], layer: int) -> Tensor:
         if not 0 <= layer < self.num_layers:

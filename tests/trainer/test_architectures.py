@@ -1,0 +1,156 @@
+"""Every causal-LM family transformers ships in a tiny size is a usable target, computed exactly.
+
+For each family (tests/trainer/tiny_targets.py: Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi3, OLMo2,
+Gemma2, Gemma3 text, gpt-oss, Cohere2, Llama4 text (chunked attention), Qwen3-Next (hybrid linear
+attention), GPT-2, GPT-NeoX), a real model saved with save_pretrained trains two steps,
+passes the target-fidelity check (sliding-window families on a held-out document longer than the window),
+ends with a lossless eval.json, and exports: the z-lab export reloads through from_pretrained with the
+drafter's own logits, and the speculators export is written (or refused in one line when the target's
+embeddings are scaled, which speculators cannot reproduce). The speculators-side reload is in
+tests/parity/test_speculators_export.py (speculators' own venv).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.trainer.tiny_targets import (
+    FAMILIES,
+    HIDDEN,
+    PER_DOCUMENT_FAMILIES,
+    SLIDING_FAMILIES,
+    SLIDING_WINDOW,
+    save_family_target,
+)
+
+BLOCK = 4
+# The embedded corpus's held-out documents, seq_len 48: the fidelity row is at least 48 tokens and the
+# held-out document at least window + 16 = 24, three times the sliding window.
+RUN = dict(
+    data="embedded", steps=2, batch_size=2, seq_len=48, draft_layers=2, block_size=BLOCK, max_anchors=4,
+    eval_every=None, eval_prompts=2, eval_max_new_tokens=12, warmup_steps=0, checkpoint_every=2, log_every=1,
+)
+SCALED_EMBEDDINGS = {"gemma2", "gemma3_text"}
+# speculators reloads the verifier's embeddings by the name embed_tokens (or a few aliases)
+OTHER_EMBEDDING_NAMES = {"gpt2": "transformer.wte", "gpt_neox": "gpt_neox.embed_in"}
+# The families with mixture-of-experts or attention variants take longest; the rest stay in the fast suite.
+SLOW = {"qwen3_moe", "gpt_oss", "gemma3_text", "phi3", "olmo2", "gpt_neox", "cohere2", "llama4_text", "qwen3_next"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from trainer.target.embedded import build_embedded_tokenizer
+
+    return build_embedded_tokenizer(small=True)
+
+
+def family_params() -> list:
+    return [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in FAMILIES]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tokenizer):
+    """family -> (root with target/, runs/r, exports/{zlab,speculators}) ; built on first use."""
+    from trainer.config import build_config
+    from trainer.export import ExportError, export_run
+    from trainer.run.loop import train
+    from trainer.run.rundir import RunDir
+
+    cache: dict[str, dict] = {}
+
+    def build(family: str) -> dict:
+        if family not in cache:
+            root = tmp_path_factory.mktemp(family)
+            save_family_target(family, root / "target", tokenizer)
+            config = build_config(extra={**RUN, "target": str(root / "target")})
+            run = RunDir(root / "runs" / "r")
+            train(run, config, preset=None, device="cpu", progress=False)
+            zlab = export_run(run.path, root / "zlab", "zlab").path
+            try:
+                speculators: Path | str = export_run(run.path, root / "speculators", "speculators").path
+            except ExportError as exc:
+                speculators = str(exc)
+            cache[family] = {"root": root, "run": run.path, "zlab": zlab, "speculators": speculators}
+        return cache[family]
+
+    return build
+
+
+@pytest.mark.parametrize("family", family_params())
+def test_family_trains_with_exact_target_features_and_evaluates_losslessly(trained, family):
+    built = trained(family)
+    info = json.loads((built["run"] / "run.json").read_text())
+    fidelity = info["target_fidelity"]
+    assert fidelity["passed"], fidelity
+    assert max(fidelity["max_abs_hidden_diff"], fidelity["max_abs_logit_diff"]) <= fidelity["tolerance"] == 1e-3
+    if family in PER_DOCUMENT_FAMILIES:  # the packed ways were measured, found wrong, and said so
+        assert fidelity["packing"] == "per_document"
+        assert fidelity["tried"]["positions"]["max_abs_hidden_diff"] > fidelity["tolerance"]
+    else:
+        assert fidelity["packing"] in ("positions", "layer_masks")
+    if family in SLIDING_FAMILIES:
+        assert fidelity["longest_window"] == SLIDING_WINDOW
+        assert fidelity["tokens"] > SLIDING_WINDOW * 2  # the window binds inside the checked document
+    metrics = [json.loads(line) for line in (built["run"] / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in metrics] == [1, 2] and all(row["loss"] > 0 for row in metrics)
+    report = json.loads((built["run"] / "eval.json").read_text())  # eval_every null: still one at the end
+    assert report["lossless"] is True and report["output_tokens"] > 0
+
+
+@pytest.mark.parametrize("family", family_params())
+def test_family_exports_reload_with_the_drafters_logits(trained, family):
+    from trainer.export import DFlashDrafterForExport
+    from trainer.run.loop import load_run
+
+    built = trained(family)
+    original = load_run(built["run"], "cpu")
+    reloaded = DFlashDrafterForExport.from_pretrained(built["zlab"]).eval()
+    k = len(original.feature_layer_ids)
+    generator = torch.Generator().manual_seed(1)
+    block_ids = torch.full((1, BLOCK), original.drafter.mask_token_id)
+    block_ids[0, 0] = 7
+    block_embeds = original.target.embed(block_ids)  # [1, B, H] the target's own (scaled) embeddings
+    features = torch.randn(1, 6, k * HIDDEN, generator=generator)  # [1, C, k*H]
+    positions = torch.arange(6 + BLOCK)[None]
+    with torch.no_grad():
+        expected = original.target.logits(original.drafter(block_embeds, features, positions))
+        got = original.target.logits(reloaded(block_embeds, features, positions))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+    if family in SCALED_EMBEDDINGS or family in OTHER_EMBEDDING_NAMES:
+        message = built["speculators"]
+        assert isinstance(message, str) and "--format zlab" in message and "\n" not in message
+        assert ("ScaledWordEmbedding" if family in SCALED_EMBEDDINGS else OTHER_EMBEDDING_NAMES[family]) in message
+    else:
+        config = json.loads((built["speculators"] / "config.json").read_text())
+        assert config["aux_hidden_state_layer_ids"] == [i + 1 for i in original.feature_layer_ids]
+
+
+def test_drafter_config_reads_each_familys_own_names():
+    """Gemma3 nests RoPE per layer type (the drafter takes the full-attention one), GPT-2 names its MLP width
+    n_inner (None: 4H) and has no RoPE, GPT-NeoX's partial rotary factor is its own head layout."""
+    from transformers import Gemma3TextConfig, GPT2Config, GPTNeoXConfig
+
+    from trainer.model.drafter import draft_config_from_target
+
+    gemma3 = Gemma3TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    rope = draft_config_from_target(gemma3, 1).rope_parameters
+    assert rope["rope_theta"] == gemma3.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
+    assert draft_config_from_target(gemma3, 1).hidden_act == "gelu_pytorch_tanh"
+    gpt2 = draft_config_from_target(GPT2Config(n_embd=64, n_head=4, n_layer=2), 1)
+    assert (gpt2.intermediate_size, gpt2.head_dim, gpt2.hidden_act) == (256, 16, "gelu_new")
+    assert gpt2.rope_parameters["rope_theta"] == 10000.0 and gpt2.rms_norm_eps == 1e-5
+    neox = draft_config_from_target(GPTNeoXConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2), 1)
+    assert "partial_rotary_factor" not in neox.rope_parameters
