@@ -64,6 +64,8 @@ class DiagnoseRequest:
     out: Path | None = None
     playbook: str = DEFAULT_PLAYBOOK
     reference_cache_dir: Path | None = None
+    target: Path | None = None  # the target / verifier directory, for the train-to-serve contract checks
+    hidden_states: Path | None = None  # an offline hidden-state cache (dflash.hidden_state_capture)
 
 
 @dataclass
@@ -126,7 +128,7 @@ def diagnose(
 # The agent's own steps; any other step is one the invariant engine took inside `check-invariants`.
 AGENT_STEPS = frozenset({
     "read-run", "regression", "load-playbook", "resolve-reference", "read-config", "locate-checkpoint",
-    "locate-code", "check-invariants", "look-for-evidence", "recheck-invariants", "merge-findings",
+    "locate-code", "check-invariants", "check-contract", "look-for-evidence", "recheck-invariants", "merge-findings",
     "rank-findings", "draw-chart", "write-report",
 })
 
@@ -203,7 +205,8 @@ class _Investigation:
         """Paths the user named must exist: say so at once, before any slow step."""
         request = self.request
         for option, path in (("--code", request.code), ("--config", request.config),
-                             ("--reference-path", request.reference_path)):
+                             ("--reference-path", request.reference_path), ("--target", request.target),
+                             ("--hidden-states", request.hidden_states)):
             if path is not None and not path.exists():
                 raise DiagnoseError(f"{option} {path} does not exist")
         if request.config is not None and not request.config.is_file():
@@ -352,6 +355,24 @@ class _Investigation:
             for finding in findings:
                 counts[finding.status] = counts.get(finding.status, 0) + 1
             step.outcome = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no findings"
+        return self.check_contract(findings, config, config_source)
+
+    def check_contract(
+        self, findings: list[Finding], config: dict[str, Any] | None, config_source: str | None
+    ) -> list[Finding]:
+        """The train-to-serve contract checks (sleuth.checks), after the engine: the gap check names which
+        of the engine's findings explain it."""
+        from sleuth.checks import ContractContext, apply_contract_checks
+
+        with self.trace.step("check-contract", target=self.request.target, hidden_states=self.request.hidden_states) as step:
+            rules = {inv.id: inv for inv in getattr(self.playbook, "invariants", []) or []}
+            context = ContractContext(
+                run=self.run_info, config=config, config_source=config_source, target_dir=self.request.target,
+                hidden_states=self.request.hidden_states, rules=rules,
+            )
+            findings = apply_contract_checks(findings, context)
+            step.outcome = ", ".join(f"{f.id.split('.', 1)[-1]} {f.status}" for f in findings
+                                     if f.id in _contract_ids()) or "no contract checks"
         return findings
 
     def follow_up(self, findings: list[Finding]) -> list[Finding]:
@@ -574,6 +595,12 @@ def build_summary(regression: Regression | None, findings: list[Finding], run: R
 
 
 # --- private helpers -----------------------------------------------------------------------------------
+
+
+def _contract_ids() -> frozenset[str]:
+    from sleuth.checks import CONTRACT_CHECKS
+
+    return frozenset(CONTRACT_CHECKS)
 
 
 def _default_engine() -> Engine:

@@ -64,6 +64,14 @@ def diagnose_command(
     out: Annotated[
         Path | None, typer.Option("--out", metavar="DIR", help="Report directory (default: <run>/diagnosis/).")
     ] = None,
+    target: Annotated[
+        Path | None,
+        typer.Option("--target", metavar="DIR", help="The target (verifier) model directory, when the run does not name one."),
+    ] = None,
+    hidden_states: Annotated[
+        Path | None,
+        typer.Option("--hidden-states", metavar="DIR", help="An offline hidden-state cache to recompute and compare."),
+    ] = None,
 ) -> None:
     """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl."""
     from rich.console import Console
@@ -82,6 +90,8 @@ def diagnose_command(
         config=config,
         offline=offline,
         out=out,
+        target=target,
+        hidden_states=hidden_states,
     )
     listener = live_listener(errors) if sys.stderr.isatty() else None
     try:
