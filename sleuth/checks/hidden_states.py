@@ -94,9 +94,10 @@ def _final_norm(model: Any) -> Any:
     return None
 
 
-def recompute_states(target_dir: Path, token_ids: list[list[int]]) -> tuple[list[list[Any]], Any]:
+def recompute_states(target_dir: Path, token_ids: list[list[int]]) -> tuple[list[list[Any]], list[list[Any]]]:
     """Per sequence: the raw residual stream at every HF index 0..L (L = the last decoder layer's output
-    before the final norm), and the final norm module. Imports torch/transformers here only."""
+    before the final norm), and the same through the final norm (empty where the model has none).
+    Imports torch/transformers here only."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -111,7 +112,8 @@ def recompute_states(target_dir: Path, token_ids: list[list[int]]) -> tuple[list
         captured.append((output[0] if isinstance(output, tuple) else output).detach())
 
     hooks = [layer.register_forward_hook(keep) for layer in layers] if layers is not None else []
-    states = []
+    states: list[list[Any]] = []
+    normed: list[list[Any]] = []
     try:
         with torch.no_grad():
             for ids in token_ids:
@@ -119,10 +121,12 @@ def recompute_states(target_dir: Path, token_ids: list[list[int]]) -> tuple[list
                 out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
                 raw = [out.hidden_states[0][0]] + [c[0] for c in captured]  # [T, H] each, HF index 0..L
                 states.append(raw)
+                norm = _final_norm(model)
+                normed.append([norm(state) for state in raw] if norm is not None else [])
     finally:
         for hook in hooks:
             hook.remove()
-    return states, _final_norm(model)
+    return states, normed
 
 
 def _relative_error(a: Any, b: Any) -> float:
@@ -170,7 +174,7 @@ def check_hidden_state_capture(ctx: ContractContext) -> Finding:
     entries = samples[0][2].shape[1]
     indices = layout.hf_indices
     try:
-        recomputed, norm = recompute_states(target_dir, [ids for _, ids, _ in samples])
+        recomputed, recomputed_normed = recompute_states(target_dir, [ids for _, ids, _ in samples])
     except Exception as exc:  # an unloadable target is reported, not raised
         return ctx.finding(ID, "unknown", reason=f"cannot recompute with the target {target_dir}: {str(exc).splitlines()[0]}")
     num_layers = len(recomputed[0]) - 1
@@ -192,13 +196,11 @@ def check_hidden_state_capture(ctx: ContractContext) -> Finding:
     worst = 0.0
     for entry, expected_index in enumerate(indices):
         errors: dict[tuple[str, int], float] = {}
-        for (_, _, states), raw in zip(samples, recomputed):
+        for (_, _, states), raw, normed in zip(samples, recomputed, recomputed_normed):
             stored = states[:, entry]  # [T, H]
-            for j, state in enumerate(raw):
-                errors[("raw", j)] = max(errors.get(("raw", j), 0.0), _relative_error(stored, state))
-                if norm is not None:
-                    normed = norm(state)
-                    errors[("normed", j)] = max(errors.get(("normed", j), 0.0), _relative_error(stored, normed))
+            for kind, candidates in (("raw", raw), ("normed", normed)):
+                for j, state in enumerate(candidates):
+                    errors[(kind, j)] = max(errors.get((kind, j), 0.0), _relative_error(stored, state))
         error = errors[("raw", expected_index)]
         worst = max(worst, error)
         if error <= TOLERANCE:
