@@ -73,7 +73,9 @@ def check_mask_token_distinct(ctx: ContractContext) -> Finding:
                            reason=f"the target's tokenizer was not read: {target_source}")
     evidence.append(Evidence(kind="config", location=f"{target_dir}: special tokens",
                              value=", ".join(f"{k} {v}" for k, v in sorted(facts.special.items()))))
-    checked = "pad, eos, bos" + (" and the training tokens" if occurrences is not None else "")
+    kinds = [kind for kind in ("pad", "eos", "bos") if facts.special.get(kind)]
+    checked = ", ".join(kinds) or "the special tokens (none declared)"
+    checked += " and the training tokens" if occurrences is not None else ""
     notes = [] if occurrences is not None else ["the run records no count of the mask id in its training tokens "
                                                 "(run.json data.mask_token_count); only the special tokens were checked"]
     return ctx.finding(ID, "match", expected=expected, observed=f"mask_token_id {mask}, distinct from {checked}",
