@@ -74,3 +74,17 @@ def test_without_teacher_forced_numbers_the_gap_is_unknown(tmp_path):
 def test_paired_standard_error_skips_prompts_without_a_value():
     se, n = paired_standard_error([2.0, 2.0, None, 3.0], [1.0, 1.5, 1.0, None])
     assert n == 2 and abs(se - 0.25) < 1e-12
+
+
+def test_the_block_by_block_comparison_wins_and_has_no_systematic_slack(tmp_path):
+    # Expected acceptance from per-slot accuracy overshoots on one repetitive prompt, but at the anchors
+    # serving used the training objective's prefix equals the real acceptance: a match.
+    report = eval_report([3.9, 1.3, 1.3, 1.1], [5.1, 1.3, 1.3, 1.1])
+    report["teacher_forced"].update(at_verify=1.9, tau_at_verify=1.9, at_verify_per_prompt=[3.9, 1.3, 1.3, 1.1],
+                                    tau_at_verify_per_prompt=[3.9, 1.3, 1.3, 1.1])
+    result = gap(write_run(tmp_path / "v3", eval_report=report))
+    assert result.status == "match" and "block by block" in result.observed
+    # the same prompts with a consistent small shortfall at every prompt: beyond the 0.02 floor and 3 se
+    report["teacher_forced"].update(at_verify=1.98, at_verify_per_prompt=[3.98, 1.38, 1.39, 1.17])
+    result = gap(write_run(tmp_path / "v5", eval_report=report), [finding("dflash.target_logits_source", "mismatch")])
+    assert result.status == "mismatch" and result.notes[0] == "explanation found: dflash.target_logits_source"

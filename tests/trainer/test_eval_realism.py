@@ -162,11 +162,15 @@ def test_teacher_forced_position_accuracy_equals_a_naive_per_anchor_loop(target)
 
 def test_evaluate_reports_teacher_forced_next_to_tau_and_a_leaky_context_scores_differently(target):
     drafter = drafter_for(target, 4)
-    common = dict(feature_layer_ids=FEATURES, block_size=4, max_new_tokens=10, measure_speedup=False,
+    common = dict(feature_layer_ids=FEATURES, block_size=4, max_new_tokens=24, measure_speedup=False,
                   stop_token_ids=[])
     honest = evaluate(drafter, target, [[5, 1, 4, 6], [1, 2, 3]],
                       teacher_forcing=TrainingSemantics(FEATURES, "final", False, 4, MASK_ID), **common)
     assert honest.teacher_forced is not None and len(honest.tau_per_prompt) == 2
+    # Serving semantics: at the anchors serving used, the training objective's prefix IS the acceptance.
+    tf = honest.teacher_forced
+    assert tf.verify_steps_compared > 0
+    assert tf.at_verify_per_prompt == tf.tau_at_verify_per_prompt and tf.at_verify == tf.tau_at_verify
     assert honest.prompt_lengths == [4, 3] and honest.stop_token_ids == []
     leaky = evaluate(drafter, target, [[5, 1, 4, 6], [1, 2, 3]],
                      teacher_forcing=TrainingSemantics(FEATURES, 1, True, 4, MASK_ID), **common)
@@ -198,7 +202,8 @@ def run_dir(tmp_path_factory) -> Path:
 def test_a_run_records_teacher_forced_acceptance_the_mask_count_and_the_rendering(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     eval_row = [r for r in rows if "tau" in r][-1]
-    assert {"tau", "tau_per_prompt", "tf_acceptance", "tf_acceptance_per_prompt"} <= set(eval_row)
+    assert {"tau", "tau_per_prompt", "tf_acceptance", "tf_acceptance_per_prompt", "tf_at_verify",
+            "tf_tau_at_verify", "tf_at_verify_per_prompt", "tf_tau_at_verify_per_prompt"} <= set(eval_row)
     assert len(eval_row["tau_per_prompt"]) == len(eval_row["tf_acceptance_per_prompt"]) == 2
     report = json.loads((run_dir / "eval.json").read_text())
     assert report["teacher_forced"]["acceptance"] >= 1.0 and report["tau_by_prompt_length"]

@@ -549,7 +549,8 @@ def evaluate(
             # The decoded sequences themselves (at T=0 exactly the target's greedy continuation), so both
             # numbers see the same tokens.
             teacher_forced = teacher_forced_acceptance(
-                drafter, target, [(p, r.new_tokens) for p, r in zip(prompts, spec_results)], teacher_forcing
+                drafter, target, [(p, r.new_tokens) for p, r in zip(prompts, spec_results)], teacher_forcing,
+                acceptance_lengths=[r.acceptance_lengths for r in spec_results],
             )
     finally:
         if was_training:

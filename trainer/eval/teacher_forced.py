@@ -55,6 +55,16 @@ class TeacherForcedReport(BaseModel):
         description="`acceptance` per eval sequence (null where the sequence has no labelled block)."
     )
     blocks: int = Field(description="Blocks scored (one per generated position with a label).")
+    at_verify: float | None = Field(
+        None, description="1 + the training objective's correct prefix, averaged over exactly the blocks "
+        "serving drafted (the verify steps' anchors) whose B-1 slots all have a label. For a drafter trained "
+        "on serving semantics this equals `tau_at_verify` up to float ties: the block, its context and its "
+        "labels are the same, so any gap is the training semantics, not sampling.",
+    )
+    tau_at_verify: float | None = Field(None, description="Real acceptance length over the same verify steps.")
+    at_verify_per_prompt: list[float | None] = Field(default_factory=list)
+    tau_at_verify_per_prompt: list[float | None] = Field(default_factory=list)
+    verify_steps_compared: int = 0
     logits_source: str = Field(description="The training target the slots were scored against.")
     context_includes_anchor: bool
 
@@ -69,21 +79,29 @@ def teacher_forced_acceptance(
     target: Any,
     sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
     semantics: TrainingSemantics,
+    acceptance_lengths: Sequence[Sequence[int]] | None = None,
 ) -> TeacherForcedReport:
     """Score every generated position of every (prompt, new_tokens) pair the way training scores a block.
 
     `target` is a FrozenTarget (forward_packed, embed, logits). The drafter's train/eval mode is left alone;
-    call it in eval mode.
+    call it in eval mode. `acceptance_lengths` (per sequence, per verify step, from the serving loop) also
+    compares the two block by block at the anchors serving used: the first anchor is the first generated
+    token (position n), each next one is the previous plus its acceptance length.
     """
     B = semantics.block_size
     device = target.device
     pooled: dict[str, Any] = {"correct": [0] * (B - 1), "labels": [0] * (B - 1), "prefix": 0.0, "blocks": 0}
     per_prompt: list[float | None] = []
-    for prompt, new_tokens in sequences:
+    at_verify: list[float | None] = []
+    tau_at_verify: list[float | None] = []
+    matched: list[tuple[float, float]] = []
+    for index, (prompt, new_tokens) in enumerate(sequences):
         ids = list(prompt) + list(new_tokens)
         n, S = len(prompt), len(ids)
         if S - n < 2:  # no generated position has a next token to predict
             per_prompt.append(None)
+            at_verify.append(None)
+            tau_at_verify.append(None)
             continue
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)  # [1, S]
         position_ids = torch.arange(S, device=device)[None]  # [1, S]
@@ -105,7 +123,21 @@ def teacher_forced_acceptance(
         hidden = drafter(block_embeds, features.to(dtype), all_positions, attention_mask=mask)  # [1, A*B, H]
         draft_logits = target.logits(hidden.to(target.dtype)).reshape(1, A, B, -1)  # [1, A, B, V]
         label_valid = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, None) > 0  # [1, A, B]
-        counts = block_metrics(draft_logits, gather_block_logits(target_logits, anchors, B), label_valid)["counts"]
+        block_targets = gather_block_logits(target_logits, anchors, B)  # [1, A, B, V]
+        counts = block_metrics(draft_logits, block_targets, label_valid)["counts"]
+        if acceptance_lengths is not None:
+            correct = (draft_logits.argmax(-1) == block_targets.argmax(-1))[0, :, 1:]  # [A, B-1]
+            prefix = correct.long().cumprod(dim=-1).sum(dim=-1).tolist()  # [A] correct slots before the first miss
+            pairs = []
+            anchor = n
+            for length in acceptance_lengths[index]:
+                if anchor + B - 1 > S - 1:  # the block runs past the decoded text: no labels to compare
+                    break
+                pairs.append((1.0 + prefix[anchor - n], float(length)))
+                anchor += length
+            matched += pairs
+            at_verify.append(sum(p for p, _ in pairs) / len(pairs) if pairs else None)
+            tau_at_verify.append(sum(r for _, r in pairs) / len(pairs) if pairs else None)
         per_prompt.append(_acceptance(counts) if counts["blocks"] else None)
         for key in ("correct", "labels"):
             pooled[key] = [a + b for a, b in zip(pooled[key], counts[key])]
@@ -121,4 +153,9 @@ def teacher_forced_acceptance(
         blocks=blocks,
         logits_source=str(semantics.logits_source),
         context_includes_anchor=semantics.context_includes_anchor,
+        at_verify=sum(p for p, _ in matched) / len(matched) if matched else None,
+        tau_at_verify=sum(r for _, r in matched) / len(matched) if matched else None,
+        at_verify_per_prompt=at_verify if acceptance_lengths is not None else [],
+        tau_at_verify_per_prompt=tau_at_verify if acceptance_lengths is not None else [],
+        verify_steps_compared=len(matched),
     )

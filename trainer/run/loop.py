@@ -450,6 +450,13 @@ def eval_row_fields(report: dict[str, Any]) -> dict[str, Any]:
         row["tf_acceptance_per_prompt"] = [
             None if a is None else round(a, 4) for a in teacher_forced["acceptance_per_prompt"]
         ]
+        if teacher_forced.get("at_verify") is not None:
+            # The block-by-block comparison at the anchors serving used (trainer.eval.teacher_forced).
+            for key in ("at_verify", "tau_at_verify"):
+                row[f"tf_{key}"] = round(teacher_forced[key], 4)
+                row[f"tf_{key}_per_prompt"] = [
+                    None if a is None else round(a, 4) for a in teacher_forced[f"{key}_per_prompt"]
+                ]
     return row
 
 
