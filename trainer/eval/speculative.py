@@ -545,11 +545,15 @@ def evaluate(
             if progress is not None:
                 progress(index + 1, len(prompts))
         teacher_forced = None
-        if teacher_forcing is not None and isinstance(drafter, nn.Module):
+        # The drafter module behind a DFlashProposer too; a reduced draft vocabulary scores in its own
+        # head, which the teacher-forced replay does not model yet, so it is left out there.
+        draft_module = drafter if isinstance(drafter, nn.Module) else getattr(drafter, "drafter", None)
+        if (teacher_forcing is not None and isinstance(draft_module, nn.Module)
+                and getattr(drafter, "vocab_ids", None) is None):
             # The decoded sequences themselves (at T=0 exactly the target's greedy continuation), so both
             # numbers see the same tokens.
             teacher_forced = teacher_forced_acceptance(
-                drafter, target, [(p, r.new_tokens) for p, r in zip(prompts, spec_results)], teacher_forcing,
+                draft_module, target, [(p, r.new_tokens) for p, r in zip(prompts, spec_results)], teacher_forcing,
                 acceptance_lengths=[r.acceptance_lengths for r in spec_results],
             )
     finally:
