@@ -108,7 +108,7 @@ def diagnose(
 AGENT_STEPS = frozenset({
     "read-run", "regression", "load-playbook", "resolve-reference", "read-config", "locate-checkpoint",
     "locate-code", "check-invariants", "look-for-evidence", "recheck-invariants", "merge-findings",
-    "rank-findings", "draw-chart", "write-report", "run-probes", "apply-probes",
+    "check-contract", "rank-findings", "draw-chart", "write-report", "run-probes", "apply-probes",
 })
 
 
@@ -258,6 +258,24 @@ class _Investigation(InputDiscovery):
             for finding in findings:
                 counts[finding.status] = counts.get(finding.status, 0) + 1
             step.outcome = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no findings"
+        return self.check_contract(findings, config, config_source)
+
+    def check_contract(
+        self, findings: list[Finding], config: dict[str, Any] | None, config_source: str | None
+    ) -> list[Finding]:
+        """The train-to-serve contract checks (sleuth.checks), after the engine: the gap check names which
+        of the engine's findings explain it."""
+        from sleuth.checks import ContractContext, apply_contract_checks
+
+        with self.trace.step("check-contract", target=self.request.target, hidden_states=self.request.hidden_states) as step:
+            rules = {inv.id: inv for inv in getattr(self.playbook, "invariants", []) or []}
+            context = ContractContext(
+                run=self.run_info, config=config, config_source=config_source, target_dir=self.request.target,
+                hidden_states=self.request.hidden_states, rules=rules,
+            )
+            findings = apply_contract_checks(findings, context)
+            step.outcome = ", ".join(f"{f.id.split('.', 1)[-1]} {f.status}" for f in findings
+                                     if f.id in _contract_ids()) or "no contract checks"
         return findings
 
     def follow_up(self, findings: list[Finding]) -> list[Finding]:
@@ -327,6 +345,12 @@ def merge_findings(first: list[Finding], second: list[Finding]) -> tuple[list[Fi
 
 
 # --- private helpers -----------------------------------------------------------------------------------
+
+
+def _contract_ids() -> frozenset[str]:
+    from sleuth.checks import CONTRACT_CHECKS
+
+    return frozenset(CONTRACT_CHECKS)
 
 
 def _default_engine() -> Engine:

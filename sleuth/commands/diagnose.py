@@ -77,6 +77,14 @@ def diagnose_command(
         str | None,
         typer.Option("--probe-entry", metavar="MODULE:FUNCTION", help="Your trainer's probe protocol entry point."),
     ] = None,
+    target: Annotated[
+        Path | None,
+        typer.Option("--target", metavar="DIR", help="The target (verifier) model directory, when the run does not name one."),
+    ] = None,
+    hidden_states: Annotated[
+        Path | None,
+        typer.Option("--hidden-states", metavar="DIR", help="An offline hidden-state cache to recompute and compare."),
+    ] = None,
 ) -> None:
     """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl."""
     from rich.console import Console
@@ -98,6 +106,8 @@ def diagnose_command(
         probe=probe,
         probe_python=probe_python,
         probe_entry=probe_entry,
+        target=target,
+        hidden_states=hidden_states,
     )
     listener = live_listener(errors) if sys.stderr.isatty() else None
     try:

@@ -42,7 +42,8 @@ class InputDiscovery:
         """Paths the user named must exist: say so at once, before any slow step."""
         request = self.request
         for option, path in (("--code", request.code), ("--config", request.config),
-                             ("--reference-path", request.reference_path)):
+                             ("--reference-path", request.reference_path), ("--target", request.target),
+                             ("--hidden-states", request.hidden_states)):
             if path is not None and not path.exists():
                 raise DiagnoseError(f"{option} {path} does not exist")
         if request.config is not None and not request.config.is_file():

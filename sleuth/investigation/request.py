@@ -33,3 +33,5 @@ class DiagnoseRequest:
     probe_python: str | None = None
     probe_entry: str | None = None
     probe_timeout_s: float = 300.0
+    target: Path | None = None  # the target / verifier directory, for the train-to-serve contract checks
+    hidden_states: Path | None = None  # an offline hidden-state cache (dflash.hidden_state_capture)

@@ -100,7 +100,7 @@ def _evaluate_run(
 
     from trainer.data.datasets import heldout_prompts
     from trainer.eval.speculative import evaluate
-    from trainer.run.loop import load_run
+    from trainer.run.loop import load_run, training_semantics
 
     # A transient spinner on a terminal, a line once loaded otherwise: an error while loading (a damaged
     # checkpoint, a missing target) stays the only line on stderr.
@@ -109,6 +109,7 @@ def _evaluate_run(
     stderr.print(f"loading run {run_dir.name} ... done (step {loaded.step})", highlight=False)
     config = loaded.config
     prompt_ids = heldout_prompts(data or config.data, loaded.target.tokenizer, prompts or config.eval_prompts)
+    eval_block = block_size or config.block_size
     with Progress(
         TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=stderr, transient=True,
@@ -119,11 +120,13 @@ def _evaluate_run(
             loaded.target,
             prompt_ids,
             feature_layer_ids=loaded.feature_layer_ids,
-            block_size=block_size or config.block_size,
+            block_size=eval_block,
             max_new_tokens=max_new_tokens or config.eval_max_new_tokens,
             temperature=temperature,
             seed=config.seed if seed is None else seed,
             progress=lambda done, total: progress.update(task, completed=done),
+            # Scored at the block size the run trained with; another --block-size has no training counterpart.
+            teacher_forcing=training_semantics(config, loaded.target) if eval_block == config.block_size else None,
         )
     return report, run_dir.name, loaded.step
 
@@ -151,6 +154,15 @@ def _print_summary(result: dict[str, Any], out: Console) -> None:
         f"temperature {result['temperature']:g}",
     )
     summary.add_row("tau", f"{result['tau']:.3f}  (accepted + bonus per verify step; 1 = no help, {block} = all)")
+    teacher_forced = result.get("teacher_forced")
+    if teacher_forced:
+        summary.add_row(
+            "training objective",
+            f"{teacher_forced['acceptance']:.3f}  (teacher-forced acceptance on the same sequences, scored as the "
+            f"run trains: logits {teacher_forced['logits_source']}; far above tau = a train-serve gap)",
+        )
+    if result.get("stop_token_ids"):
+        summary.add_row("stops at", ", ".join(map(str, result["stop_token_ids"])) + "  (eos, generation_config, turn end)")
     summary.add_row("tokens / target forward", f"{result['tokens_per_target_forward']:.3f}")
     summary.add_row(
         "time / token",
@@ -167,6 +179,15 @@ def _print_summary(result: dict[str, Any], out: Console) -> None:
         slots.add_row(str(k), f"{rate:.3f}", _fmt(conditional, ".3f"))
     if block > 1:
         out.print(slots)
+
+    buckets = Table("prompt tokens", "prompts", "verify steps", "tau", title="tau by prompt length", title_justify="left")
+    for bucket in result.get("tau_by_prompt_length") or []:
+        buckets.add_row(
+            f"{bucket['min_tokens']}-{bucket['max_tokens']}", str(bucket["prompts"]), str(bucket["verify_steps"]),
+            _fmt(bucket["tau"], ".3f"),
+        )
+    if result.get("tau_by_prompt_length"):
+        out.print(buckets)
 
     histogram = Table("length", "steps", "", title="acceptance length histogram", title_justify="left")
     counts = result["acceptance_histogram"]

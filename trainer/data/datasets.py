@@ -41,6 +41,21 @@ class DataError(Exception):
 class Document:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the drafter is trained to predict (anchors are drawn from here)
+    chat: bool = False  # rendered from chat messages with the tokenizer's chat template
+
+
+def chat_rendering(documents: list[Document], tokenizer: Any) -> dict[str, Any]:
+    """How chat documents were rendered, for the run record (sleuth's dflash.chat_template_consistency):
+    sha256 of the chat template text (null when no document is chat) and the template kwargs (none are
+    passed: thinking mode is whatever the template defaults to)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    rendered = any(doc.chat for doc in documents) and isinstance(template, str)
+    return {
+        "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest() if rendered else None,
+        "chat_template_kwargs": {},
+    }
 
 
 @dataclass
@@ -92,7 +107,7 @@ def _with_eos(doc: Document, eos_id: int | None) -> Document:
     # turn's end in chat, always in text), so padding-free packing still teaches where documents stop.
     if eos_id is None or doc.input_ids[-1] == eos_id:
         return doc
-    return Document(doc.input_ids + [eos_id], doc.loss_mask + [doc.loss_mask[-1]])
+    return Document(doc.input_ids + [eos_id], doc.loss_mask + [doc.loss_mask[-1]], doc.chat)
 
 
 def _load_user_documents(path: Path, tokenizer: Any) -> list[Document]:
@@ -203,7 +218,7 @@ def _chat_document(messages: list[dict[str, str]], tokenizer: Any, where: str) -
         raise
     except Exception as exc:  # a strict template raising on this conversation (jinja's TemplateError, ...)
         raise DataError(f"{where}: the chat template rejects this conversation: {exc}") from None
-    return Document(ids, [int(m) for m in mask])
+    return Document(ids, [int(m) for m in mask], chat=True)
 
 
 def _assistant_mask_from_prefixes(
@@ -333,19 +348,25 @@ def batch_for_step(packed: PackedData, step: int, batch_size: int, seed: int) ->
 def heldout_prompts(data: str, tokenizer: Any, n: int, prompt_len: int | None = None) -> list[list[int]]:
     """Up to `n` prompts from the held-out split, deterministic (documents in order).
 
-    Chat documents: everything before the first assistant token (the template's generation prompt
-    included), so the continuation is the assistant's answer. Text documents: the first `prompt_len`
-    tokens (default: half the document, 8..64 tokens), so the continuation is predictable from the
-    structure already seen. `prompt_len` also caps chat prompts (their last `prompt_len` tokens).
-    Documents too short to leave a continuation of at least 8 tokens are skipped.
+    Chat documents: a user turn, i.e. everything before an assistant answer (the template's generation
+    prompt included; one per document, cycling through the turns so prompts of every length occur), so
+    the continuation is the assistant's answer and generation stops at the end of that turn, as served.
+    Text documents: the first `prompt_len` tokens (default: half the document, 8..64 tokens), so the
+    continuation is predictable from the structure already seen.
+    `prompt_len` also caps chat prompts (their last `prompt_len` tokens). Documents too short to leave a
+    continuation of at least 8 tokens are skipped.
     """
-    prompts = []
+    prompts: list[list[int]] = []
     for doc in load_documents(data, tokenizer, split="heldout"):
         if len(prompts) >= n:
             break
         ids = doc.input_ids
         if doc.loss_mask and doc.loss_mask[0] == 0 and 1 in doc.loss_mask:
-            prompt = ids[: doc.loss_mask.index(1)]
+            # Each answer starts where the loss mask turns on; what precedes it is that turn's prompt.
+            # One prompt per document (documents differ more than turns do), cycling through the turns
+            # so later turns, with their longer prompts, are evaluated too.
+            starts = [i for i in range(1, len(ids)) if doc.loss_mask[i] and not doc.loss_mask[i - 1]]
+            prompt = ids[: starts[len(prompts) % len(starts)]]
             if prompt_len is not None:
                 prompt = prompt[-prompt_len:]
         else:

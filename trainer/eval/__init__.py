@@ -1,4 +1,5 @@
-"""Speculative-decoding evaluation: the draft-verify loop, the plain-decoding baseline, the report."""
+"""Speculative-decoding evaluation: the draft-verify loop, the plain-decoding baseline, the teacher-forced
+acceptance of the training objective on the same sequences, the report."""
 
 from trainer.eval.speculative import (
     DFlashProposer,
@@ -10,6 +11,8 @@ from trainer.eval.speculative import (
     greedy_generate,
     speculative_generate,
 )
+from trainer.eval.stops import chat_turn_end_token_id, stop_token_ids
+from trainer.eval.teacher_forced import TeacherForcedReport, TrainingSemantics, teacher_forced_acceptance
 
 __all__ = [
     "DFlashProposer",
@@ -20,4 +23,9 @@ __all__ = [
     "evaluate",
     "greedy_generate",
     "speculative_generate",
+    "chat_turn_end_token_id",
+    "stop_token_ids",
+    "TeacherForcedReport",
+    "TrainingSemantics",
+    "teacher_forced_acceptance",
 ]

@@ -37,6 +37,9 @@ from pydantic import BaseModel, Field
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from trainer.eval.stops import stop_token_ids as default_stop_token_ids
+from trainer.eval.teacher_forced import TeacherForcedReport, TrainingSemantics, teacher_forced_acceptance
+
 
 class EvalError(ValueError):
     """Bad evaluation arguments (block size, prompts, temperature ...); the message is one line."""
@@ -101,6 +104,31 @@ class GenerationResult:
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: accepted drafts + 1 (bonus)
 
 
+class PromptLengthBucket(BaseModel):
+    min_tokens: int
+    max_tokens: int
+    prompts: int
+    verify_steps: int
+    tau: float | None = Field(description="Pooled over the bucket's verify steps; null without any.")
+
+
+def prompt_length_buckets(prompt_lengths: Sequence[int], results: Sequence[GenerationResult]) -> list[PromptLengthBucket]:
+    """Buckets [1, 31], [32, 63], [64, 127], ...: long prompts give the drafter more context; a drafter
+    trained on short documents shows it here."""
+    buckets: dict[int, list[GenerationResult]] = {}
+    for length, result in zip(prompt_lengths, results):
+        low = 1 if length < 32 else 1 << (length.bit_length() - 1)
+        buckets.setdefault(low, []).append(result)
+    out = []
+    for low in sorted(buckets):
+        lengths = [a for r in buckets[low] for a in r.acceptance_lengths]
+        out.append(PromptLengthBucket(
+            min_tokens=low, max_tokens=31 if low == 1 else 2 * low - 1, prompts=len(buckets[low]),
+            verify_steps=len(lengths), tau=sum(lengths) / len(lengths) if lengths else None,
+        ))
+    return out
+
+
 class EvalReport(BaseModel):
     """What `trainer eval` prints and what a run writes to eval.json."""
 
@@ -147,6 +175,22 @@ class EvalReport(BaseModel):
     block_size: int
     temperature: float
     max_new_tokens: int
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="Tokens that end an answer: eos, generation_config eos ids and the "
+        "chat template's end-of-turn token (generation stops where serving stops, at the end of the turn)."
+    )
+    prompt_lengths: list[int] = Field(default_factory=list, description="Tokens per prompt, in prompt order.")
+    tau_per_prompt: list[float | None] = Field(
+        default_factory=list, description="tau of each prompt (null where it had no verify step)."
+    )
+    verify_steps_per_prompt: list[int] = Field(default_factory=list)
+    tau_by_prompt_length: list[PromptLengthBucket] = Field(
+        default_factory=list, description="tau per prompt-length bucket (powers of two), pooled over verify steps."
+    )
+    teacher_forced: TeacherForcedReport | None = Field(
+        None, description="The training objective's acceptance on the same decoded sequences "
+        "(trainer.eval.teacher_forced); null when not measured."
+    )
 
 
 # --- one generation --------------------------------------------------------------------------------------
@@ -196,10 +240,17 @@ def _pick(logits: Tensor, temperature: float, generator: torch.Generator | None)
 
 
 def _stop_set(target: Any, stop_token_ids: Sequence[int] | None) -> set[int]:
+    """stop_token_ids, else where serving stops: eos, generation_config eos ids and the chat turn's end."""
     if stop_token_ids is not None:
         return set(stop_token_ids)
+    stops: set[int] = set()
     eos = getattr(target, "eos_token_id", None)
-    return {eos} if eos is not None else set()
+    if eos is not None:
+        stops.add(eos)
+    tokenizer = getattr(target, "tokenizer", None)
+    if tokenizer is not None:
+        stops |= set(default_stop_token_ids(tokenizer, getattr(target, "model", None)))
+    return stops
 
 
 def _device(target: Any) -> torch.device:
@@ -441,6 +492,7 @@ def evaluate(
     seed: int = 0,
     mask_token_id: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    teacher_forcing: TrainingSemantics | None = None,
 ) -> EvalReport:
     """Speculative decoding on every prompt, against plain decoding of the same target.
 
@@ -450,6 +502,9 @@ def evaluate(
     what a frequent in-training tau needs). The drafter's train/eval mode is restored afterwards; the global
     RNG is untouched (sampling uses generators seeded with seed + prompt index).
     progress(done, total) is called after each prompt.
+    teacher_forcing: also score the decoded sequences under the run's training semantics
+    (trainer.eval.teacher_forced), so the training objective's acceptance sits next to the real tau.
+    stop_token_ids None: stop where serving stops (eos, generation_config eos ids, the chat turn's end).
     """
     _validate(prompts, block_size, max_new_tokens, temperature, feature_layer_ids)
     if check_lossless is None:
@@ -474,6 +529,8 @@ def evaluate(
             generator=_generator(device, seed_),
         )
 
+    stops = sorted(_stop_set(target, stop_token_ids))
+    stop_token_ids = stops
     try:
         if measure_speedup:  # first calls pay for allocator growth and kernel selection: keep them untimed
             spec(prompts[0], min(max_new_tokens, 2 * block_size), seed)
@@ -487,6 +544,18 @@ def evaluate(
                 base_results.append(plain(prompt, max_new_tokens, seed + index))
             if progress is not None:
                 progress(index + 1, len(prompts))
+        teacher_forced = None
+        # The drafter module behind a DFlashProposer too; a reduced draft vocabulary scores in its own
+        # head, which the teacher-forced replay does not model yet, so it is left out there.
+        draft_module = drafter if isinstance(drafter, nn.Module) else getattr(drafter, "drafter", None)
+        if (teacher_forcing is not None and isinstance(draft_module, nn.Module)
+                and getattr(drafter, "vocab_ids", None) is None):
+            # The decoded sequences themselves (at T=0 exactly the target's greedy continuation), so both
+            # numbers see the same tokens.
+            teacher_forced = teacher_forced_acceptance(
+                draft_module, target, [(p, r.new_tokens) for p, r in zip(prompts, spec_results)], teacher_forcing,
+                acceptance_lengths=[r.acceptance_lengths for r in spec_results],
+            )
     finally:
         if was_training:
             drafter.train()
@@ -523,4 +592,13 @@ def evaluate(
         block_size=block_size,
         temperature=temperature,
         max_new_tokens=max_new_tokens,
+        stop_token_ids=stops,
+        prompt_lengths=[len(p) for p in prompts],
+        tau_per_prompt=[
+            sum(r.acceptance_lengths) / len(r.acceptance_lengths) if r.acceptance_lengths else None
+            for r in spec_results
+        ],
+        verify_steps_per_prompt=[len(r.acceptance_lengths) for r in spec_results],
+        tau_by_prompt_length=prompt_length_buckets([len(p) for p in prompts], spec_results),
+        teacher_forced=teacher_forced,
     )

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError, TrainConfig, resolve_for_target
-from trainer.data.datasets import batch_for_step, load_documents, pack_documents
+from trainer.data.datasets import batch_for_step, chat_rendering, load_documents, pack_documents
 from trainer.data.draft_vocab import VOCAB_FILE, draft_token_ids, load_vocab, save_vocab, token_frequencies
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import metrics_from_counts
@@ -266,8 +266,15 @@ def _train(
         _check_same_inputs(run, target.fingerprint, packed.fingerprint)
     if dist.is_main:
         run.header_written = True  # from here on a failure is recorded in run.json (see train())
+        # What sleuth's train-to-serve checks read: does the mask id occur in the data, how was chat rendered.
+        real_tokens = packed.input_ids[packed.doc_ids >= 0]
+        data_record = {
+            "mask_token_count": int((real_tokens == plan.mask_token_id).sum()),
+            **chat_rendering(documents, target.tokenizer),
+        }
         _write_run_header(
-            run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created, fidelity
+            run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created, fidelity,
+            data_record,
         )
     if dist.is_main and vocab_ids is not None:
         save_vocab(run.path / VOCAB_FILE, vocab_ids, target.vocab_size)
@@ -314,7 +321,7 @@ def _train(
             evaluated = full_drafter() if eval_due and (fsdp or evaluator is not None) else None
             if eval_due and evaluator is not None and evaluated is not None:
                 evaluated.eval()
-                row["tau"] = round(evaluator.tau(evaluated), 4)
+                row.update(evaluator.tau(evaluated))
                 evaluated.train()
             if dist.is_main:
                 run.append_metrics(row)
@@ -439,6 +446,7 @@ def _write_run_header(
     dist: Distributed,
     created: str,
     fidelity: FidelityRecord | None,
+    data_record: dict[str, Any] | None = None,
 ) -> None:
     if resume:
         run.truncate_metrics(start_step)  # rows after the checkpoint are recomputed, never duplicated
@@ -468,7 +476,7 @@ def _write_run_header(
                     "hidden_size": target.hidden_size,
                     "vocab_size": target.vocab_size,
                 },
-                "data": {"source": config.data, "fingerprint": data_fingerprint},
+                "data": {"source": config.data, "fingerprint": data_fingerprint, **(data_record or {})},
                 "target_fidelity": fidelity.to_json() if fidelity else None,
             }
         )
@@ -585,6 +593,8 @@ class _Evaluator:
         self.vocab_ids = vocab_ids
         self.prompts = heldout_prompts(config.data, target.tokenizer, config.eval_prompts)
         self.feature_layer_ids = config.fc_layer_ids(target.num_layers)
+        # How the prompts were rendered (eval.json `prompts`), next to run.json's record for the training data.
+        self.rendering = chat_rendering(load_documents(config.data, target.tokenizer, "heldout"), target.tokenizer)
 
     def _run(self, drafter: DFlashDrafter, measure_speedup: bool) -> dict[str, Any]:
         # The periodic tau needs only the speculative loop; the final report also times plain greedy
@@ -605,14 +615,53 @@ class _Evaluator:
             measure_speedup=measure_speedup,
             check_lossless=measure_speedup,
             seed=self.config.seed,
+            teacher_forcing=training_semantics(self.config, self.target),
         )
         return report.model_dump()
 
-    def tau(self, drafter: DFlashDrafter) -> float:
-        return float(self._run(drafter, measure_speedup=False)["tau"])
+    def tau(self, drafter: DFlashDrafter) -> dict[str, Any]:
+        """The metrics-row fields of a periodic eval: real tau next to the training objective's acceptance
+        on the same sequences (field names in README, "The run directory")."""
+        return eval_row_fields(self._run(drafter, measure_speedup=False))
 
     def full(self, drafter: DFlashDrafter) -> dict[str, Any]:
-        return self._run(drafter, measure_speedup=True)
+        return {**self._run(drafter, measure_speedup=True), "prompts": self.rendering}
+
+
+def training_semantics(config: TrainConfig, target: FrozenTarget) -> Any:
+    """What the run's training step scores a slot against, for teacher-forced acceptance at eval time."""
+    from trainer.eval.teacher_forced import TrainingSemantics
+
+    plan = StepPlan.from_config(config, target)
+    return TrainingSemantics(
+        feature_layer_ids=plan.feature_layer_ids,
+        logits_source=plan.logits_source,
+        context_includes_anchor=plan.context_includes_anchor,
+        block_size=plan.block_size,
+        mask_token_id=plan.mask_token_id,
+    )
+
+
+def eval_row_fields(report: dict[str, Any]) -> dict[str, Any]:
+    """`tau` plus the teacher-forced acceptance and the per-prompt values sleuth's train-serve check reads."""
+    row: dict[str, Any] = {
+        "tau": round(report["tau"], 4),
+        "tau_per_prompt": [None if t is None else round(t, 4) for t in report.get("tau_per_prompt", [])],
+    }
+    teacher_forced = report.get("teacher_forced")
+    if teacher_forced:
+        row["tf_acceptance"] = round(teacher_forced["acceptance"], 4)
+        row["tf_acceptance_per_prompt"] = [
+            None if a is None else round(a, 4) for a in teacher_forced["acceptance_per_prompt"]
+        ]
+        if teacher_forced.get("at_verify") is not None:
+            # The block-by-block comparison at the anchors serving used (trainer.eval.teacher_forced).
+            for key in ("at_verify", "tau_at_verify"):
+                row[f"tf_{key}"] = round(teacher_forced[key], 4)
+                row[f"tf_{key}_per_prompt"] = [
+                    None if a is None else round(a, 4) for a in teacher_forced[f"{key}_per_prompt"]
+                ]
+    return row
 
 
 def _round(value: Any) -> Any:

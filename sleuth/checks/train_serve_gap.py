@@ -1,0 +1,192 @@
+"""`dflash.train_serve_gap`: does the training objective's acceptance show up when the drafter serves?
+
+The run records both numbers on the same held-out eval sequences at the same step (run-directory
+contract: eval.json `tau`, `tau_per_prompt`, `teacher_forced.acceptance`,
+`teacher_forced.acceptance_per_prompt`; eval rows of metrics.jsonl `tau`, `tau_per_prompt`,
+`tf_acceptance`, `tf_acceptance_per_prompt`). A drafter trained on the serving semantics reaches about
+the teacher-forced acceptance when it serves; real tau falling short of it beyond the per-prompt noise
+means the training semantics differ from serving somewhere (SpecForge #533: 98% in training, 10% in
+vLLM; z-lab #41: accuracy 0.99, acceptance 0.12). The finding names the invariants that can open such a
+gap and which of them this diagnosis found broken.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sleuth.checks.context import ContractContext
+from sleuth.findings import Evidence, Finding
+
+ID = "dflash.train_serve_gap"
+# The invariants whose violation makes training score something serving does not reward.
+EXPLAINS_GAP = (
+    "dflash.context_excludes_anchor",
+    "dflash.target_logits_source",
+    "dflash.target_shift",
+    "dflash.blocks_isolated",
+    "dflash.block_position_ids",
+    "dflash.target_forward_fidelity",
+    "dflash.mask_token_distinct",
+    "dflash.rope_matches_target",
+    "dflash.hidden_state_capture",
+    "dflash.chat_template_consistency",
+    "dflash.export_contract",
+)
+NOISE_SIGMAS = 3.0  # a gap must exceed 3 standard errors of the paired per-prompt difference
+# Block by block at serving's anchors, a drafter trained on serving semantics scores exactly its real
+# acceptance (same block, context and labels); only float ties in argmax can differ. A floor of 0.02
+# tokens per step keeps a stray tie from becoming a finding when every prompt agrees (se 0).
+MIN_SHORTFALL_AT_VERIFY = 0.02
+# The expected acceptance from per-slot accuracies over all positions differs systematically from the
+# realised one (slots are not independent; serving visits only some anchors): the gap must also exceed a
+# tenth of the predicted gain over plain decoding.
+MIN_RELATIVE_SHORTFALL = 0.10
+PROBE_HINT = "run the probes (`sleuth diagnose --probe`) to localise it"
+
+
+@dataclass
+class _Measurement:
+    step: int | None
+    tau: float
+    predicted: float
+    tau_per_prompt: list[Any]
+    predicted_per_prompt: list[Any]
+    location: str
+    at_verify: bool  # block by block at serving's anchors (no systematic difference) or expected from acc_k
+
+
+def _from_fields(holder: dict[str, Any], step: Any, location: str, names: dict[str, str]) -> _Measurement | None:
+    """names: the keys of tau, predicted, and their per-prompt lists in `holder`, for either comparison."""
+    tau, predicted = _number(holder.get(names["tau"])), _number(holder.get(names["predicted"]))
+    if tau is None or predicted is None:
+        return None
+    return _Measurement(
+        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        tau=tau, predicted=predicted,
+        tau_per_prompt=list(holder.get(names["tau_per_prompt"]) or []),
+        predicted_per_prompt=list(holder.get(names["predicted_per_prompt"]) or []),
+        location=f"{location}: {names['tau']}, {names['predicted']}",
+        at_verify=names["predicted"].endswith("at_verify"),
+    )
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _latest_measurement(ctx: ContractContext) -> _Measurement | None:
+    """The newest step that has both numbers; at a step, the block-by-block comparison when recorded."""
+    run = ctx.run
+    if run is None:
+        return None
+    candidates: list[_Measurement] = []
+    report = run.eval_report or {}
+    teacher_forced = report.get("teacher_forced")
+    if isinstance(teacher_forced, dict):
+        where = str(run.path / "eval.json")
+        merged = {**teacher_forced, "tau_all": report.get("tau"), "tau_per_prompt_all": report.get("tau_per_prompt")}
+        for names in (
+            {"tau": "tau_at_verify", "predicted": "at_verify", "tau_per_prompt": "tau_at_verify_per_prompt",
+             "predicted_per_prompt": "at_verify_per_prompt"},
+            {"tau": "tau_all", "predicted": "acceptance", "tau_per_prompt": "tau_per_prompt_all",
+             "predicted_per_prompt": "acceptance_per_prompt"},
+        ):
+            found = _from_fields(merged, report.get("step"), where + " teacher_forced", names)
+            if found is not None:
+                candidates.append(found)
+                break
+    for row in reversed(run.metrics):
+        where = f"{run.path / 'metrics.jsonl'} step {row.get('step')}"
+        found = _from_fields(row, row.get("step"), where, {
+            "tau": "tf_tau_at_verify", "predicted": "tf_at_verify", "tau_per_prompt": "tf_tau_at_verify_per_prompt",
+            "predicted_per_prompt": "tf_at_verify_per_prompt"}) or _from_fields(row, row.get("step"), where, {
+            "tau": "tau", "predicted": "tf_acceptance", "tau_per_prompt": "tau_per_prompt",
+            "predicted_per_prompt": "tf_acceptance_per_prompt"})
+        if found is not None:
+            candidates.append(found)
+            break
+    if not candidates:
+        return None
+    return max(candidates, key=lambda m: m.step if m.step is not None else -1)
+
+
+def paired_standard_error(predicted: list[Any], real: list[Any]) -> tuple[float | None, int]:
+    """Standard error of the mean per-prompt difference predicted - real, over prompts with both."""
+    diffs = [p - r for p, r in ((_number(p), _number(r)) for p, r in zip(predicted, real))
+             if p is not None and r is not None]
+    n = len(diffs)
+    if n < 2:
+        return None, n
+    mean = sum(diffs) / n
+    variance = sum((d - mean) ** 2 for d in diffs) / (n - 1)
+    return math.sqrt(variance / n), n
+
+
+def check_train_serve_gap(ctx: ContractContext) -> Finding:
+    run = ctx.run
+    if run is None:
+        return ctx.finding(ID, "unknown", reason="no run directory: the gap needs a run's eval numbers")
+    measurement = _latest_measurement(ctx)
+    if measurement is None:
+        streaks = [r for r in run.metrics if _number(r.get("tau")) is not None]
+        hint = ""
+        if streaks and _number(streaks[-1].get("eal")) is not None:
+            row = streaks[-1]
+            hint = (f"; the training-batch eal + 1 at step {row.get('step')} is {row['eal'] + 1:.2f} against "
+                    f"tau {row['tau']:.2f}, but those are different data with no noise estimate")
+        return ctx.finding(
+            ID, "unknown",
+            reason="the run records no teacher-forced acceptance next to its tau (eval.json "
+            "teacher_forced / metrics tf_acceptance), so the two cannot be compared on the same data" + hint,
+        )
+    m = measurement
+    se, paired = paired_standard_error(m.predicted_per_prompt, m.tau_per_prompt)
+    gap = m.predicted - m.tau
+    at = f"at step {m.step}" if m.step is not None else "at the last eval"
+    evidence = [Evidence(kind="metrics", location=m.location, value=f"tau {m.tau:.3f}, teacher-forced {m.predicted:.3f}")]
+    observed = f"real tau {m.tau:.2f} vs teacher-forced acceptance {m.predicted:.2f} {at} (gap {gap:+.2f}"
+    observed += f", noise se {se:.3f} over {paired} prompts)" if se is not None else ", no per-prompt values)"
+    expected = "real tau within noise of the teacher-forced acceptance on the same eval sequences"
+    if se is None:
+        return ctx.finding(ID, "unknown", expected=expected, observed=observed, evidence=evidence,
+                           reason=f"fewer than 2 prompts carry both per-prompt values ({paired}): no noise estimate")
+    floor = MIN_SHORTFALL_AT_VERIFY if m.at_verify else MIN_RELATIVE_SHORTFALL * max(m.predicted - 1.0, 0.0)
+    floor_text = f"{MIN_SHORTFALL_AT_VERIFY:g} tokens" if m.at_verify else f"{MIN_RELATIVE_SHORTFALL:.0%} of the predicted gain"
+    threshold = max(NOISE_SIGMAS * se, floor)
+    compared = ("block by block at the anchors serving used" if m.at_verify
+                else "expected acceptance from per-slot accuracy over all generated positions")
+    observed += f"; compared {compared}"
+    broken = [f for f in ctx.findings if f.id in EXPLAINS_GAP and f.status == "mismatch"]
+    unknown = [f.id for f in ctx.findings if f.id in EXPLAINS_GAP and f.status == "unknown"]
+    notes = [f"invariants that can open a train-serve gap: {', '.join(EXPLAINS_GAP)}"]
+    if gap <= threshold:
+        if gap < -threshold and not m.at_verify:
+            notes.append("real tau is above the teacher-forced prediction: acceptance is not independent across "
+                         "slots here (long runs of correct drafts), which the product of per-slot accuracies misses")
+        return ctx.finding(
+            ID, "match", expected=expected, observed=observed, evidence=evidence, confidence=0.8,
+            reason=f"the shortfall {gap:+.3f} is within max({NOISE_SIGMAS:g} x se, {floor_text}) = {threshold:.3f}",
+            notes=notes,
+        )
+    if broken:
+        explanation = ", ".join(f.id for f in broken)
+        reason = (f"real tau falls short of what training measures by {gap:.2f} ({_in_se(gap, se)}); explained by "
+                  f"the broken invariant(s) this diagnosis found: {explanation}")
+        evidence += [e for f in broken for e in f.evidence[:1]]
+    else:
+        explanation = None
+        reason = (f"real tau falls short of what training measures by {gap:.2f} ({_in_se(gap, se)}) and no finding of "
+                  f"this diagnosis explains it; {PROBE_HINT}")
+        if unknown:
+            reason += f" (and settle the unknown ones: {', '.join(unknown)})"
+    notes.insert(0, f"explanation found: {explanation}" if explanation else "explanation found: none")
+    return ctx.finding(ID, "mismatch", expected=expected, observed=observed, evidence=evidence,
+                       confidence=0.85, reason=reason, notes=notes)
+
+
+def _in_se(gap: float, se: float) -> str:
+    return f"{gap / se:.1f} se" if se > 0 else "every prompt agrees on it"
