@@ -127,7 +127,7 @@ def diagnose(
 AGENT_STEPS = frozenset({
     "read-run", "regression", "load-playbook", "resolve-reference", "read-config", "locate-checkpoint",
     "locate-code", "check-invariants", "look-for-evidence", "recheck-invariants", "merge-findings",
-    "rank-findings", "draw-chart", "write-report",
+    "rank-findings", "draw-chart", "write-report", "check-speculators-config",
 })
 
 
@@ -191,6 +191,7 @@ class _Investigation:
         self.read_code()
         findings = self.check_invariants()
         findings = self.follow_up(findings)
+        findings = self.check_foreign_conventions(findings)
         with self.trace.step("rank-findings", count=len(findings)) as step:
             findings = rank_findings(findings, self.rules)
             top = [f"{f.id} ({f.severity})" for f in findings if f.status == "mismatch"][:3]
@@ -353,6 +354,18 @@ class _Investigation:
                 counts[finding.status] = counts.get(finding.status, 0) + 1
             step.outcome = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no findings"
         return findings
+
+    def check_foreign_conventions(self, findings: list[Finding]) -> list[Finding]:
+        """A speculators run's config decided in speculators' own conventions (sleuth.interop)."""
+        from sleuth.interop import foreign_findings
+
+        decided = foreign_findings(self.run_info, findings)
+        if decided is not findings:
+            with self.trace.step("check-speculators-config", run=self.run_info.path if self.run_info else None) as step:
+                changed = sorted({f.id for f in decided} - {f.id for f in findings} | {
+                    f.id for f, g in zip(decided, findings) if f is not g})
+                step.outcome = "decided in vLLM's conventions: " + ", ".join(changed)
+        return decided
 
     def follow_up(self, findings: list[Finding]) -> list[Finding]:
         """Findings still unknown or weak send the agent to a source it has not read yet, if there is one."""
