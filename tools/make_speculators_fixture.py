@@ -49,7 +49,7 @@ _WORDS = (
 ).split()
 
 
-def build_verifier(out: Path) -> Path:
+def build_verifier(out: Path, train_steps: int = 60) -> Path:
     """A tiny Qwen3 causal LM with a byte-level BPE tokenizer, saved with save_pretrained."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -89,7 +89,7 @@ def build_verifier(out: Path) -> Path:
     # drafter has something to learn (accuracies above zero in val_metrics.json).
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = torch.tensor([fast(text)["input_ids"][:24] for text in corpus if len(fast(text)["input_ids"]) >= 24][:32])
-    for _ in range(60):
+    for _ in range(train_steps):
         loss = model(batch, labels=batch).loss
         loss.backward()
         optimizer.step()

@@ -20,6 +20,7 @@ Conventions (speculators 0.9.0, `models/utils.py` `resolve_target_layer_ids`):
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from sleuth.findings import Evidence, Finding, Fix
@@ -84,12 +85,18 @@ def check_target_layer_ids(run: SpeculatorsRun) -> Finding:
         finding.evidence.append(Evidence(
             kind="config", location=f"{verifier.config_path}:num_hidden_layers", value=quote(verifier.num_layers),
         ))
+    elif _is_int(config.get("num_target_layers")):
+        # `trainer export --format speculators` records the target's depth beside the ids.
+        verifier = replace(verifier, num_layers=config["num_target_layers"])
+        finding.evidence.append(Evidence(
+            kind="config", location=f"{where}:num_target_layers", value=quote(config["num_target_layers"]),
+        ))
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         finding.reason = f"aux_hidden_state_layer_ids is {quote(ids)}, not a list of layer ids"
         finding.status, finding.severity = "mismatch", "high"
         finding.observed = quote(ids)
         return finding
-    finding.observed = quote(ids)
+    finding.observed = f"{quote(ids)} (z-lab numbering {quote([i - 1 for i in ids])})"
     fc_layers = _fc_layer_count(run)
     if fc_layers is not None:
         count, shape, tensor = fc_layers
@@ -188,7 +195,10 @@ def check_mask_token_id(run: SpeculatorsRun) -> Finding:
         evidence=[Evidence(kind="config", location=f"{where}:mask_token_id", value=quote(value))],
     )
     vocab = run.verifier.vocab_size
-    if not isinstance(value, int) or isinstance(value, bool):
+    if "mask_token_id" not in config:
+        finding.status = "unknown"
+        finding.reason = f"{where} has no mask_token_id key (speculators always writes one)"
+    elif not isinstance(value, int) or isinstance(value, bool):
         finding.status = "mismatch"
         finding.reason = (
             "no mask token id: vLLM's DFlash proposer fills the block's slots 1..B-1 with it and cannot serve "
@@ -330,6 +340,10 @@ def check_loss_kind(run: SpeculatorsRun) -> Finding:
 
 
 # --- helpers -------------------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _algorithm(run: SpeculatorsRun) -> str | None:

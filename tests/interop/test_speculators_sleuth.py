@@ -1,0 +1,204 @@
+"""sleuth on real `speculators train` output (tests/fixtures/speculators, made by
+tools/make_speculators_fixture.py with speculators 0.9.0's own train entry point).
+
+Defects are planted in a copy of a real checkpoint's config.json; every expectation below is written
+from speculators' conventions (id i = HF hidden_states[i]; default [2, L//2, L-3]; the fixture's verifier
+has 8 layers, so the default is [2, 4, 5]), not from sleuth's output.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sleuth.commands.diagnose import app
+from sleuth.runs import list_run_dirs, read_run
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "speculators"
+SAVE = FIXTURE / "specout"
+SECOND = FIXTURE / "specout-gamma7"
+DEFAULT_IDS = [2, 4, 5]
+
+
+@pytest.fixture()
+def copy(tmp_path: Path) -> Path:
+    """The fixture directory (verifier + both save directories) copied, links kept, to plant defects in."""
+    target = tmp_path / "speculators"
+    shutil.copytree(FIXTURE, target, symlinks=True, ignore=shutil.ignore_patterns("data"))
+    return target
+
+
+def diagnose(*args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, dict]:
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("SLEUTH_CACHE_DIR", str(cwd / ".sleuth-cache"))
+    result = CliRunner().invoke(app, [*args, "--offline", "--format", "json", "--out", str(cwd / "diagnosis")])
+    assert result.exit_code in (0, 1), result.output
+    return result.exit_code, json.loads(result.stdout)
+
+
+def by_id(report: dict) -> dict[str, dict]:
+    return {f["id"]: f for f in report["findings"]}
+
+
+def plant(save: Path, **changes) -> Path:
+    """Edit the best checkpoint's config.json (the one sleuth checks) and return that checkpoint."""
+    checkpoint = save / "checkpoint_best"
+    path = checkpoint / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config, indent=2))
+    return checkpoint
+
+
+# --- reading --------------------------------------------------------------------------------------------
+
+
+def test_a_save_directory_reads_as_a_run_with_every_checkpoint_as_history():
+    info = read_run(SAVE)
+    run = info.interop
+    assert run.kind == "save_dir"
+    assert [c.path.name for c in run.checkpoints] == sorted((p.name for p in SAVE.iterdir() if p.name.isdigit()), key=int)
+    best = (SAVE / "checkpoint_best").resolve().name
+    assert run.chosen.path.name == best and run.links["checkpoint_best"] == best
+    assert {name for name in run.links if name.startswith("epoch")} == {p.name for p in SAVE.glob("epoch*_end")}
+    # One metrics row per checkpoint that has val_metrics.json, at its training_state global_step.
+    expected = []
+    for checkpoint in sorted(SAVE.glob("[0-9]*"), key=lambda p: int(p.name)):
+        if (checkpoint / "val_metrics.json").is_file():
+            values = json.loads((checkpoint / "val_metrics.json").read_text())
+            step = json.loads((checkpoint / "training_state.json").read_text())["global_step"]
+            expected.append((step, values["loss_epoch"], values["full_acc_epoch"], values["position_1_acc_epoch"]))
+    assert expected, "the fixture must hold validation metrics"
+    assert [(r["step"], r["loss"], r["acc"], r["position_acc"][0]) for r in info.metrics] == expected
+    assert info.block_size == json.loads((SAVE / "checkpoint_best" / "config.json").read_text())["block_size"]
+    assert info.target_fingerprint == "verifier:verifier" and info.created is not None
+
+
+def test_the_verifier_depth_comes_from_the_verifier_named_in_the_config(tmp_path, monkeypatch):
+    info = read_run(SAVE / "0")
+    assert info.interop.kind == "checkpoint"
+    verifier = info.interop.verifier
+    assert verifier.num_layers == json.loads((FIXTURE / "verifier" / "config.json").read_text())["num_hidden_layers"]
+    # From elsewhere (another cwd) the relative name still resolves: beside the save directory.
+    monkeypatch.chdir(tmp_path)
+    assert read_run(SAVE / "0").interop.verifier.num_layers == verifier.num_layers
+
+
+def test_save_directories_are_listed_as_runs():
+    assert {SAVE, SECOND} <= set(list_run_dirs(FIXTURE))
+
+
+# --- speculators' own defaults: nothing to fix ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["save_dir", "checkpoint"])
+def test_speculators_defaults_produce_no_mismatch(which, tmp_path, monkeypatch):
+    run = SAVE if which == "save_dir" else SAVE / "checkpoint_best"
+    code, report = diagnose("--run", str(run), cwd=tmp_path, monkeypatch=monkeypatch)
+    findings = by_id(report)
+    assert code == 0, [f for f in report["findings"] if f["status"] == "mismatch"]
+    layer_ids = findings["dflash.target_layer_ids"]
+    assert layer_ids["status"] == "match" and "speculators' default" in layer_ids["reason"]
+    assert findings["dflash.fc_input_layers"]["status"] == "match"
+    assert findings["speculators.mask_token_id"]["status"] == "match"
+    assert findings["dflash.anchor_slot_untrained"]["status"] == "match"
+    assert findings["dflash.loss_kind"]["status"] == "match"
+    # "logged no acc ..." no more: the val metrics are read.
+    assert "logged no" not in report["regression"]["summary"]
+
+
+# --- planted config defects: right label, remedy in speculators' terms, evidence quoted exactly ---------
+
+
+@pytest.mark.parametrize(
+    ("ids", "words"),
+    [
+        ([1, 3, 4], "off by -1"),  # z-lab's numbering used where vLLM's is expected
+        ([3, 5, 6], "off by +1"),  # converted twice
+        ([2, 4, 9], "outside [1, 8]"),
+        ([0, 4, 5], "embeddings"),
+    ],
+)
+def test_planted_layer_id_defects_are_flagged_with_a_speculators_remedy(copy, monkeypatch, ids, words):
+    checkpoint = plant(copy / "specout", aux_hidden_state_layer_ids=ids)
+    code, report = diagnose("--run", str(checkpoint), cwd=copy, monkeypatch=monkeypatch)
+    finding = by_id(report)["dflash.target_layer_ids"]
+    assert code == 1 and finding["status"] == "mismatch"
+    assert words in finding["reason"]
+    assert "--target-layer-ids 2 4 5" in finding["fix"]["code_hint"]
+    assert "speculators train" in finding["fix"]["code_hint"]
+    assert_evidence_quotes_the_files(finding)
+
+
+def test_a_shortened_id_list_names_the_list_not_fc(copy, monkeypatch):
+    checkpoint = plant(copy / "specout", aux_hidden_state_layer_ids=[2, 4])
+    code, report = diagnose("--run", str(checkpoint), cwd=copy, monkeypatch=monkeypatch)
+    findings = by_id(report)
+    layer_ids = findings["dflash.target_layer_ids"]
+    assert code == 1 and layer_ids["status"] == "mismatch"
+    assert "names 2 layer(s)" in layer_ids["reason"] and "reads 3" in layer_ids["reason"]
+    # The run was launched with --target-layer-ids 2 4 5 (train_command.txt): the config key is the fix.
+    assert layer_ids["fix"]["config_patch"] == {"aux_hidden_state_layer_ids": DEFAULT_IDS}
+    assert "--target-layer-ids 2 4 5" in layer_ids["fix"]["code_hint"]
+    assert findings["dflash.fc_input_layers"]["status"] != "mismatch"
+    assert_evidence_quotes_the_files(layer_ids)
+
+
+def test_a_missing_mask_token_is_flagged(copy, monkeypatch):
+    checkpoint = plant(copy / "specout", mask_token_id=None)
+    code, report = diagnose("--run", str(checkpoint), cwd=copy, monkeypatch=monkeypatch)
+    finding = by_id(report)["speculators.mask_token_id"]
+    assert code == 1 and finding["status"] == "mismatch"
+    assert finding["evidence"][0]["value"] == "null"
+    assert "--mask-token-id" in finding["fix"]["code_hint"]
+
+
+def test_sample_from_anchor_for_dflash_is_flagged(copy, monkeypatch):
+    checkpoint = plant(copy / "specout", sample_from_anchor=True)
+    code, report = diagnose("--run", str(checkpoint), cwd=copy, monkeypatch=monkeypatch)
+    finding = by_id(report)["dflash.anchor_slot_untrained"]
+    assert code == 1 and finding["status"] == "mismatch"
+    assert "--no-sample-from-anchor" in finding["fix"]["code_hint"]
+    assert_evidence_quotes_the_files(finding)
+
+
+def test_gamma_is_judged_against_the_loss_weighting_that_ran(copy, monkeypatch):
+    # The second run passed --dflash-decay-gamma 7.0 at block size 4, but speculators' DFlash default
+    # weighting is D-PACE, which does not use gamma.
+    code, report = diagnose("--run", str(copy / "specout-gamma7"), cwd=copy, monkeypatch=monkeypatch)
+    gamma = by_id(report)["dflash.loss_decay_gamma"]
+    assert gamma["status"] == "match" and "dpace" in gamma["reason"]
+    # Planted: the same run with fixed exponential decay, as a user would launch it.
+    command = copy / "specout-gamma7" / "train_command.txt"
+    command.write_text(command.read_text().rstrip("\n") + " --per-position-loss-weight fixed-exp-decay\n")
+    code, report = diagnose("--run", str(copy / "specout-gamma7"), cwd=copy, monkeypatch=monkeypatch)
+    gamma = by_id(report)["dflash.loss_decay_gamma"]
+    assert code == 1 and gamma["status"] == "mismatch"
+    assert "--dflash-decay-gamma 4.0" in gamma["fix"]["code_hint"]
+
+
+def test_regression_between_two_save_directories_uses_val_metrics(copy, monkeypatch):
+    code, report = diagnose("--run", str(copy / "specout-gamma7"), "--baseline", str(copy / "specout"),
+                            cwd=copy, monkeypatch=monkeypatch)
+    regression = report["regression"]
+    compared = {m["metric"]: m for m in regression["metrics"]}
+    assert {"acc", "loss"} <= set(compared)
+    points = len(read_run(copy / "specout-gamma7").series("loss")[0])
+    assert compared["loss"]["run_points"] == points
+
+
+def assert_evidence_quotes_the_files(finding: dict) -> None:
+    """Each config evidence value is the JSON of what that file holds under that key."""
+    for evidence in finding["evidence"]:
+        location = evidence["location"]
+        if evidence["kind"] != "config" or ".json:" not in location:
+            continue
+        path, key = location.rsplit(":", 1)
+        value = json.loads(Path(path).read_text())
+        for part in key.split("."):
+            value = value[part]
+        assert json.loads(evidence["value"]) == value, location
