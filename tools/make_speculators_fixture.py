@@ -11,6 +11,7 @@ OUT receives (everything written by speculators itself except the verifier and t
                             run.yaml, train_command.txt; each checkpoint config.json, model.safetensors,
                             val_metrics.json, training_state.json
     OUT/data/               `speculators prepare-data` output (pre-tokenized input_ids + loss_mask)
+    OUT/logs/<run name>/    the tensorboard event files of each run (`--logger tensorboard`)
 
 The hidden-state cache that `speculators train` reads (`data/hidden_states/hs_{i}.safetensors`) is normally
 written by a vLLM server (`speculators generate-offline-data`), which does not run on CPU. It is made here
@@ -136,7 +137,7 @@ def cache_hidden_states(data: Path, verifier: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
     dataset = load_from_disk(str(data))
     for index in range(len(dataset)):
-        ids = torch.tensor(dataset[index]["input_ids"]).long()
+        ids = torch.as_tensor(dataset[index]["input_ids"]).long()
         with torch.no_grad():
             states = model(ids[None], output_hidden_states=True).hidden_states
         layers = [*TARGET_LAYER_IDS, NUM_VERIFIER_LAYERS]
@@ -153,7 +154,8 @@ def train(out: Path, verifier: Path, data: Path, epochs: int, name: str, *extra:
         "--num-layers", "1", "--block-size", "4", "--max-anchors", "8", "--total-seq-len", str(SEQ_LEN * 2),
         "--target-layer-ids", *map(str, TARGET_LAYER_IDS), "--draft-attn-impl", "sdpa",
         "--hidden-states-dtype", "float32", "--num-workers", "0", "--on-missing", "raise", "--seed", "0",
-        "--optimizer", "adamw", "--lr", "1e-3", "--log-freq", "1", "--loss-implementation", "eager", *extra,
+        "--optimizer", "adamw", "--lr", "1e-3", "--log-freq", "1", "--loss-implementation", "eager",
+        "--logger", "tensorboard", "--log-dir", "logs", "--run-name", name, *extra,
     )
     return save
 
@@ -221,8 +223,9 @@ def main() -> None:
     cache_hidden_states(data, verifier)
     saves = [
         train(here, Path("verifier"), Path("data"), args.epochs, "specout"),
-        # A second run on the same verifier and data (comparable), with gamma 7 at block size 4.
-        train(here, Path("verifier"), Path("data"), args.epochs, "specout-gamma7", "--dflash-decay-gamma", "7.0"),
+        # A second run on the same verifier and data (comparable): fixed exponential decay, gamma 7 at block 4.
+        train(here, Path("verifier"), Path("data"), args.epochs, "specout-gamma7",
+              "--per-position-loss-weight", "fixed-exp-decay", "--dflash-decay-gamma", "7.0"),
     ]
     if not args.keep_work:
         for save in saves:

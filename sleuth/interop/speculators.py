@@ -143,10 +143,10 @@ def read_speculators_run(path: Path) -> Any:
     run = read(path, kind)
     info = RunInfo(name=_run_name(path, kind), path=path)
     info.interop = run
+    info.metrics = metrics_rows(run)  # may add problem lines (tensorboard files unreadable, ...)
     info.problems = list(run.problems)
     info.config = run.config
     info.run_json = _run_json(run)
-    info.metrics = metrics_rows(run)
     chosen = run.chosen
     if chosen is not None and chosen.weights is not None:
         info.checkpoint = chosen.weights
@@ -189,33 +189,41 @@ def read(path: Path, kind: str) -> SpeculatorsRun:
 
 
 def metrics_rows(run: SpeculatorsRun) -> list[dict[str, Any]]:
-    """One row per checkpoint with validation numbers, in sleuth's metric names; tensorboard curves added."""
-    rows: list[dict[str, Any]] = []
-    for checkpoint in run.checkpoints:
-        values = checkpoint.val_metrics
-        if not values:
-            continue
-        step = checkpoint.step if checkpoint.step is not None else checkpoint.epoch
-        if step is None:
-            continue
-        row: dict[str, Any] = {"step": step, "epoch": checkpoint.epoch, "source": f"{checkpoint.path.name}/val_metrics.json"}
-        for ours, theirs in (("loss", "loss_epoch"), ("acc", "full_acc_epoch"), ("eal", "eal_epoch")):
-            if _number(values.get(theirs)):
-                row[ours] = float(values[theirs])
-        positions = sorted((int(m.group(1)), v) for k, v in values.items() if (m := _POSITION.match(k)) and _number(v))
-        if positions:
-            row["position_acc"] = [float(v) for _, v in positions]
-        rows.append(row)
+    """sleuth's metric rows: training curves from tensorboard when logged, validation numbers per checkpoint.
+
+    With tensorboard curves, `loss`/`acc`/`eal`/`position_acc` are the per-step training metrics (as our own
+    trainer logs them) and each checkpoint's validation numbers sit beside them as `val_loss`, `val_acc`,
+    `val_eal`, `val_position_acc`; without, the validation numbers are the only curve and take the plain
+    names (the run's `problems` say which).
+    """
     from sleuth.interop.tensorboard import read_scalars
 
     curves = read_scalars(run)
     if curves.problem:
         run.problems.append(curves.problem)
-    by_step = {row["step"]: row for row in rows}
-    for step, values in curves.rows.items():
-        by_step.setdefault(step, {"step": step, "source": "tensorboard"}).update(
-            {k: v for k, v in values.items() if k not in by_step.get(step, {})}
+    prefix = "val_" if curves.rows else ""
+    by_step: dict[int, dict[str, Any]] = {
+        step: {"step": step, "source": "tensorboard", **values} for step, values in curves.rows.items()
+    }
+    for checkpoint in run.checkpoints:
+        values = checkpoint.val_metrics
+        step = checkpoint.step if checkpoint.step is not None else checkpoint.epoch
+        if not values or step is None:
+            continue
+        row = by_step.setdefault(step, {"step": step})
+        row.update({"epoch": checkpoint.epoch, "val_source": f"{checkpoint.path.name}/val_metrics.json"})
+        for ours, theirs in (("loss", "loss_epoch"), ("acc", "full_acc_epoch"), ("eal", "eal_epoch")):
+            if _number(values.get(theirs)):
+                row[prefix + ours] = float(values[theirs])
+        positions = sorted((int(m.group(1)), v) for k, v in values.items() if (m := _POSITION.match(k)) and _number(v))
+        if positions:
+            row[prefix + "position_acc"] = [float(v) for _, v in positions]
+    if curves.rows:
+        run.problems.append(
+            f"metrics: training curves from {len(curves.files)} tensorboard file(s); validation numbers as val_*"
         )
+    elif by_step:
+        run.problems.append("metrics: validation numbers per checkpoint only (val_metrics.json; no tensorboard logs)")
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -119,3 +119,20 @@ def test_drafter_that_does_not_fit_the_target_is_refused(setup, tmp_path):
     result = invoke(str(broken), "--target", str(setup["target"]), "--device", "cpu")
     assert result.exit_code == 2
     assert "outside the target's 8 layers" in result.output
+
+
+SPECULATORS = Path(__file__).resolve().parents[1] / "fixtures" / "speculators"
+
+
+def test_a_real_speculators_save_directory_is_measured_on_its_verifier():
+    """tests/fixtures/speculators: `speculators train` output; its best checkpoint against its first epoch."""
+    save = SPECULATORS / "specout"
+    both = numbers(invoke(str(save), "--against", str(save / "0"), "--target", str(SPECULATORS / "verifier"),
+                          "--prompts", "2", "--max-new-tokens", "12", "--device", "cpu", "--json"))
+    best, first = both["drafters"]
+    assert best["layout"] == first["layout"] == "speculators"
+    assert best["drafter"] == f"specout/checkpoint_best -> {(save / 'checkpoint_best').resolve().name}"
+    config = json.loads((save / "checkpoint_best" / "config.json").read_text())
+    assert best["block_size"] == config["block_size"]
+    assert best["lossless"] is True and first["lossless"] is True
+    assert 1.0 <= best["tau"] <= config["block_size"]

@@ -65,7 +65,7 @@ def test_a_save_directory_reads_as_a_run_with_every_checkpoint_as_history():
     best = (SAVE / "checkpoint_best").resolve().name
     assert run.chosen.path.name == best and run.links["checkpoint_best"] == best
     assert {name for name in run.links if name.startswith("epoch")} == {p.name for p in SAVE.glob("epoch*_end")}
-    # One metrics row per checkpoint that has val_metrics.json, at its training_state global_step.
+    # Validation numbers: one row per checkpoint that has val_metrics.json, at its training_state global_step.
     expected = []
     for checkpoint in sorted(SAVE.glob("[0-9]*"), key=lambda p: int(p.name)):
         if (checkpoint / "val_metrics.json").is_file():
@@ -73,7 +73,13 @@ def test_a_save_directory_reads_as_a_run_with_every_checkpoint_as_history():
             step = json.loads((checkpoint / "training_state.json").read_text())["global_step"]
             expected.append((step, values["loss_epoch"], values["full_acc_epoch"], values["position_1_acc_epoch"]))
     assert expected, "the fixture must hold validation metrics"
-    assert [(r["step"], r["loss"], r["acc"], r["position_acc"][0]) for r in info.metrics] == expected
+    rows = [r for r in info.metrics if "val_loss" in r]
+    assert [(r["step"], r["val_loss"], r["val_acc"], r["val_position_acc"][0]) for r in rows] == expected
+    # Training curves: speculators logged every step (--log-freq 1) to tensorboard, read with its reader.
+    last = max(json.loads(p.read_text())["global_step"] for p in SAVE.glob("[0-9]*/training_state.json"))
+    steps, losses = info.series("loss")
+    assert steps == list(range(last)) and all(value > 0 for value in losses)
+    assert len(info.series("acc")[0]) == last
     assert info.block_size == json.loads((SAVE / "checkpoint_best" / "config.json").read_text())["block_size"]
     assert info.target_fingerprint == "verifier:verifier" and info.created is not None
 
@@ -166,29 +172,31 @@ def test_sample_from_anchor_for_dflash_is_flagged(copy, monkeypatch):
     assert_evidence_quotes_the_files(finding)
 
 
-def test_gamma_is_judged_against_the_loss_weighting_that_ran(copy, monkeypatch):
-    # The second run passed --dflash-decay-gamma 7.0 at block size 4, but speculators' DFlash default
-    # weighting is D-PACE, which does not use gamma.
-    code, report = diagnose("--run", str(copy / "specout-gamma7"), cwd=copy, monkeypatch=monkeypatch)
+def test_gamma_is_judged_against_the_loss_weighting_that_ran(tmp_path, monkeypatch):
+    # specout ran speculators' DFlash default, D-PACE weights, which do not use gamma.
+    code, report = diagnose("--run", str(SAVE), cwd=tmp_path, monkeypatch=monkeypatch)
     gamma = by_id(report)["dflash.loss_decay_gamma"]
     assert gamma["status"] == "match" and "dpace" in gamma["reason"]
-    # Planted: the same run with fixed exponential decay, as a user would launch it.
-    command = copy / "specout-gamma7" / "train_command.txt"
-    command.write_text(command.read_text().rstrip("\n") + " --per-position-loss-weight fixed-exp-decay\n")
-    code, report = diagnose("--run", str(copy / "specout-gamma7"), cwd=copy, monkeypatch=monkeypatch)
+    # specout-gamma7 was launched with --per-position-loss-weight fixed-exp-decay --dflash-decay-gamma 7.0 at
+    # block size 4: gamma 7 belongs to block size 16.
+    code, report = diagnose("--run", str(SECOND), cwd=tmp_path, monkeypatch=monkeypatch)
     gamma = by_id(report)["dflash.loss_decay_gamma"]
     assert code == 1 and gamma["status"] == "mismatch"
     assert "--dflash-decay-gamma 4.0" in gamma["fix"]["code_hint"]
+    assert {e["value"] for e in gamma["evidence"]} >= {"7.0", "fixed-exp-decay"}  # as written in the argv
 
 
-def test_regression_between_two_save_directories_uses_val_metrics(copy, monkeypatch):
-    code, report = diagnose("--run", str(copy / "specout-gamma7"), "--baseline", str(copy / "specout"),
-                            cwd=copy, monkeypatch=monkeypatch)
+def test_regression_between_two_save_directories(tmp_path, monkeypatch):
+    code, report = diagnose("--run", str(SECOND), "--baseline", str(SAVE), cwd=tmp_path, monkeypatch=monkeypatch)
     regression = report["regression"]
     compared = {m["metric"]: m for m in regression["metrics"]}
     assert {"acc", "loss"} <= set(compared)
-    points = len(read_run(copy / "specout-gamma7").series("loss")[0])
-    assert compared["loss"]["run_points"] == points
+    assert compared["loss"]["run_points"] == len(read_run(SECOND).series("loss")[0]) > 3
+    assert regression["verdict"] in ("regression", "improvement", "no_regression")
+    # Found on its own too: the earlier save directory beside it, same verifier, data and block size.
+    code, report = diagnose("--run", str(SECOND), cwd=tmp_path, monkeypatch=monkeypatch)
+    chosen = [c for c in report["regression"]["candidates"] if c["chosen"]]
+    assert [c["name"] for c in chosen] == ["specout"]
 
 
 def assert_evidence_quotes_the_files(finding: dict) -> None:
