@@ -7,6 +7,7 @@ same target, must decode exactly what the run decodes (tau, acceptance, outputs 
 from __future__ import annotations
 
 import json
+import shutil
 import string
 from pathlib import Path
 
@@ -136,3 +137,63 @@ def test_a_real_speculators_save_directory_is_measured_on_its_verifier():
     assert best["block_size"] == config["block_size"]
     assert best["lossless"] is True and first["lossless"] is True
     assert 1.0 <= best["tau"] <= config["block_size"]
+
+
+# --- speculators' prepared data as training input ------------------------------------------------------
+
+
+def test_speculators_prepared_data_trains(tmp_path):
+    """tests/fixtures/speculators/data: `speculators prepare-data` output, on the verifier whose tokenizer made it."""
+    from trainer.config import build_config
+    from trainer.data.datasets import load_documents
+    from trainer.data.prepared import load_prepared_rows
+    from trainer.run.loop import train
+    from trainer.run.rundir import RunDir
+    from transformers import AutoTokenizer
+
+    data, verifier = SPECULATORS / "data", SPECULATORS / "verifier"
+    tokenizer = AutoTokenizer.from_pretrained(verifier)
+    rows = load_prepared_rows(data, len(tokenizer))
+    docs = load_documents(str(data), tokenizer, split="train") + load_documents(str(data), tokenizer, split="heldout")
+    assert sorted((d.input_ids, d.loss_mask) for d in docs) == sorted(rows)  # used as they are, nothing added
+    config = build_config(extra=dict(target=str(verifier), data=str(data), steps=2, batch_size=2, seq_len=64,
+                                     draft_layers=1, block_size=4, max_anchors=4, eval_every=None, warmup_steps=0,
+                                     eval_prompts=1, eval_max_new_tokens=4))
+    train(RunDir(tmp_path / "prep"), config, preset=None, device="cpu", progress=False)
+    metrics = [json.loads(line) for line in (tmp_path / "prep" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and all(row["loss"] > 0 for row in metrics)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ("shorter_mask", "differ in length"),
+        ("big_id", "outside the target's vocabulary"),
+        ("strings", "expected a list of integers"),
+    ],
+)
+def test_prepared_data_we_do_not_understand_is_one_line(tmp_path, change, words):
+    """Shards rewritten with pyarrow (the format `datasets` writes), each with one thing wrong."""
+    import pyarrow as pa
+
+    from trainer.data.datasets import DataError
+    from trainer.data.prepared import load_prepared_rows
+
+    shutil.copytree(SPECULATORS / "data", tmp_path / "data")
+    shard = tmp_path / "data" / "data-00000-of-00001.arrow"
+    with pa.memory_map(str(shard)) as source:
+        table = pa.ipc.open_stream(source).read_all()
+    ids, mask = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+    if change == "shorter_mask":
+        mask[3] = mask[3][:-1]
+    elif change == "big_id":
+        ids[5][0] = 10**6
+    columns = {"input_ids": ids, "loss_mask": mask}
+    if change == "strings":
+        columns["input_ids"] = [[str(i) for i in row] for row in ids]
+    rewritten = pa.table(columns)
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_stream(sink, rewritten.schema) as writer:
+        writer.write_table(rewritten)
+    with pytest.raises(DataError, match=words) as caught:
+        load_prepared_rows(tmp_path / "data", 310)
+    assert "\n" not in str(caught.value)

@@ -208,5 +208,8 @@ def assert_evidence_quotes_the_files(finding: dict) -> None:
         path, key = location.rsplit(":", 1)
         value = json.loads(Path(path).read_text())
         for part in key.split("."):
-            value = value[part]
+            name, _, index = part.partition("[")
+            value = value[name]
+            if index:  # "proposal_methods[0]"
+                value = value[int(index.rstrip("]"))]
         assert json.loads(evidence["value"]) == value, location
