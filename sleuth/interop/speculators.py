@@ -180,9 +180,9 @@ def read(path: Path, kind: str) -> SpeculatorsRun:
         chosen = _read_checkpoint(path, problems)
         checkpoints = [chosen]
     run = SpeculatorsRun(kind=kind, path=path, checkpoints=checkpoints, chosen=chosen, links=links, problems=problems)
-    _read_run_files(run, save_dir if (save_dir / "run.yaml").exists() or kind == "save_dir" else path)
-    if run.run_yaml_path is None and kind == "checkpoint":
-        _read_run_files(run, path)
+    # A checkpoint carries its own copy of train_command.txt; run.yaml sits only in the save directory.
+    for directory in ([save_dir, path] if kind == "checkpoint" else [path]):
+        _read_run_files(run, directory)
     name_or_path = ((run.config or {}).get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
     run.verifier = find_verifier(name_or_path, path)
     return run
@@ -292,12 +292,19 @@ def _run_json(run: SpeculatorsRun) -> dict[str, Any]:
         "created": run.created,
         "status": None,
         "target": {
-            "fingerprint": f"verifier:{run.verifier.name_or_path}" if run.verifier.name_or_path else None,
+            "fingerprint": _verifier_identity(run.verifier),
             "num_layers": run.verifier.num_layers,
             "hidden_size": run.verifier.hidden_size,
         },
         "data": {"fingerprint": f"data_path:{data_path[1]}" if data_path else None},
     }
+
+
+def _verifier_identity(verifier: Verifier) -> str | None:
+    """The verifier as found (its directory), else as named: runs on the same verifier compare."""
+    if verifier.config_path is not None:
+        return f"verifier:{verifier.config_path.parent.resolve()}"
+    return f"verifier:{verifier.name_or_path}" if verifier.name_or_path else None
 
 
 def _run_name(path: Path, kind: str) -> str:

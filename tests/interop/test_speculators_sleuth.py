@@ -81,7 +81,7 @@ def test_a_save_directory_reads_as_a_run_with_every_checkpoint_as_history():
     assert steps == list(range(last)) and all(value > 0 for value in losses)
     assert len(info.series("acc")[0]) == last
     assert info.block_size == json.loads((SAVE / "checkpoint_best" / "config.json").read_text())["block_size"]
-    assert info.target_fingerprint == "verifier:verifier" and info.created is not None
+    assert info.target_fingerprint == f"verifier:{(FIXTURE / 'verifier').resolve()}" and info.created is not None
 
 
 def test_the_verifier_depth_comes_from_the_verifier_named_in_the_config(tmp_path, monkeypatch):

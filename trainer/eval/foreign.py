@@ -145,7 +145,8 @@ def _drafter_dir(path: Path) -> Path | None:
 
 def _display_name(path: Path, directory: Path) -> str:
     if directory == path:
-        return path.name
+        # An epoch directory ("0", "1") says little alone: name its save directory too.
+        return f"{path.parent.name}/{path.name}" if path.name.isdigit() else path.name
     resolved = directory.resolve().name
     return f"{path.name}/{directory.name}" + (f" -> {resolved}" if resolved != directory.name else "")
 
@@ -324,7 +325,8 @@ def run_foreign_eval(run: str, against: Path | None, target: str | None, runs_di
         return
     out = Console()
     if len(results) == 1:
-        print_summary({"run": results[0]["drafter"], "step": results[0]["layout"], **results[0]}, out)
+        # The summary's "step" names where the drafter came from: foreign directories carry no step of ours.
+        print_summary({"run": results[0]["drafter"], "step": f"n/a, {results[0]['layout']} layout", **results[0]}, out)
         return
     out.print(side_by_side(results))
 
