@@ -106,3 +106,26 @@ def test_trainer_loads_the_weights_speculators_saved(verifier, tmp_path):
     for name, tensor in loaded.drafter.state_dict().items():
         if name in theirs:
             torch.testing.assert_close(tensor, theirs[name].float(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_the_fixture_tool_runs_speculators_train_and_matches_the_committed_fixture(tmp_path):
+    """tools/make_speculators_fixture.py end to end (speculators' own `train` on CPU, one epoch), read by
+    sleuth; the committed tests/fixtures/speculators has the same layout, so it cannot drift from what
+    this speculators version writes."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, str(TOOL), str(tmp_path), "--epochs", "1"], check=True, capture_output=True,
+                   timeout=1200)
+    committed = Path(__file__).resolve().parents[1] / "fixtures" / "speculators"
+    for name in ("specout", "specout-gamma7"):
+        made = sorted(p.relative_to(tmp_path / name).as_posix() for p in (tmp_path / name).rglob("*"))
+        assert made == ["0", "0/config.json", "0/model.safetensors", "0/train_command.txt", "0/training_state.json",
+                        "0/val_metrics.json", "checkpoint_best", "epoch0_end", "run.yaml", "speculators.patch",
+                        "train_command.txt"], made
+        kept = {p.name for p in (committed / name / "0").iterdir()}
+        assert kept == {p.name for p in (tmp_path / name / "0").iterdir()}
+        info = read_run(tmp_path / name)
+        assert info.series("loss")[0] and "val_loss" in info.metrics[-1]
+        assert not [f for f in foreign_findings(info, []) if f.status == "mismatch" and f.id != "dflash.loss_decay_gamma"]

@@ -143,6 +143,16 @@ def _drafter_dir(path: Path) -> Path | None:
     return epochs[-1] if epochs else None
 
 
+def _named_verifier(path: Path) -> str | None:
+    try:
+        directory = _drafter_dir(path)
+    except ForeignDrafterError:
+        return None
+    config = _read_json_or_none(directory / CONFIG_FILE) if directory is not None else None
+    name = (((config or {}).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return name if isinstance(name, str) else None
+
+
 def _display_name(path: Path, directory: Path) -> str:
     if directory == path:
         # An epoch directory ("0", "1") says little alone: name its save directory too.
@@ -287,8 +297,9 @@ def run_foreign_eval(run: str, against: Path | None, target: str | None, runs_di
         if not directory.is_dir():
             fail(f"{directory} is not a directory")
     if target is None:
+        named = _named_verifier(dirs[0])
         fail(f"{dirs[0]} was not trained by this trainer: give --target (the model it drafts for: 'embedded' or a "
-             "Hugging Face model directory)")
+             "Hugging Face model directory" + (f"; its config names the verifier {named!r})" if named else ")"))
     for name, value in (("--prompts", prompts), ("--max-new-tokens", max_new_tokens), ("--block-size", block_size)):
         if value is not None and value < 1:
             fail(f"{name} must be at least 1, got {value}")
