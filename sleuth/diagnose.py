@@ -362,9 +362,9 @@ class _Investigation:
         decided = foreign_findings(self.run_info, findings)
         if decided is not findings:
             with self.trace.step("check-speculators-config", run=self.run_info.path if self.run_info else None) as step:
-                changed = sorted({f.id for f in decided} - {f.id for f in findings} | {
-                    f.id for f, g in zip(decided, findings) if f is not g})
-                step.outcome = "decided in vLLM's conventions: " + ", ".join(changed)
+                replaced = [f.id for f, engine in zip(decided, findings) if f is not engine]
+                added = [f.id for f in decided[len(findings):]]
+                step.outcome = "decided in speculators' conventions: " + ", ".join(replaced + added)
         return decided
 
     def follow_up(self, findings: list[Finding]) -> list[Finding]:

@@ -213,3 +213,27 @@ def assert_evidence_quotes_the_files(finding: dict) -> None:
             if index:  # "proposal_methods[0]"
                 value = value[int(index.rstrip("]"))]
         assert json.loads(evidence["value"]) == value, location
+
+
+# --- damaged save directories: problems and unknowns, never a crash ---------------------------------------
+
+
+def test_a_dangling_link_and_a_garbled_file_become_problems(copy, monkeypatch):
+    save = copy / "specout"
+    (save / "checkpoint_best").unlink()
+    (save / "checkpoint_best").symlink_to("7")
+    (save / "1" / "val_metrics.json").write_text('{"loss_epoch": 1.9')
+    info = read_run(save)
+    assert any("checkpoint_best -> 7, which does not exist" in p for p in info.problems)
+    assert info.interop.chosen.path.name == max((p.name for p in save.iterdir() if p.name.isdigit()), key=int)
+    assert not any(r.get("val_source") == "1/val_metrics.json" for r in info.metrics)
+    code, report = diagnose("--run", str(save), cwd=copy, monkeypatch=monkeypatch)
+    assert code == 0
+
+
+def test_an_unreadable_checkpoint_config_leaves_the_checks_unknown(copy, monkeypatch):
+    best = (copy / "specout" / "checkpoint_best").resolve()
+    (best / "config.json").write_text("{not json")
+    code, report = diagnose("--run", str(copy / "specout"), cwd=copy, monkeypatch=monkeypatch)
+    assert any("config.json cannot be read" in p for p in report["run"]["problems"])
+    assert by_id(report)["dflash.target_layer_ids"]["status"] == "unknown"
