@@ -121,9 +121,10 @@ def test_the_fixture_tool_runs_speculators_train_and_matches_the_committed_fixtu
     committed = Path(__file__).resolve().parents[1] / "fixtures" / "speculators"
     for name in ("specout", "specout-gamma7"):
         made = sorted(p.relative_to(tmp_path / name).as_posix() for p in (tmp_path / name).rglob("*"))
-        assert made == ["0", "0/config.json", "0/model.safetensors", "0/train_command.txt", "0/training_state.json",
-                        "0/val_metrics.json", "checkpoint_best", "epoch0_end", "run.yaml", "speculators.patch",
-                        "train_command.txt"], made
+        assert made == [
+            "0", "0/config.json", "0/config.py", "0/model.safetensors", "0/train_command.txt", "0/training_state.json",
+            "0/val_metrics.json", "checkpoint_best", "epoch0_end", "run.yaml", "speculators.patch", "train_command.txt",
+        ], made
         kept = {p.name for p in (committed / name / "0").iterdir()}
         assert kept == {p.name for p in (tmp_path / name / "0").iterdir()}
         info = read_run(tmp_path / name)
