@@ -237,3 +237,35 @@ def test_an_unreadable_checkpoint_config_leaves_the_checks_unknown(copy, monkeyp
     code, report = diagnose("--run", str(copy / "specout"), cwd=copy, monkeypatch=monkeypatch)
     assert any("config.json cannot be read" in p for p in report["run"]["problems"])
     assert by_id(report)["dflash.target_layer_ids"]["status"] == "unknown"
+
+
+def test_a_hub_id_resolves_through_the_local_hugging_face_cache_only(tmp_path, monkeypatch):
+    """The documented hub cache layout (models--org--name/refs/main -> snapshots/<sha>/config.json)."""
+    import huggingface_hub.constants
+
+    from sleuth.interop.verifier import find_verifier
+
+    sha = "0" * 40
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3-8B"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    (repo / "snapshots" / sha).mkdir(parents=True)
+    (repo / "snapshots" / sha / "config.json").write_text(json.dumps({"num_hidden_layers": 36, "hidden_size": 4096}))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    found = find_verifier("Qwen/Qwen3-8B", tmp_path / "run")
+    assert (found.num_layers, found.hidden_size) == (36, 4096)
+    missing = find_verifier("Qwen/Qwen3-32B", tmp_path / "run")
+    assert missing.num_layers is None and "not found offline" in missing.reason
+
+    # A checkpoint naming that verifier, with z-lab's ids for 36 layers where vLLM's are expected.
+    shutil.copytree(SAVE, tmp_path / "specout", symlinks=True)
+    config_path = tmp_path / "specout" / "checkpoint_best" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = "Qwen/Qwen3-8B"
+    config["aux_hidden_state_layer_ids"] = [1, 17, 32]
+    config_path.write_text(json.dumps(config))
+    code, report = diagnose("--run", str(tmp_path / "specout" / "checkpoint_best"), cwd=tmp_path, monkeypatch=monkeypatch)
+    finding = by_id(report)["dflash.target_layer_ids"]
+    assert finding["status"] == "mismatch" and "off by -1" in finding["reason"]
+    assert "--target-layer-ids 2 18 33" in finding["fix"]["code_hint"]
