@@ -34,6 +34,7 @@ from typing import Any
 from sleuth.interop.verifier import Verifier, find_verifier
 
 WEIGHTS = "model.safetensors"
+_MAX_JSON_FILE = 16 * 1024 * 1024
 _LINK = re.compile(r"^(checkpoint_best|epoch\d+_(end|step\d+))$")
 _POSITION = re.compile(r"^position_(\d+)_acc_epoch$")
 
@@ -322,7 +323,10 @@ def _json(path: Path, problems: list[str] | None = None, where: str = "") -> dic
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        # config.json / val_metrics.json / training_state.json are a few KiB; a huge one is damage.
+        if path.stat().st_size > _MAX_JSON_FILE:
+            raise ValueError(f"{path.stat().st_size} bytes, more than such a file can be")
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as exc:
         if problems is not None:
             problems.append(f"{where}/{path.name} cannot be read: {exc}")
