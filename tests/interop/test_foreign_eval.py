@@ -197,3 +197,19 @@ def test_prepared_data_we_do_not_understand_is_one_line(tmp_path, change, words)
     with pytest.raises(DataError, match=words) as caught:
         load_prepared_rows(tmp_path / "data", 310)
     assert "\n" not in str(caught.value)
+
+
+def test_trainer_run_on_prepared_data_it_does_not_understand_is_one_line_and_exit_2(tmp_path):
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    shutil.copytree(SPECULATORS / "data", tmp_path / "data")
+    (tmp_path / "data" / "state.json").write_text(json.dumps({"_data_files": "data.arrow"}))
+    result = CliRunner().invoke(app, [
+        "run", "bad", "--runs-dir", str(tmp_path / "runs"), "--set", f"target={SPECULATORS / 'verifier'}",
+        "--set", f"data={tmp_path / 'data'}", "--steps", "1", "--device", "cpu", "--quiet",
+    ])
+    assert result.exit_code == 2, result.output
+    assert "no _data_files list" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
