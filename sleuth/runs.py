@@ -161,8 +161,10 @@ def list_run_dirs(runs_dir: Path) -> list[Path]:
     """The run directories directly inside `runs_dir`: those with a run.json, config.json or metrics."""
     if not runs_dir.is_dir():
         return []
-    from sleuth.interop import FOREIGN_RUN_MARKERS
+    from sleuth.interop import FOREIGN_RUN_MARKERS, is_foreign_save_dir
 
+    if is_foreign_save_dir(runs_dir):
+        return []  # a speculators save directory holds one run's checkpoints, not runs
     markers = ("run.json", "config.json", "metrics.jsonl", *FOREIGN_RUN_MARKERS)
     return sorted(p for p in runs_dir.iterdir() if p.is_dir() and any((p / m).is_file() for m in markers))
 

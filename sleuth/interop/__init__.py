@@ -26,6 +26,13 @@ if TYPE_CHECKING:
 FOREIGN_RUN_MARKERS = ("train_command.txt", "run.yaml")
 
 
+def is_foreign_save_dir(path: Path) -> bool:
+    """A directory whose children are one foreign run's checkpoints (a `speculators train` save directory)."""
+    from sleuth.interop.speculators import detect
+
+    return detect(path) == "save_dir"
+
+
 def read_foreign_run(path: Path) -> RunInfo | None:
     """A `RunInfo` for a directory written by another trainer, or None when it is not one."""
     from sleuth.interop.speculators import read_speculators_run
