@@ -31,7 +31,7 @@ $PIP install -q "torch==$TORCH_VERSION" "speculators==$SPECULATORS_VERSION"
 $PIP uninstall -y -q torchvision torchaudio
 # What our trainer package and the parity tests import besides torch and transformers (speculators
 # brings transformers, safetensors, pydantic, pyyaml, rich, typer, tokenizers, httpx already).
-$PIP install -q pytest platformdirs
+$PIP install -q pytest platformdirs tensorboard  # tensorboard: `speculators train --logger tensorboard` (tools/make_speculators_fixture.py)
 
 # Fail here, not in CI, if the environment cannot import what the parity tests need.
 PYTHONPATH=. "$VENV/bin/python" - <<'PY'

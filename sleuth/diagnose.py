@@ -109,6 +109,7 @@ AGENT_STEPS = frozenset({
     "read-run", "regression", "load-playbook", "resolve-reference", "read-config", "locate-checkpoint",
     "locate-code", "check-invariants", "look-for-evidence", "recheck-invariants", "merge-findings",
     "check-contract", "rank-findings", "draw-chart", "write-report", "run-probes", "apply-probes",
+    "check-speculators-config",
 })
 
 
@@ -171,6 +172,7 @@ class _Investigation(InputDiscovery):
         self.read_code()
         findings = self.check_invariants()
         findings = self.follow_up(findings)
+        findings = self.check_foreign_conventions(findings)
         findings = self.probe(findings)
         with self.trace.step("rank-findings", count=len(findings)) as step:
             findings = rank_findings(findings, self.rules)
@@ -277,6 +279,18 @@ class _Investigation(InputDiscovery):
             step.outcome = ", ".join(f"{f.id.split('.', 1)[-1]} {f.status}" for f in findings
                                      if f.id in _contract_ids()) or "no contract checks"
         return findings
+
+    def check_foreign_conventions(self, findings: list[Finding]) -> list[Finding]:
+        """A speculators run's config decided in speculators' own conventions (sleuth.interop)."""
+        from sleuth.interop import foreign_findings
+
+        decided = foreign_findings(self.run_info, findings)
+        if decided is not findings:
+            with self.trace.step("check-speculators-config", run=self.run_info.path if self.run_info else None) as step:
+                replaced = [f.id for f, engine in zip(decided, findings) if f is not engine]
+                added = [f.id for f in decided[len(findings):]]
+                step.outcome = "decided in speculators' conventions: " + ", ".join(replaced + added)
+        return decided
 
     def follow_up(self, findings: list[Finding]) -> list[Finding]:
         """Findings still unknown or weak send the agent to a source it has not read yet, if there is one."""

@@ -58,6 +58,8 @@ class RunInfo:
     checkpoint_step: int | None = None
     code_dir: Path | None = None
     problems: list[str] = field(default_factory=list)
+    # What another trainer's reader (sleuth.interop) read, for checks in that trainer's conventions.
+    interop: Any = None
 
     @property
     def config_path(self) -> Path:
@@ -159,7 +161,11 @@ def list_run_dirs(runs_dir: Path) -> list[Path]:
     """The run directories directly inside `runs_dir`: those with a run.json, config.json or metrics."""
     if not runs_dir.is_dir():
         return []
-    markers = ("run.json", "config.json", "metrics.jsonl")
+    from sleuth.interop import FOREIGN_RUN_MARKERS, is_foreign_save_dir
+
+    if is_foreign_save_dir(runs_dir):
+        return []  # a speculators save directory holds one run's checkpoints, not runs
+    markers = ("run.json", "config.json", "metrics.jsonl", *FOREIGN_RUN_MARKERS)
     return sorted(p for p in runs_dir.iterdir() if p.is_dir() and any((p / m).is_file() for m in markers))
 
 
@@ -167,6 +173,11 @@ def read_run(path: Path) -> RunInfo:
     """Read everything sleuth uses from a run directory; damaged parts become `problems`, not errors."""
     if not path.is_dir():
         raise RunError(f"run directory {path} does not exist")
+    from sleuth.interop import read_foreign_run
+
+    foreign = read_foreign_run(path)  # a speculators save directory or checkpoint, read in its own layout
+    if foreign is not None:
+        return foreign
     markers = ("run.json", "config.json", "metrics.jsonl", "checkpoints", "code", EXPORT_WEIGHTS)
     if not any((path / m).exists() for m in markers):
         raise RunError(

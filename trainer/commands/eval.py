@@ -51,12 +51,27 @@ def eval_command(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (default: the run's seed).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda")] = "auto",
     as_json: Annotated[bool, flag("--json", help="Print one JSON object on stdout.")] = False,
+    target: Annotated[
+        Optional[str],
+        typer.Option("--target", help="Target for a drafter trained elsewhere (z-lab, speculators, an export): "
+                     "'embedded' or a Hugging Face model directory."),
+    ] = None,
+    against: Annotated[
+        Optional[Path], typer.Option("--against", help="A second drafter: both on the same prompts, side by side.")
+    ] = None,
 ) -> None:
     """Decode held-out prompts with the run's drafter and target (draft-verify loop) and report tau, per-slot
     acceptance, tokens per target forward, speedup over plain decoding and losslessness. Prints only; it
     writes nothing into the run (a run writes its own eval.json when training ends)."""
     stderr = Console(stderr=True)
     with user_errors():
+        if target is not None or against is not None or _is_foreign(run, runs_dir):
+            # Drafters from anywhere (trainer/eval/foreign.py), decoded with the same loop on one target.
+            from trainer.eval.foreign import run_foreign_eval
+
+            run_foreign_eval(run, against, target, runs_dir, prompts, max_new_tokens, block_size, temperature, data,
+                             seed, device, as_json, stderr, _is_user_error, _print_summary)
+            return
         report, run_name, step = _evaluate_run(
             run, runs_dir, prompts, max_new_tokens, block_size, temperature, data, seed, device, stderr
         )
@@ -65,6 +80,36 @@ def eval_command(
         sys.stdout.write(json.dumps(result) + "\n")
         return
     _print_summary(result, Console())
+
+
+class _UsageError(ValueError):
+    """A bad argument or a missing run: one line, exit 2."""
+
+
+def _is_user_error(exc: Exception) -> bool:
+    if isinstance(exc, (_UsageError, FileNotFoundError)):
+        return True
+    # The classes are the modules' own; imported here (not at the top) to keep torch out of CLI start-up.
+    from trainer.config import ConfigError
+    from trainer.eval.speculative import EvalError
+    from trainer.run.rundir import RunError
+
+    known: tuple[type[BaseException], ...] = (EvalError, RunError, ConfigError)
+    try:
+        from trainer.data.datasets import DataError
+        from trainer.target.frozen import TargetError
+
+        known = (*known, DataError, TargetError)
+    except ImportError:  # pragma: no cover - the data/target modules are part of the package
+        pass
+    return isinstance(exc, known)
+
+
+def _is_foreign(run: str, runs_dir: Path) -> bool:
+    from trainer.eval.foreign import is_foreign_drafter_dir
+
+    named = "/" not in run and (runs_dir / run).is_dir()
+    return not named and Path(run).is_dir() and is_foreign_drafter_dir(Path(run))
 
 
 def _evaluate_run(

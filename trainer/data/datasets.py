@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from trainer.data.corpus import embedded_documents
+from trainer.data.prepared import is_prepared_dir, load_prepared_rows
 
 # Every HELDOUT_EVERY-th document of a user file is held out (eval prompts) when the file has at least
 # that many documents; smaller files are used whole for both (there is nothing to spare).
@@ -91,6 +92,14 @@ def load_documents(data: str, tokenizer: Any, split: Literal["train", "heldout"]
         texts = embedded_documents(split)
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
         docs = [Document(list(ids), [1] * len(ids)) for ids in encoded]
+    elif is_prepared_dir(Path(data).expanduser()):
+        # speculators' prepare-data output: already tokenized and masked; used as it is (no eos added).
+        rows = load_prepared_rows(Path(data).expanduser(), len(tokenizer))
+        docs = [Document(ids, mask) for ids, mask in rows]
+        if len(docs) >= USER_HELDOUT_EVERY:
+            heldout = split == "heldout"
+            docs = [d for i, d in enumerate(docs) if (i % USER_HELDOUT_EVERY == USER_HELDOUT_EVERY - 1) == heldout]
+        return docs
     else:
         docs = _load_user_documents(Path(data).expanduser(), tokenizer)
         if len(docs) >= USER_HELDOUT_EVERY:

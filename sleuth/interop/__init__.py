@@ -1,0 +1,65 @@
+"""Runs and drafters from other trainers: speculators (vLLM) and SpecForge (SGLang).
+
+sleuth's own contract is the run directory `trainer` writes (README). Most DFlash drafters are trained
+elsewhere, so this package reads the other trainers' layouts into the same `RunInfo` and checks their
+configs in their own conventions (vLLM layer ids, `speculators train` flags):
+
+- `speculators.py`: a `speculators train` save directory, one of its checkpoints, a `from_pretrained` dir
+- `verifier.py`: the verifier (target) a drafter names, found offline, for its depth and hidden size
+- `speculators_checks.py`: config checks in speculators' conventions, returning `Finding`s
+- `tensorboard.py`: training curves from tensorboard event files, with tensorboard's own reader
+
+`sleuth.runs.read_run` asks `read_foreign_run` first; `sleuth.diagnose` hands the findings of the generic
+engine to `foreign_findings`, which replaces those a foreign convention decides better.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sleuth.findings import Finding
+    from sleuth.runs import RunInfo
+
+# Files whose presence at the top of a directory marks a run of another trainer (list_run_dirs uses these).
+FOREIGN_RUN_MARKERS = ("train_command.txt", "run.yaml")
+
+
+def is_foreign_save_dir(path: Path) -> bool:
+    """A directory whose children are one foreign run's checkpoints (a `speculators train` save directory)."""
+    from sleuth.interop.speculators import detect
+
+    return detect(path) == "save_dir"
+
+
+def read_foreign_run(path: Path) -> RunInfo | None:
+    """A `RunInfo` for a directory written by another trainer, or None when it is not one."""
+    from sleuth.interop.speculators import read_speculators_run
+
+    return read_speculators_run(path)
+
+
+def foreign_findings(run: RunInfo | None, findings: list[Finding]) -> list[Finding]:
+    """The engine's findings, with those decided in the foreign trainer's conventions replaced or added."""
+    if run is None:
+        return findings
+    from sleuth.interop.speculators import detect, is_speculators_config, read
+    from sleuth.interop.speculators_checks import check_speculators
+
+    foreign = run.interop
+    if foreign is None and is_speculators_config(run.config) and detect(run.path) == "pretrained":
+        foreign = read(run.path, "pretrained")  # a from_pretrained / exported directory: config + weights
+    if foreign is None:
+        return findings
+    decided = {f.id: f for f in check_speculators(foreign)}
+    merged = [decided.pop(f.id, f) for f in findings]
+    version = getattr(foreign, "speculators_version", None)
+    for finding in merged:
+        # What stays unknown is speculators' own code; the user can point sleuth at the version that ran.
+        if finding.status == "unknown" and "no source code" in (finding.reason or ""):
+            finding.notes.append(
+                f"trained by speculators {version or '(version not recorded)'}: `--code <speculators checkout>/"
+                "src/speculators` checks that source"
+            )
+    return merged + list(decided.values())

@@ -1,0 +1,95 @@
+"""The verifier (target model) a drafter names, found without the network, for its depth and hidden size.
+
+speculators records it as `speculators_config.verifier.name_or_path`: a local directory (often relative
+to where training ran) or a Hugging Face hub id. A directory is looked for relative to the drafter, each
+directory above it, and the working directory; a hub id only in the local Hugging Face cache (offline,
+`huggingface_hub.try_to_load_from_cache`), never downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Verifier:
+    name_or_path: str | None
+    config_path: Path | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    tried: list[str] = field(default_factory=list)
+
+    @property
+    def reason(self) -> str:
+        """Why the depth is unknown (empty when it is known)."""
+        if self.num_layers is not None:
+            return ""
+        if self.name_or_path is None:
+            return "the config names no verifier (speculators_config.verifier.name_or_path)"
+        if self.config_path is not None:
+            return f"{self.config_path} has no num_hidden_layers"
+        return f"verifier {self.name_or_path!r} not found offline (tried {', '.join(self.tried)})"
+
+
+def find_verifier(name_or_path: Any, near: Path, *, max_up: int = 4) -> Verifier:
+    """Look up `name_or_path` next to `near` (a drafter directory) and above it, in the cwd, in the HF cache."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        return Verifier(None)
+    verifier = Verifier(name_or_path)
+    given = Path(name_or_path).expanduser()
+    candidates: list[Path] = []
+    if given.is_absolute():
+        candidates.append(given)
+    else:
+        base = near.resolve()
+        for _ in range(max_up + 1):
+            candidates.append(base / given)
+            if base.parent == base:
+                break
+            base = base.parent
+        candidates.append(Path.cwd() / given)
+    for candidate in candidates:
+        config = candidate / "config.json"
+        if config.is_file():
+            return _read(verifier, config)
+    verifier.tried.append(f"{len(candidates)} local paths")
+    cached = _hub_cache_config(name_or_path)
+    if cached is not None:
+        return _read(verifier, cached)
+    verifier.tried.append("the local Hugging Face cache")
+    return verifier
+
+
+def _hub_cache_config(repo_id: str) -> Path | None:
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an invalid repo id: not in the cache either
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _read(verifier: Verifier, config_path: Path) -> Verifier:
+    verifier.config_path = config_path
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return verifier
+    if not isinstance(config, dict):
+        return verifier
+    # Multimodal verifiers (Qwen3-VL, ...) keep the language model's shape in text_config.
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for attr, key in (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"), ("vocab_size", "vocab_size")):
+        value = text.get(key, config.get(key))
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(verifier, attr, value)
+    return verifier

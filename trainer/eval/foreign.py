@@ -1,0 +1,366 @@
+"""DFlash drafters trained elsewhere, loaded for `trainer eval DIR --target TARGET`.
+
+Three layouts, all carrying the same tensors (fc, hidden_norm, layers.{i}.*, norm: the drafter body;
+embeddings and lm_head are the target's):
+
+- a z-lab directory (and our own `trainer export --format zlab`): a Qwen3 `config.json` with
+  `dflash_config.{target_layer_ids, block_size, mask_token_id}`, ids in z-lab's numbering
+  (id i = HF `hidden_states[i+1]`);
+- a speculators checkpoint (and `trainer export --format speculators`): `speculators_model_type: dflash`,
+  `transformer_layer_config` (the draft layers), `aux_hidden_state_layer_ids` in vLLM's numbering
+  (id i = HF `hidden_states[i]`, so z-lab id = i - 1), `block_size`, `mask_token_id`;
+- a `speculators train` save directory: its `checkpoint_best`, else its highest epoch.
+
+The drafter is rebuilt as our `DFlashDrafter` (the parity suite shows it computes what speculators'
+`DFlashDraftModel` computes with the same weights) and decoded with the same speculative loop as our runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# What checkpoints carry beside the drafter body and we do not need: the target's own tensors (we use the
+# target's), and vocabulary maps that are identities for a full-vocabulary drafter.
+_IGNORED_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+class ForeignDrafterError(ValueError):
+    """The directory is not a DFlash drafter we can load; the message is one line."""
+
+
+@dataclass
+class ForeignDrafter:
+    name: str
+    layout: str  # "zlab" | "speculators"
+    weights: Path
+    drafter: Any  # trainer.model.drafter.DFlashDrafter
+    feature_layer_ids: list[int]  # z-lab numbering: HF hidden_states[i + 1], as the eval loop expects
+    block_size: int
+    mask_token_id: int | None
+    verifier: str | None
+
+
+def is_foreign_drafter_dir(path: Path) -> bool:
+    """A directory this module loads (not one of our run directories)."""
+    if (path / "run.json").is_file():
+        return False
+    try:
+        return _drafter_dir(path) is not None
+    except ForeignDrafterError:
+        return True
+
+
+def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int,
+                         device: torch.device, dtype: torch.dtype = torch.float32) -> ForeignDrafter:
+    """The drafter in `path`, checked against the target's width and depth, ready for `evaluate`."""
+    from transformers import Qwen3Config
+
+    from trainer.model.drafter import DFlashDrafter
+
+    directory = _drafter_dir(path)
+    if directory is None:
+        raise ForeignDrafterError(
+            f"{path} is not a DFlash drafter directory (no config.json with dflash_config or "
+            "speculators_model_type, and no speculators checkpoint under it)"
+        )
+    config = _read_json(directory / CONFIG_FILE)
+    if config.get("speculators_model_type"):
+        layout = "speculators"
+        if config.get("speculators_model_type") != "dflash":
+            raise ForeignDrafterError(
+                f"{directory}: speculators_model_type {config['speculators_model_type']!r}; only dflash is supported"
+            )
+        if config.get("sample_from_anchor"):
+            raise ForeignDrafterError(f"{directory}: sample_from_anchor true (DSpark) is not supported by the eval loop")
+        layer_config = dict(config.get("transformer_layer_config") or {})
+        vllm_ids = config.get("aux_hidden_state_layer_ids")
+        ids = _int_list(vllm_ids, directory, "aux_hidden_state_layer_ids")
+        if any(i < 1 for i in ids):
+            raise ForeignDrafterError(f"{directory}: aux_hidden_state_layer_ids {vllm_ids} includes 0 (the embeddings)")
+        zlab_ids = [i - 1 for i in ids]
+        block = config.get("block_size")
+        mask = config.get("mask_token_id")
+        verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    else:
+        layout = "zlab"
+        dflash = dict(config.get("dflash_config") or {})
+        layer_config = {k: v for k, v in config.items() if k != "dflash_config"}
+        zlab_ids = _int_list(dflash.get("target_layer_ids"), directory, "dflash_config.target_layer_ids")
+        block = dflash.get("block_size", config.get("block_size"))
+        mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+        verifier = None
+    if not isinstance(block, int) or block < 2:
+        raise ForeignDrafterError(f"{directory}: block_size {block!r} is not an integer >= 2")
+    if any(i < 0 or i >= num_target_layers for i in zlab_ids):
+        raise ForeignDrafterError(
+            f"{directory}: layer ids {zlab_ids} (z-lab numbering) fall outside the target's {num_target_layers} layers"
+        )
+    layer_config.pop("architectures", None)
+    try:
+        draft_config = Qwen3Config(**{k: v for k, v in layer_config.items() if k not in ("model_type", "auto_map")})
+    except (TypeError, ValueError) as exc:
+        raise ForeignDrafterError(f"{directory}: draft layer config does not build a Qwen3 config: {exc}") from None
+    if draft_config.hidden_size != hidden_size:
+        raise ForeignDrafterError(
+            f"{directory}: the drafter's hidden size {draft_config.hidden_size} differs from the target's {hidden_size}"
+        )
+    drafter = DFlashDrafter(draft_config, num_features=len(zlab_ids), block_size=block,
+                            mask_token_id=mask if isinstance(mask, int) else -1)
+    _load_weights(drafter, directory / WEIGHTS_FILE)
+    drafter.to(device=device, dtype=dtype).eval()
+    return ForeignDrafter(
+        name=_display_name(path, directory), layout=layout, weights=directory / WEIGHTS_FILE, drafter=drafter,
+        feature_layer_ids=zlab_ids, block_size=block, mask_token_id=mask if isinstance(mask, int) else None,
+        verifier=verifier if isinstance(verifier, str) else None,
+    )
+
+
+# --- private ---------------------------------------------------------------------------------------------
+
+
+def _drafter_dir(path: Path) -> Path | None:
+    """`path` itself when it holds a drafter; a speculators save directory's best (else last) epoch."""
+    if not path.is_dir():
+        return None
+    config = _read_json_or_none(path / CONFIG_FILE)
+    if config is not None and ("dflash_config" in config or config.get("speculators_model_type")):
+        if not (path / WEIGHTS_FILE).is_file():
+            raise ForeignDrafterError(f"{path} has a drafter config.json but no {WEIGHTS_FILE}")
+        return path
+    best = path / "checkpoint_best"
+    if best.is_dir() and (best / CONFIG_FILE).is_file():
+        return best
+    epochs = sorted((c for c in path.iterdir() if c.name.isdigit() and (c / CONFIG_FILE).is_file()), key=lambda c: int(c.name))
+    return epochs[-1] if epochs else None
+
+
+def _named_verifier(path: Path) -> str | None:
+    try:
+        directory = _drafter_dir(path)
+    except ForeignDrafterError:
+        return None
+    config = _read_json_or_none(directory / CONFIG_FILE) if directory is not None else None
+    name = (((config or {}).get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return name if isinstance(name, str) else None
+
+
+def _display_name(path: Path, directory: Path) -> str:
+    if directory == path:
+        # An epoch directory ("0", "1") says little alone: name its save directory too.
+        return f"{path.parent.name}/{path.name}" if path.name.isdigit() else path.name
+    resolved = directory.resolve().name
+    return f"{path.name}/{directory.name}" + (f" -> {resolved}" if resolved != directory.name else "")
+
+
+def _load_weights(drafter: Any, weights: Path) -> None:
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise ForeignDrafterError(f"{weights} cannot be read: {exc}") from None
+    if "d2t" in tensors or "t2d" in tensors:
+        d2t = tensors.get("d2t")
+        if d2t is not None and d2t.numel() and bool(d2t.any()):
+            raise ForeignDrafterError(
+                f"{weights}: a reduced draft vocabulary (d2t/t2d maps) is not supported; train with the full vocabulary"
+            )
+    expected = drafter.state_dict()
+    body = {k: v for k, v in tensors.items() if k not in _IGNORED_TENSORS and k not in ("d2t", "t2d")}
+    missing = sorted(set(expected) - set(body))
+    unexpected = sorted(set(body) - set(expected))
+    if missing or unexpected:
+        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise ForeignDrafterError(f"{weights}: tensors do not fit a DFlash drafter of this config ({detail})")
+    for name, tensor in body.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ForeignDrafterError(
+                f"{weights}: {name} has shape {list(tensor.shape)}, the config implies {list(expected[name].shape)}"
+            )
+    drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in body.items()})
+
+
+def _int_list(value: Any, directory: Path, key: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ForeignDrafterError(f"{directory}: {key} is {json.dumps(value)}, not a list of layer ids")
+    return list(value)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    config = _read_json_or_none(path)
+    if config is None:
+        raise ForeignDrafterError(f"{path} is missing or not a JSON object")
+    return config
+
+
+def _read_json_or_none(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# --- evaluation: one or two drafters on one target --------------------------------------------------------
+
+
+def evaluate_drafters(dirs: list[Path], target_spec: str, *, prompts: int, max_new_tokens: int,
+                      block_size: int | None, temperature: float, data: str, seed: int, device: str,
+                      progress: Any = None) -> list[dict[str, Any]]:
+    """Decode the same held-out prompts with each drafter on one target; one result dict per drafter.
+
+    A directory may be one of our run directories (its latest checkpoint, with its own layer ids), an
+    export, a z-lab directory, or a speculators checkpoint / save directory.
+    """
+    from trainer.data.datasets import heldout_prompts
+    from trainer.eval.speculative import evaluate
+    from trainer.run.loop import resolve_device
+    from trainer.target.frozen import FrozenTarget
+
+    torch_device = resolve_device(device)
+    target = FrozenTarget.load(target_spec, torch_device, torch.float32)
+    prompt_ids = heldout_prompts(data, target.tokenizer, prompts)
+    results = []
+    for directory in dirs:
+        drafter, feature_ids, own_block, mask, name, layout = _drafter_for(directory, target, torch_device)
+        report = evaluate(
+            drafter, target, prompt_ids, feature_layer_ids=feature_ids, block_size=block_size or own_block,
+            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, mask_token_id=mask,
+            progress=(lambda done, total, name=name: progress(name, done, total)) if progress else None,
+        )
+        results.append({"drafter": name, "layout": layout, "path": str(directory), "target": str(target.path),
+                        **report.model_dump()})
+    return results
+
+
+def _drafter_for(directory: Path, target: Any, device: torch.device) -> tuple[Any, list[int], int, int | None, str, str]:
+    if (directory / "run.json").is_file():
+        return _our_run_drafter(directory, target, device)
+    foreign = load_foreign_drafter(directory, hidden_size=target.hidden_size, num_target_layers=target.num_layers,
+                                   device=device, dtype=target.dtype)
+    # A drafter that recorded no mask token drafts with the target's (the tokenizer's mask token).
+    mask = foreign.mask_token_id if foreign.mask_token_id is not None else target.mask_token_id
+    foreign.drafter.mask_token_id = mask
+    return foreign.drafter, foreign.feature_layer_ids, foreign.block_size, mask, foreign.name, foreign.layout
+
+
+def _our_run_drafter(directory: Path, target: Any, device: torch.device) -> tuple[Any, list[int], int, int | None, str, str]:
+    from trainer.run.loop import load_run
+
+    loaded = load_run(directory, device)
+    if loaded.target.num_layers != target.num_layers or loaded.target.hidden_size != target.hidden_size:
+        raise ForeignDrafterError(
+            f"run {directory.name} was trained on a {loaded.target.num_layers}-layer target of width "
+            f"{loaded.target.hidden_size}; --target has {target.num_layers} layers of width {target.hidden_size}"
+        )
+    # mask None: the loop takes the drafter's own, exactly as `trainer eval RUN` and the run's eval.json do.
+    return (loaded.drafter, list(loaded.feature_layer_ids), loaded.config.block_size, None,
+            f"{directory.name}@{loaded.step}", "run")
+
+
+# --- the command behind `trainer eval DIR [--against DIR2] --target TARGET` ----------------------------------
+
+_SIDE_BY_SIDE_ROWS = (
+    ("tau", "tau", ".3f"),
+    ("tokens / target forward", "tokens_per_target_forward", ".3f"),
+    ("speedup", "speedup", ".2f"),
+    ("lossless", "lossless", ""),
+    ("prompts", "prompts", ""),
+    ("block size", "block_size", ""),
+)
+
+
+def run_foreign_eval(run: str, against: Path | None, target: str | None, runs_dir: Path, prompts: int | None,
+                     max_new_tokens: int | None, block_size: int | None, temperature: float, data: str | None,
+                     seed: int | None, device: str, as_json: bool, stderr: Any, is_user_error: Any,
+                     print_summary: Any) -> None:
+    import math
+    import sys
+
+    import typer
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    def fail(message: str) -> None:
+        stderr.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+
+    dirs = [runs_dir / run if "/" not in run and (runs_dir / run).is_dir() else Path(run)] + ([against] if against is not None else [])
+    for directory in dirs:
+        if not directory.is_dir():
+            fail(f"{directory} is not a directory")
+    if target is None:
+        named = _named_verifier(dirs[0])
+        fail(f"{dirs[0]} was not trained by this trainer: give --target (the model it drafts for: 'embedded' or a "
+             "Hugging Face model directory" + (f"; its config names the verifier {named!r})" if named else ")"))
+    for name, value in (("--prompts", prompts), ("--max-new-tokens", max_new_tokens), ("--block-size", block_size)):
+        if value is not None and value < 1:
+            fail(f"{name} must be at least 1, got {value}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        fail(f"--temperature must be a finite number >= 0, got {temperature}")
+    from trainer.config import TrainConfig
+
+    defaults = TrainConfig()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=stderr, transient=True) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(name: str, done: int, total: int) -> None:
+            if name not in tasks:
+                tasks[name] = bar.add_task(f"decoding {name}", total=total)
+            bar.update(tasks[name], completed=done)
+
+        try:
+            results = evaluate_drafters(
+                dirs, target, prompts=prompts or defaults.eval_prompts,
+                max_new_tokens=max_new_tokens or defaults.eval_max_new_tokens, block_size=block_size,
+                temperature=temperature, data=data or "embedded", seed=defaults.seed if seed is None else seed,
+                device=device, progress=progress,
+            )
+        except ForeignDrafterError as exc:
+            fail(str(exc))
+        except Exception as exc:
+            if not is_user_error(exc):
+                raise
+            fail(str(exc))
+    if as_json:
+        payload = results[0] if len(results) == 1 else {"drafters": results}
+        sys.stdout.write(json.dumps(payload) + "\n")
+        return
+    out = Console()
+    if len(results) == 1:
+        # The summary's "step" names where the drafter came from: foreign directories carry no step of ours.
+        print_summary({"run": results[0]["drafter"], "step": f"n/a, {results[0]['layout']} layout", **results[0]}, out)
+        return
+    out.print(side_by_side(results))
+
+
+def side_by_side(results: list[dict[str, Any]]) -> Any:
+    """One column per drafter: the headline numbers, then acceptance per slot."""
+    from rich.table import Table
+
+    table = Table("", *(f"{r['drafter']} ({r['layout']})" for r in results), title=f"on {results[0]['target']}",
+                  title_justify="left")
+    for label, key, spec in _SIDE_BY_SIDE_ROWS:
+        table.add_row(label, *(_cell(r.get(key), spec) for r in results))
+    slots = max(len(r["per_position_acceptance"]) for r in results)
+    for k in range(slots):
+        table.add_row(f"slot {k + 1} accepted", *(
+            _cell(r["per_position_acceptance"][k], ".3f") if k < len(r["per_position_acceptance"]) else "" for r in results
+        ))
+    return table
+
+
+def _cell(value: Any, spec: str) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return format(value, spec) if spec else str(value)
