@@ -54,7 +54,7 @@ def test_a_yaml_alias_bomb_fails_fast(tmp_path):
     result = invoke("run", "x", "--config", str(bomb), "--runs-dir", str(tmp_path))
     elapsed = time.perf_counter() - started
     assert "alias" in assert_one_line_error(result.stderr, result.exit_code, naming="bomb.yaml")
-    assert elapsed < 5, elapsed
+    assert elapsed < 60, elapsed  # a hang guard, not a speed test: an unbounded expansion never finishes
 
 
 def test_an_alias_bomb_in_set_is_refused_too(tmp_path):
