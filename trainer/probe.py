@@ -70,6 +70,8 @@ class _StandInCausalLM(nn.Module):
             self.model.embed_tokens.weight.copy_(target.embed_weight)
             self.model.norm.weight.copy_(target.norm_weight)
             self.lm_head.weight.copy_(target.lm_head_weight)
+        # A stand-in for the frozen target: nothing of it trains (FrozenTarget freezes the real one the same way).
+        self.requires_grad_(False)
         self.answer: Any = None  # the probe batch being run
 
     def get_input_embeddings(self) -> nn.Module:

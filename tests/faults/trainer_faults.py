@@ -83,7 +83,9 @@ TOLERATED = {"runs": {("metrics.jsonl", "truncated"), ("metrics.jsonl", "empty")
 # Which files each command reads: a damaged one must be reported; damage elsewhere must not matter.
 READS = {
     "resume": set(RUN_FILES),
-    "eval": {"config.json", "checkpoints/latest", f"{CHECKPOINT}/state.json", f"{CHECKPOINT}/drafter.safetensors"},
+    # eval reads run.json too: the train-to-serve record and the chat rendering the prompts must match
+    "eval": {"config.json", "run.json", "checkpoints/latest", f"{CHECKPOINT}/state.json",
+             f"{CHECKPOINT}/drafter.safetensors"},
     "export": {"config.json", "run.json", "checkpoints/latest", f"{CHECKPOINT}/state.json",
                f"{CHECKPOINT}/drafter.safetensors"},
     "runs": {"config.json", "run.json", "metrics.jsonl"},

@@ -27,7 +27,7 @@ def trainer(*args: str) -> subprocess.CompletedProcess:
 
 def tiny(target: Path, **changes) -> list[str]:
     sets = {"target": str(target), "seq_len": 64, "batch_size": 2, "block_size": 4, "max_anchors": 4,
-            "draft_layers": 5, "eval_every": "null", "log_every": 1, "checkpoint_every": 5, "warmup_steps": 1,
+            "draft_layers": 5, "eval_every": "null", "eval_prompts": 1, "eval_max_new_tokens": 4, "log_every": 1, "checkpoint_every": 5, "warmup_steps": 1,
             **changes}
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 

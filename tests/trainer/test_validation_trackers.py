@@ -32,7 +32,7 @@ def run_trainer(*args: str) -> subprocess.CompletedProcess:
 def tiny(target: Path, runs: Path, *extra: str) -> list[str]:
     sets = {"target": str(target), "seq_len": 64, "batch_size": 2, "block_size": 4, "max_anchors": 4,
             "draft_layers": 2, "eval_every": "null", "log_every": 1, "checkpoint_every": 2, "warmup_steps": 1,
-            "val_every": 2, "val_batches": 2}
+            "val_every": 2, "val_batches": 2, "eval_prompts": 1, "eval_max_new_tokens": 4}
     return [*(a for k, v in sets.items() for a in ("--set", f"{k}={v}")), "--runs-dir", str(runs), "--quiet", *extra]
 
 
