@@ -3,31 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def small_target(tmp_path_factory) -> Path:
-    from trainer.target.embedded import build_embedded_target
-
-    return build_embedded_target(tmp_path_factory.mktemp("target") / "small", small=True, progress=False)
-
-
-def trainer(*args: str) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+# The embedded target's small twin and the trainer CLI in a subprocess, shared with the end-to-end tests.
+from test_train_e2e import small_target, trainer_cli  # noqa: F401 (small_target is a fixture)
 
 
 def tiny(target: Path, **changes) -> list[str]:
     sets = {"target": str(target), "seq_len": 64, "batch_size": 2, "block_size": 4, "max_anchors": 4,
-            "draft_layers": 5, "eval_every": "null", "eval_prompts": 1, "eval_max_new_tokens": 4, "log_every": 1, "checkpoint_every": 5, "warmup_steps": 1,
+            "draft_layers": 5, "eval_every": "null", "eval_prompts": 1, "eval_max_new_tokens": 4, "log_every": 1,
+            "checkpoint_every": 5, "warmup_steps": 1,
             **changes}
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
@@ -41,15 +28,15 @@ def model_rows(run: Path) -> list[tuple]:
 @pytest.mark.parametrize("preset", ["fixed", "v5"])  # v5: teacher logits from an intermediate layer
 def test_offline_training_equals_online_on_the_same_batches(small_target, tmp_path, preset):
     cache = tmp_path / "hs"
-    made = trainer("hidden-states", "generate", "--out", str(cache), "--preset", preset, *tiny(small_target),
+    made = trainer_cli("hidden-states", "generate", "--out", str(cache), "--preset", preset, *tiny(small_target),
                    "--rows-per-shard", "8")
     assert made.returncode == 0, made.stderr
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["complete"] and manifest["logits_check"]["max_abs_logit_diff"] <= 1e-5
     runs = tmp_path / "runs"
-    online = trainer("run", "online", "--preset", preset, *tiny(small_target), "--steps", "5", "--runs-dir", str(runs), "-q")
+    online = trainer_cli("run", "online", "--preset", preset, *tiny(small_target), "--steps", "5", "--runs-dir", str(runs), "-q")
     assert online.returncode == 0, online.stderr
-    offline = trainer("run", "offline", "--preset", preset, *tiny(small_target, hidden_states=str(cache)),
+    offline = trainer_cli("run", "offline", "--preset", preset, *tiny(small_target, hidden_states=str(cache)),
                       "--steps", "5", "--runs-dir", str(runs), "-q")
     assert offline.returncode == 0, offline.stderr
     assert model_rows(runs / "offline") == model_rows(runs / "online")
@@ -58,7 +45,7 @@ def test_offline_training_equals_online_on_the_same_batches(small_target, tmp_pa
 @pytest.mark.slow
 def test_generation_resumes_and_a_cache_for_other_inputs_is_refused(small_target, tmp_path):
     cache = tmp_path / "hs"
-    first = trainer("hidden-states", "generate", "--out", str(cache), *tiny(small_target), "--rows-per-shard", "8")
+    first = trainer_cli("hidden-states", "generate", "--out", str(cache), *tiny(small_target), "--rows-per-shard", "8")
     assert first.returncode == 0, first.stderr
     shards = sorted(cache.glob("shard-*.safetensors"))
     assert len(shards) >= 2
@@ -67,25 +54,25 @@ def test_generation_resumes_and_a_cache_for_other_inputs_is_refused(small_target
     manifest = json.loads((cache / "manifest.json").read_text())
     manifest["complete"] = False
     (cache / "manifest.json").write_text(json.dumps(manifest))
-    again = trainer("hidden-states", "generate", "--out", str(cache), *tiny(small_target), "--rows-per-shard", "8")
+    again = trainer_cli("hidden-states", "generate", "--out", str(cache), *tiny(small_target), "--rows-per-shard", "8")
     assert again.returncode == 0, again.stderr
     assert shards[0].exists() and {p.name: p.stat().st_mtime_ns for p in shards[1:]} == kept  # only the missing one
     assert json.loads((cache / "manifest.json").read_text())["complete"]
 
     runs = tmp_path / "runs"
-    other_len = trainer("run", "x", *tiny(small_target, seq_len=96, hidden_states=str(cache)), "--steps", "1",
+    other_len = trainer_cli("run", "x", *tiny(small_target, seq_len=96, hidden_states=str(cache)), "--steps", "1",
                         "--runs-dir", str(runs), "-q")
     assert other_len.returncode == 2 and "other packed data" in other_len.stderr
     assert "Traceback" not in other_len.stderr and len(other_len.stderr.strip().splitlines()) == 1
     stored = json.loads((cache / "manifest.json").read_text())
     absent = [i for i in range(stored["target"]["num_layers"]) if i not in stored["layers"]]
     assert absent, stored["layers"]
-    other_layers = trainer("run", "y", *tiny(small_target, hidden_states=str(cache), draft_layers=1,
+    other_layers = trainer_cli("run", "y", *tiny(small_target, hidden_states=str(cache), draft_layers=1,
                                              target_layer_ids=f"[{absent[0]}]"),
                            "--steps", "1", "--runs-dir", str(runs), "-q")
     assert other_layers.returncode == 2 and "lack layer" in other_layers.stderr
-    other_dir = trainer("hidden-states", "generate", "--out", str(cache), *tiny(small_target, seq_len=96))
+    other_dir = trainer_cli("hidden-states", "generate", "--out", str(cache), *tiny(small_target, seq_len=96))
     assert other_dir.returncode == 2 and "other inputs" in other_dir.stderr
-    missing = trainer("run", "z", *tiny(small_target, hidden_states=str(tmp_path / "nothing")), "--steps", "1",
+    missing = trainer_cli("run", "z", *tiny(small_target, hidden_states=str(tmp_path / "nothing")), "--steps", "1",
                       "--runs-dir", str(runs), "-q")
     assert missing.returncode == 2 and "not a hidden-state cache" in missing.stderr

@@ -4,8 +4,6 @@ TensorBoard's own event reader."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,20 +11,8 @@ import pytest
 from trainer.config import ConfigError, build_config
 from trainer.run.trackers import require_trackers, scalars
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def small_target(tmp_path_factory) -> Path:
-    from trainer.target.embedded import build_embedded_target
-
-    return build_embedded_target(tmp_path_factory.mktemp("target") / "small", small=True, progress=False)
-
-
-def run_trainer(*args: str) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+# The embedded target's small twin and the trainer CLI in a subprocess, shared with the end-to-end tests.
+from test_train_e2e import small_target, trainer_cli  # noqa: F401 (small_target is a fixture)
 
 
 def tiny(target: Path, runs: Path, *extra: str) -> list[str]:
@@ -44,7 +30,7 @@ def rows(run: Path, split: str | None) -> list[dict]:
 @pytest.mark.slow
 def test_val_rows_are_written_on_schedule_and_resume_exactly(small_target, tmp_path):
     runs = tmp_path / "runs"
-    assert run_trainer("run", "straight", *tiny(small_target, runs, "--steps", "4")).returncode == 0
+    assert trainer_cli("run", "straight", *tiny(small_target, runs, "--steps", "4")).returncode == 0
     val = rows(runs / "straight", "val")
     assert [r["step"] for r in val] == [2, 4]
     for row in val:
@@ -53,11 +39,11 @@ def test_val_rows_are_written_on_schedule_and_resume_exactly(small_target, tmp_p
     # training rows are unchanged in shape: one per step, no split key
     assert [r["step"] for r in rows(runs / "straight", None)] == [1, 2, 3, 4]
 
-    half = run_trainer("run", "halves", *tiny(small_target, runs, "--steps", "2", "--set", "schedule=constant"))
+    half = trainer_cli("run", "halves", *tiny(small_target, runs, "--steps", "2", "--set", "schedule=constant"))
     assert half.returncode == 0, half.stderr
-    straight_const = run_trainer("run", "const", *tiny(small_target, runs, "--steps", "4", "--set", "schedule=constant"))
+    straight_const = trainer_cli("run", "const", *tiny(small_target, runs, "--steps", "4", "--set", "schedule=constant"))
     assert straight_const.returncode == 0
-    resumed = run_trainer("run", "halves", "--resume", "--steps", "4", "--runs-dir", str(runs), "--quiet")
+    resumed = trainer_cli("run", "halves", "--resume", "--steps", "4", "--runs-dir", str(runs), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
     strip = lambda rs: [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_s")} for r in rs]  # noqa: E731
     assert strip(rows(runs / "halves", "val")) == strip(rows(runs / "const", "val"))
@@ -84,7 +70,7 @@ def test_tensorboard_events_hold_the_metrics_rows(small_target, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     runs = tmp_path / "runs"
-    result = run_trainer("run", "tb", *tiny(small_target, runs, "--steps", "2", "--set", "report_to=[tensorboard]"))
+    result = trainer_cli("run", "tb", *tiny(small_target, runs, "--steps", "2", "--set", "report_to=[tensorboard]"))
     assert result.returncode == 0, result.stderr
     events = EventAccumulator(str(runs / "tb" / "tensorboard"))
     events.Reload()
