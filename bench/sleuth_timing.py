@@ -67,12 +67,12 @@ def build_world(root: Path) -> dict:
     git("clone", "-q", bare.as_uri(), str(checkout))
 
     def playbooks(name: str, url: str) -> Path:
-        # SLEUTH_PLAYBOOKS_DIR is read by both the reference chain (<dir>/speculators.yaml) and the
-        # invariant engine (<dir>/dflash.yaml), so the directory holds both.
+        # SLEUTH_PLAYBOOKS_DIR is read by both the reference chain (<dir>/references/speculators.yaml)
+        # and the invariant engine (<dir>/dflash.yaml), so the directory holds both.
         directory = root / f"playbooks-{name}"
-        directory.mkdir()
+        (directory / "references").mkdir(parents=True)
         shutil.copy(REPO / "playbooks" / "dflash.yaml", directory / "dflash.yaml")
-        (directory / "speculators.yaml").write_text(yaml.safe_dump({**spec, "url": url}))
+        (directory / "references" / "speculators.yaml").write_text(yaml.safe_dump({**spec, "url": url}))
         return directory
 
     runs = root / "runs"
@@ -104,7 +104,7 @@ def scenarios(world: dict) -> list[tuple[str, str, list[str], str, str | None]]:
     checkout, runs = str(world["checkout"]), str(world["runs"])
     out = []
     for command, base in (("fetch-reference", ["fetch-reference", "speculators", "--json"]),
-                          ("diagnose", ["diagnose", "--run", "v5", "--runs-dir", runs, "--format", "json"])):
+                          ("diagnose", ["diagnose", "--run", "v5", "--runs-dir", runs, "--format", "json", "--no-probe"])):
         path_flag = "--path" if command == "fetch-reference" else "--reference-path"
         out += [
             (command, "local (--path checkout, upstream over file://)", [*base, path_flag, checkout], "git", None),
@@ -194,7 +194,7 @@ def main() -> None:
                 env = {**base_env, "SLEUTH_CACHE_DIR": str(cache), "SLEUTH_PLAYBOOKS_DIR": str(playbooks)}
                 full = [*argv, "--out", str(out)] if command == "diagnose" else argv
                 for times in (cold, warm):
-                    elapsed, answered = timed(full, env, serve, playbooks / "speculators.yaml")
+                    elapsed, answered = timed(full, env, serve, playbooks / "references" / "speculators.yaml")
                     times.append(elapsed)
                     tiers.add(answered)
             row = {"command": command, "tier": tier, "answered_by": sorted(map(str, tiers)),

@@ -257,10 +257,11 @@ def _read_run_files(run: SpeculatorsRun, directory: Path) -> None:
     run_yaml = directory / "run.yaml"
     if run_yaml.is_file() and run.run_yaml_path is None:
         try:
-            import yaml
+            from sleuth.safe_yaml import load_yaml, read_text_file
 
-            data = yaml.safe_load(run_yaml.read_text())
-        except Exception as exc:  # yaml.YAMLError or a read error: the run config becomes unknown
+            # A user's file: size-capped, UTF-8 only, aliases bounded, like every other config sleuth reads.
+            data = load_yaml(read_text_file(run_yaml, what="run.yaml"))
+        except Exception as exc:  # yaml.YAMLError, YamlLimitError or a read error: the run config becomes unknown
             run.problems.append(f"run.yaml cannot be read: {str(exc).splitlines()[0]}")
         else:
             if isinstance(data, dict):
