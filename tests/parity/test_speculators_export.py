@@ -13,21 +13,16 @@ Runs in speculators' own venv (`make parity`); skips elsewhere unless SPECULATOR
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-REQUIRED = os.environ.get("SPECULATORS_PARITY_REQUIRED") == "1"
-try:
-    from speculators.models.dflash import core as speculators_core
-    from speculators.models.dflash.core import DFlashDraftModel
-except Exception as exc:  # ImportError, or a broken install
-    if REQUIRED:
-        pytest.fail(f"SPECULATORS_PARITY_REQUIRED=1 but speculators does not import: {exc!r}", pytrace=False)
-    pytest.skip(f"speculators is not importable here ({type(exc).__name__}); run `make parity`",
-                allow_module_level=True)
+from speculators_guard import require_speculators
+
+require_speculators()
+from speculators.models.dflash import core as speculators_core  # noqa: E402
+from speculators.models.dflash.core import DFlashDraftModel  # noqa: E402
 
 from parity_harness import patched  # noqa: E402
 

@@ -9,22 +9,17 @@ file: defects are planted by passing the wrong arguments to speculators itself.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-REQUIRED = os.environ.get("SPECULATORS_PARITY_REQUIRED") == "1"
-try:
-    from speculators.models.dflash.core import DFlashDraftModel
-    from speculators.train.checkpointer import SingleGPUCheckpointer
-    from speculators.train.cli import create_transformer_layer_config
-except Exception as exc:  # ImportError, or a broken install
-    if REQUIRED:
-        pytest.fail(f"SPECULATORS_PARITY_REQUIRED=1 but speculators does not import: {exc!r}", pytrace=False)
-    pytest.skip(f"speculators is not importable here ({type(exc).__name__}); run `make parity`",
-                allow_module_level=True)
+from speculators_guard import require_speculators
+
+require_speculators()
+from speculators.models.dflash.core import DFlashDraftModel  # noqa: E402
+from speculators.train.checkpointer import SingleGPUCheckpointer  # noqa: E402
+from speculators.train.cli import create_transformer_layer_config  # noqa: E402
 
 from sleuth.interop import foreign_findings  # noqa: E402
 from sleuth.runs import read_run  # noqa: E402

@@ -12,24 +12,15 @@ speculators 0.9.0 pins transformers <= 5.19, so it lives in its own virtual envi
 
 from __future__ import annotations
 
-import os
+import functools
 
 import pytest
 import torch
 
-REQUIRED = os.environ.get("SPECULATORS_PARITY_REQUIRED") == "1"
-try:
-    from speculators.models.dflash.utils import select_anchors as speculators_select_anchors
-except Exception as exc:  # ImportError, or a broken install (a CUDA torchvision fails at import)
-    if REQUIRED:
-        pytest.fail(f"SPECULATORS_PARITY_REQUIRED=1 but speculators does not import: {exc!r}", pytrace=False)
-    pytest.skip(
-        f"speculators is not importable in this environment ({type(exc).__name__}); the parity tests run in "
-        "the speculators venv: bench/setup_speculators_env.sh, then `make parity`",
-        allow_module_level=True,
-    )
+from speculators_guard import require_speculators
 
-import functools  # noqa: E402
+require_speculators()
+from speculators.models.dflash.utils import select_anchors as speculators_select_anchors  # noqa: E402
 
 from parity_harness import PARITY_CASES, ParityCase, ParityResult, make_inputs, run_parity  # noqa: E402
 

@@ -12,7 +12,6 @@ SPECULATORS_PARITY_REQUIRED=1 a missing speculators is a failure.
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -20,15 +19,11 @@ from pathlib import Path
 
 import pytest
 
-REQUIRED = os.environ.get("SPECULATORS_PARITY_REQUIRED") == "1"
-try:
-    import speculators
-    from speculators.models.dflash.core import DFlashDraftModel  # noqa: F401
-except Exception as exc:  # ImportError, or a broken install
-    if REQUIRED:
-        pytest.fail(f"SPECULATORS_PARITY_REQUIRED=1 but speculators does not import: {exc!r}", pytrace=False)
-    pytest.skip(f"speculators is not importable here ({type(exc).__name__}); run `make parity`",
-                allow_module_level=True)
+from speculators_guard import require_speculators
+
+require_speculators()
+import speculators  # noqa: E402
+from speculators.models.dflash.core import DFlashDraftModel  # noqa: E402, F401
 
 from sleuth.probes.runner import plan_for_code, run_plan  # noqa: E402
 from sleuth.probes.verdict import PROBED_INVARIANTS  # noqa: E402
