@@ -284,7 +284,7 @@ class _Investigation(InputDiscovery):
         """A speculators / SpecForge run's config decided in that trainer's own conventions (sleuth.interop)."""
         from sleuth.interop import foreign_findings
 
-        decided = foreign_findings(self.run_info, findings)
+        decided = foreign_findings(self.run_info, findings, config=self.request.config)
         if decided is not findings:
             with self.trace.step("check-speculators-config", run=self.run_info.path if self.run_info else None) as step:
                 replaced = [f.id for f, engine in zip(decided, findings) if f is not engine]

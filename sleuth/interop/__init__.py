@@ -46,8 +46,12 @@ def read_foreign_run(path: Path) -> RunInfo | None:
     return read_speculators_run(path) or read_specforge_run(path)
 
 
-def foreign_findings(run: RunInfo | None, findings: list[Finding]) -> list[Finding]:
-    """The engine's findings, with those decided in the foreign trainer's conventions replaced or added."""
+def foreign_findings(run: RunInfo | None, findings: list[Finding], config: Path | None = None) -> list[Finding]:
+    """The engine's findings, with those decided in the foreign trainer's conventions replaced or added.
+
+    `config` (`--config`): for a SpecForge run, the draft config JSON to check against its checkpoint instead of
+    the one the checkpoint's provenance names (the JSON about to be exported or served).
+    """
     if run is None:
         return findings
     from sleuth.interop.specforge import SpecForgeRun
@@ -55,6 +59,8 @@ def foreign_findings(run: RunInfo | None, findings: list[Finding]) -> list[Findi
     if isinstance(run.interop, SpecForgeRun):
         from sleuth.interop.specforge_checks import check_specforge
 
+        if config is not None:
+            run.interop.use_draft_config(config)
         return _replace(findings, check_specforge(run.interop), "SpecForge", "specforge")
     from sleuth.interop.speculators import detect, is_speculators_config, read
     from sleuth.interop.speculators_checks import check_speculators

@@ -84,6 +84,15 @@ class SpecForgeRun:
     def config(self) -> dict[str, Any] | None:
         return self.draft_config
 
+    def use_draft_config(self, path: Path) -> None:
+        """Check this draft config JSON (a file, or a directory with config.json) instead of the recorded one."""
+        config = path / "config.json" if path.is_dir() else path
+        data = _json(config)
+        if data is None:
+            self.problems.append(f"--config {path}: not a JSON draft config; the recorded one is checked")
+            return
+        self.draft_config, self.draft_config_path = data, config
+
     def provenance(self, key: str) -> Any:
         """One entry of `specforge_model_provenance` (a tuple of (key, value) pairs)."""
         pairs = (self.chosen.get("specforge_model_provenance") if self.chosen else None) or ()

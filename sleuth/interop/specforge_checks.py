@@ -94,29 +94,27 @@ def check_target_layer_ids(run: SpecForgeRun) -> Finding:
                 f"({config_where or 'resume contract'}) is wrong (shortened or edited), the weights are not",
                 _ids_fix(run, remedy, count, trained=remedy is not None and remedy == trained),
             )
-    if configured is not None and trained is not None and configured != trained:
-        return _mismatch(
-            finding, "high",
-            f"the draft config names {quote(configured)} but the checkpoint was trained on {quote(trained)}: "
-            "an export of this config feeds the drafter other layers than it learned",
-            _ids_fix(run, trained, len(trained), trained=True),
-        )
+    differs = configured is not None and trained is not None and configured != trained
+    # What to do about a wrong list: restore the ids the weights were trained on when the list was edited
+    # after training; else the rule's ids, which means retraining.
+    restore = trained if differs and (fc is None or len(trained) == fc[0]) else None
+    trained_note = f" (the checkpoint was trained on {quote(trained)})" if differs else ""
     if depth is None:
+        if differs:
+            return _mismatch(finding, "high", f"the draft config names {quote(configured)} but the checkpoint was "
+                             f"trained on {quote(trained)}", _ids_fix(run, trained, len(trained), trained=True))
         finding.reason = f"the target's depth is unknown: {run.verifier.reason or 'no num_target_layers'}"
         return finding
     expected = build_target_layer_ids(depth, len(ids))
+    remedy = _ids_fix(run, restore, len(ids), trained=True) if restore else _ids_fix(run, expected, len(ids))
     out_of_range = [i for i in ids if i < 0 or i >= depth]
     if out_of_range:
         return _mismatch(
             finding, "high",
             f"{quote(out_of_range)} outside [0, {depth - 1}] for a target with {depth} layers (id i reads HF "
-            f"hidden_states[i+1]; id {depth - 1} is the last layer's output)",
-            _ids_fix(run, expected, len(ids)),
+            f"hidden_states[i+1]; id {depth - 1} is the last layer's output){trained_note}",
+            remedy,
         )
-    if ids == expected:
-        finding.status = "match"
-        finding.reason = f"{quote(ids)} is SpecForge's build_target_layer_ids({depth}, {len(ids)})"
-        return finding
     for shift, convention in ((1, "vLLM's / speculators' numbering (id i = hidden_states[i]) used where SpecForge's "
                                   "(hidden_states[i+1]) is expected"),
                               (-1, "one layer shallower than SpecForge's rule (converted from vLLM numbering twice?)")):
@@ -124,9 +122,21 @@ def check_target_layer_ids(run: SpecForgeRun) -> Finding:
             return _mismatch(
                 finding, "high",
                 f"{quote(ids)} is {quote(expected)} off by {shift:+d} for L={depth}: {convention}; the drafter reads "
-                "features one layer away from the rule",
-                _ids_fix(run, expected, len(ids)),
+                f"features one layer away from the rule{trained_note}",
+                remedy,
             )
+    if differs:
+        return _mismatch(
+            finding, "high",
+            f"the draft config names {quote(configured)} but the checkpoint was trained on {quote(trained)}: "
+            "an export of this config feeds the drafter other layers than it learned",
+            remedy,
+        )
+    if ids == expected:
+        finding.status = "match"
+        finding.reason = f"{quote(ids)} is SpecForge's build_target_layer_ids({depth}, {len(ids)})" + (
+            ", as trained" if trained is not None else "")
+        return finding
     return _mismatch(finding, "low", f"a custom selection; for L={depth} SpecForge's rule picks {quote(expected)}",
                      _ids_fix(run, expected, len(ids)))
 
