@@ -1,10 +1,17 @@
 """Make a real SpecForge DFlash output directory, with SpecForge's own trainer, on CPU, offline.
 
 Run it with SpecForge's checkout on the path (its `specforge` package imports without sglang for an
-offline run; only the capture server needs sglang):
+offline run; only the capture server needs sglang) and three of SpecForge's own dependencies that our venv
+lacks, installed beside it rather than into it (`specforge train` imports `accelerate.utils.set_seed`,
+`psutil`, and `yunchang.globals` for its process groups):
 
-    PYTHONPATH=/path/to/SpecForge .venv/bin/python tools/make_specforge_fixture.py OUT \
+    pip install --target /tmp/sf-extra --no-deps accelerate psutil yunchang
+    PYTHONPATH=/path/to/SpecForge:/tmp/sf-extra .venv/bin/python tools/make_specforge_fixture.py OUT \
         [--verifier tests/fixtures/speculators/verifier]
+
+Training runs on CPU through SpecForge's own switches, no source edit: `SPECFORGE_DEVICE=cpu` (its
+`get_device_type`), `training.fsdp_sharding: NO_SHARD` (its DDP path; FSDP needs an accelerator),
+`training.attention_backend: sdpa`, `data.dataloader_num_workers: 0`.
 
 OUT receives:
 
