@@ -35,6 +35,9 @@ The committed fixture `tests/fixtures/specforge/` was made with:
     cd tests/fixtures/specforge && PYTHONPATH=/tmp/up/src/specforge ../../../.venv/bin/python \
         ../../../tools/make_specforge_fixture.py . --verifier ../speculators/verifier
 
+and a second run beside it, `outputs/sf-tiny-gamma7/` (`recipe-sf-tiny-gamma7.yaml`), with
+`... make_specforge_fixture.py . --verifier ../speculators/verifier --run-id sf-tiny-gamma7 --gamma 7`
+
 (relative paths in the recipe; SpecForge records the absolute target path in each checkpoint's
 provenance, which sleuth resolves by its trailing components when the run has moved).
 """
@@ -148,7 +151,7 @@ def write_features(out: Path, verifier: Path, layer_ids: list[int]) -> tuple[Pat
     return train, evaluation
 
 
-def write_recipe(out: Path, train: Path, evaluation: Path, gamma: float | None) -> Path:
+def write_recipe(out: Path, train: Path, evaluation: Path, gamma: float | None, run_id: str) -> Path:
     import yaml
 
     training = {
@@ -186,21 +189,21 @@ def write_recipe(out: Path, train: Path, evaluation: Path, gamma: float | None) 
         },
         "training": training,
         "tracking": {"report_to": "tensorboard"},
-        "run_id": RUN_ID,
-        "output_dir": f"outputs/{RUN_ID}",
+        "run_id": run_id,
+        "output_dir": f"outputs/{run_id}",
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
     }
-    path = out / "recipe.yaml"
+    path = out / ("recipe.yaml" if run_id == RUN_ID else f"recipe-{run_id}.yaml")
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
 
 
-def train(out: Path, recipe: Path) -> Path:
+def train(out: Path, recipe: Path, run_id: str) -> Path:
     """`specforge train --config recipe.yaml`, SpecForge's one public training entry, in-process on CPU."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", SPECFORGE_DEVICE="cpu", WANDB_MODE="disabled")
     code = "import sys; from specforge.cli import main; sys.exit(main(['train', '--config', sys.argv[1]]))"
     subprocess.run([sys.executable, "-c", code, str(recipe.relative_to(out))], cwd=out, env=env, check=True)
-    return out / "outputs" / RUN_ID
+    return out / "outputs" / run_id
 
 
 def export(out: Path, output_dir: Path, draft_config: Path, verifier: Path) -> Path:
@@ -216,6 +219,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--verifier", type=Path, default=None, help="a tiny target to copy (else one is built)")
     parser.add_argument("--gamma", type=float, default=None, help="training.loss_decay_gamma (SpecForge default: none)")
+    parser.add_argument("--run-id", default=RUN_ID, help="a second run beside the first (its recipe: recipe-RUN_ID.yaml)")
     parser.add_argument("--keep-work", action="store_true", help="keep the offline features and per-rank state")
     args = parser.parse_args()
     out = args.out.resolve()
@@ -224,9 +228,10 @@ def main() -> None:
     draft_config = write_draft_config(out, verifier)
     layer_ids = json.loads(draft_config.read_text())["dflash_config"]["target_layer_ids"]
     train_dir, eval_dir = write_features(out, verifier, layer_ids)
-    recipe = write_recipe(out, train_dir, eval_dir, args.gamma)
-    output_dir = train(out, recipe)
-    export(out, output_dir, draft_config, verifier)
+    recipe = write_recipe(out, train_dir, eval_dir, args.gamma, args.run_id)
+    output_dir = train(out, recipe, args.run_id)
+    if args.run_id == RUN_ID:
+        export(out, output_dir, draft_config, verifier)
     if not args.keep_work:
         shutil.rmtree(out / "features")
         for rank_file in output_dir.glob("*/training_state_rank*.pt"):

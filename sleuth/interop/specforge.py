@@ -54,8 +54,8 @@ class SpecForgeCheckpoint:
     state: dict[str, Any] | None  # training_state.pt without the optimizer state
     problem: str | None = None
 
-    def get(self, key: str) -> Any:
-        return (self.state or {}).get(key)
+    def get(self, key: str, default: Any = None) -> Any:
+        return (self.state or {}).get(key, default)
 
     @property
     def fc_shape(self) -> list[int] | None:
@@ -170,6 +170,9 @@ def read(path: Path, kind: str) -> SpecForgeRun:
     _read_draft_config(run)
     target = run.recorded_path("target_model")
     run.verifier = find_verifier(target, path, relocatable=True)
+    found = run.verifier.config_path
+    if target and found is not None and found.parent != Path(target):
+        problems.append(f"target recorded as {target}, read from {found.parent} (the run has moved)")
     return run
 
 
@@ -262,6 +265,8 @@ def _read_draft_config(run: SpecForgeRun) -> None:
                 run.problems.append(f"draft config {config} cannot be read as JSON")
                 return
             run.draft_config, run.draft_config_path = data, config
+            if candidate != Path(recorded):
+                run.problems.append(f"draft config recorded as {recorded}, read from {config} (the run has moved)")
             return
     run.problems.append(f"draft config {recorded} (recorded by SpecForge) not found here, nor relative to the run")
 
@@ -276,6 +281,7 @@ def _relocations(recorded: str, near: Path) -> list[Path]:
 def _run_json(run: SpecForgeRun) -> dict[str, Any]:
     chosen = run.chosen
     target = run.recorded_path("target_model")
+    samples = chosen.get("source_dataset_size", chosen.get("dataset_size")) if chosen else None
     return {
         "format": "specforge",
         "created": None,
@@ -286,7 +292,9 @@ def _run_json(run: SpecForgeRun) -> dict[str, Any]:
             "num_layers": run.verifier.num_layers,
             "hidden_size": run.verifier.hidden_size,
         },
-        "data": {"fingerprint": None},
+        # SpecForge records no data path: the sample count is the only data identity it keeps, and the
+        # fingerprint says so (two runs over different data of the same size would compare).
+        "data": {"fingerprint": f"specforge samples={samples} (no data path recorded)" if _is_count(samples) else None},
     }
 
 
@@ -312,6 +320,10 @@ def _json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _number(value: Any) -> bool:

@@ -149,3 +149,48 @@ def test_planted_config_defects_are_flagged_with_specforges_remedy(edit, invaria
         assert fix["config_patch"] == {"dflash_config": {"mask_token_id": trained}}
     else:
         assert fix["config_patch"] == {"block_size": 4}
+
+
+# --- a second real run: gamma 7 at block size 4 ------------------------------------------------------------
+
+SECOND = FIXTURE / "outputs" / "sf-tiny-gamma7"
+
+
+def test_a_run_trained_with_gamma_7_at_block_4_is_flagged_from_its_resume_contract(tmp_path, monkeypatch):
+    recipe = (FIXTURE / "recipe-sf-tiny-gamma7.yaml").read_text()
+    assert "loss_decay_gamma: 7.0" in recipe  # what the run was launched with
+    code, report = diagnose("--run", str(SECOND), cwd=tmp_path, monkeypatch=monkeypatch)
+    assert code == 1
+    gamma = by_id(report)["dflash.loss_decay_gamma"]
+    assert gamma["status"] == "mismatch" and "gamma 7.0 with block_size 4" in gamma["reason"]
+    assert gamma["fix"]["config_patch"] == {"training.loss_decay_gamma": 4.0}
+    assert "training.loss_decay_gamma" in gamma["fix"]["code_hint"]
+    assert {e["value"] for e in gamma["evidence"] if e["kind"] == "checkpoint"} == {"7.0", "4"}  # gamma, block as stored
+    assert [f["id"] for f in report["findings"] if f["status"] == "mismatch"] == ["dflash.loss_decay_gamma"]
+
+
+def test_regression_between_two_output_directories(tmp_path, monkeypatch):
+    code, report = diagnose("--run", str(SECOND), "--baseline", str(OUT), cwd=tmp_path, monkeypatch=monkeypatch)
+    regression = report["regression"]
+    compared = {m["metric"]: m for m in regression["metrics"]}
+    assert {"acc", "loss"} <= set(compared)
+    assert compared["loss"]["run_points"] == len(read_run(SECOND).series("loss")[0]) == 12
+    assert regression["verdict"] in ("regression", "improvement", "no_regression")
+
+
+def test_a_run_copied_off_the_training_machine_reads_its_config_and_target_beside_it(tmp_path, monkeypatch):
+    """SpecForge records absolute paths; on another machine they are gone. The copy keeps the layout."""
+    from sleuth.interop.specforge import SpecForgeRun
+
+    moved = tmp_path / "elsewhere" / "specforge"
+    shutil.copytree(OUT, moved / "outputs" / "sf-tiny", symlinks=True)
+    shutil.copy(DRAFT_CONFIG, moved / "draft-dflash.json")
+    shutil.copytree(FIXTURE / "verifier", moved / "verifier")
+    real = SpecForgeRun.recorded_path
+    # the paths as the machine that trained recorded them (this checkout's paths exist here, so they are replaced)
+    monkeypatch.setattr(SpecForgeRun, "recorded_path",
+                        lambda self, key: "/machine/that/trained/specforge/" + Path(real(self, key)).name)
+    info = read_run(moved / "outputs" / "sf-tiny")
+    assert info.interop.draft_config_path == moved / "draft-dflash.json"
+    assert info.interop.verifier.config_path == moved / "verifier" / "config.json"
+    assert sum("(the run has moved)" in p for p in info.problems) == 2
