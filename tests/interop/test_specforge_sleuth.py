@@ -194,3 +194,25 @@ def test_a_run_copied_off_the_training_machine_reads_its_config_and_target_besid
     assert info.interop.draft_config_path == moved / "draft-dflash.json"
     assert info.interop.verifier.config_path == moved / "verifier" / "config.json"
     assert sum("(the run has moved)" in p for p in info.problems) == 2
+
+
+class _RunsCodeWhenUnpickled:
+    """A training_state.pt that would run code if loaded with weights_only=False (torch.load's old default)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_training_state_that_carries_code_is_refused_not_run(tmp_path):
+    import torch
+
+    copy = tmp_path / "sf-tiny"
+    shutil.copytree(OUT, copy, symlinks=True)
+    marker = tmp_path / "code-ran"
+    torch.save({"draft_state_dict": {}, "payload": _RunsCodeWhenUnpickled(marker)}, copy / "sf-tiny-step4" / "training_state.pt")
+    info = read_run(copy)
+    assert not marker.exists()
+    assert any(p.startswith("sf-tiny-step4/training_state.pt: cannot be read") for p in info.problems)
