@@ -153,8 +153,17 @@ def read(path: Path, kind: str) -> SpecForgeRun:
         for child in sorted(path.iterdir()):
             if child.is_symlink() and child.name.endswith(("-best", "-latest")):
                 links[child.name] = _readlink(child)
-        best_meta = next((_json(m) for m in sorted(path.glob("*.best_meta.json"))), None)
         chosen = _pick(checkpoints, links)
+        run_ids = sorted({_run_id(c.path) for c in checkpoints})
+        if len(run_ids) > 1 and chosen is not None:
+            # SpecForge refuses to resume from such a directory without a checkpoint named; read one run.
+            own = _run_id(chosen.path)
+            problems.append(f"{len(run_ids)} runs share this output_dir ({', '.join(run_ids)}): {own}'s checkpoints "
+                            "are read; runs/ tensorboard files may mix them")
+            checkpoints = [c for c in checkpoints if _run_id(c.path) == own]
+            links = {name: target for name, target in links.items() if name.rsplit("-", 1)[0] == own}
+        own_id = _run_id(chosen.path) if chosen is not None else None
+        best_meta = _json(path / f"{own_id}.best_meta.json") if own_id else None
     else:
         match = _STEP_DIR.match(path.name)
         step = int(match.group("step")) if match else -1
@@ -215,6 +224,11 @@ def _step_dirs(path: Path) -> list[tuple[int, Path]]:
         if match and child.is_dir() and not child.is_symlink() and (child / STATE_FILE).is_file():
             found.append((int(match.group("step")), child))
     return sorted(found)
+
+
+def _run_id(path: Path) -> str:
+    match = _STEP_DIR.match(path.name)
+    return match.group("run_id") if match else path.name
 
 
 def _pick(checkpoints: list[SpecForgeCheckpoint], links: dict[str, str]) -> SpecForgeCheckpoint | None:

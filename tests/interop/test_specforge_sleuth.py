@@ -216,3 +216,14 @@ def test_a_training_state_that_carries_code_is_refused_not_run(tmp_path):
     info = read_run(copy)
     assert not marker.exists()
     assert any(p.startswith("sf-tiny-step4/training_state.pt: cannot be read") for p in info.problems)
+
+
+def test_two_runs_in_one_output_dir_read_as_the_linked_one(tmp_path):
+    copy = tmp_path / "outputs"
+    shutil.copytree(OUT, copy, symlinks=True)
+    shutil.copytree(OUT / "sf-tiny-step4", copy / "other-run-step40")
+    info = read_run(copy)
+    assert [c.path.name for c in info.interop.checkpoints] == sorted(
+        (p.name for p in OUT.glob("sf-tiny-step*")), key=lambda name: int(name.rsplit("step", 1)[1]))
+    assert any("2 runs share this output_dir (other-run, sf-tiny)" in p for p in info.problems)
+    assert info.interop.best_meta == json.loads((OUT / "sf-tiny.best_meta.json").read_text())
