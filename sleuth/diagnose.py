@@ -281,15 +281,16 @@ class _Investigation(InputDiscovery):
         return findings
 
     def check_foreign_conventions(self, findings: list[Finding]) -> list[Finding]:
-        """A speculators run's config decided in speculators' own conventions (sleuth.interop)."""
+        """A speculators / SpecForge run's config decided in that trainer's own conventions (sleuth.interop)."""
         from sleuth.interop import foreign_findings
 
-        decided = foreign_findings(self.run_info, findings)
+        decided = foreign_findings(self.run_info, findings, config=self.request.config)
         if decided is not findings:
             with self.trace.step("check-speculators-config", run=self.run_info.path if self.run_info else None) as step:
                 replaced = [f.id for f, engine in zip(decided, findings) if f is not engine]
                 added = [f.id for f in decided[len(findings):]]
-                step.outcome = "decided in speculators' conventions: " + ", ".join(replaced + added)
+                trainer = getattr(self.run_info.interop if self.run_info else None, "trainer", "speculators")
+                step.outcome = f"decided in {trainer}'s conventions: " + ", ".join(replaced + added)
         return decided
 
     def follow_up(self, findings: list[Finding]) -> list[Finding]:

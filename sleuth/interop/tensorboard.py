@@ -80,3 +80,30 @@ def _setting(run: Any, key: str, flag: str) -> str | None:
         return given[0]
     found = run.run_setting(key)
     return str(found[1]) if found is not None and found[1] else None
+
+
+def read_tagged_scalars(files: list[Path], tags: dict[str, str]) -> Scalars:
+    """Scalars of the given tags (tag -> sleuth's name) per step, from every event file, with tensorboard's
+    own reader; a trainer that logs its own tag names (SpecForge: `train/acc`, `eval/avg_loss`) maps them here."""
+    files = files[:_MAX_EVENT_FILES]
+    if not files:
+        return Scalars()
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return Scalars(files=files, problem=f"{len(files)} tensorboard event file(s) not read: the tensorboard "
+                       "package is not installed (pip install tensorboard)")
+    rows: dict[int, dict[str, Any]] = {}
+    for path in files:
+        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        try:
+            accumulator.Reload()
+        except Exception as exc:  # a torn or foreign file: report it, keep what the others hold
+            return Scalars(rows=rows, files=files, problem=f"{path.name} cannot be read by tensorboard: {exc}")
+        for tag in accumulator.Tags().get("scalars", []):
+            name = tags.get(tag)
+            if name is None:
+                continue
+            for event in accumulator.Scalars(tag):
+                rows.setdefault(event.step, {})[name] = float(event.value)
+    return Scalars(rows=rows, files=files)

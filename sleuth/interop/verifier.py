@@ -35,15 +35,40 @@ class Verifier:
         return f"verifier {self.name_or_path!r} not found offline (tried {', '.join(self.tried)})"
 
 
-def find_verifier(name_or_path: Any, near: Path, *, max_up: int = 4) -> Verifier:
-    """Look up `name_or_path` next to `near` (a drafter directory) and above it, in the cwd, in the HF cache."""
+def relocated_candidates(recorded: str, near: Path, *, max_up: int = 4, max_tail: int = 3) -> list[Path]:
+    """An absolute path a trainer recorded, then its last 1..`max_tail` components under `near`, each
+    directory above it, and the cwd: a run copied off the machine that trained it keeps its target beside it."""
+    given = Path(recorded).expanduser()
+    candidates = [given]
+    if not given.is_absolute():
+        return candidates
+    bases, base = [], near.resolve()
+    for _ in range(max_up + 1):
+        bases.append(base)
+        if base.parent == base:
+            break
+        base = base.parent
+    bases.append(Path.cwd())
+    parts = given.parts[1:]
+    for length in range(1, min(max_tail, len(parts)) + 1):
+        tail = Path(*parts[-length:])
+        candidates += [b / tail for b in bases]
+    return candidates
+
+
+def find_verifier(name_or_path: Any, near: Path, *, max_up: int = 4, relocatable: bool = False) -> Verifier:
+    """Look up `name_or_path` next to `near` (a drafter directory) and above it, in the cwd, in the HF cache.
+
+    `relocatable`: an absolute path that is missing is also looked for by its trailing components near the
+    run (SpecForge records absolute paths of the machine that trained).
+    """
     if not isinstance(name_or_path, str) or not name_or_path:
         return Verifier(None)
     verifier = Verifier(name_or_path)
     given = Path(name_or_path).expanduser()
     candidates: list[Path] = []
     if given.is_absolute():
-        candidates.append(given)
+        candidates += relocated_candidates(name_or_path, near, max_up=max_up) if relocatable else [given]
     else:
         base = near.resolve()
         for _ in range(max_up + 1):

@@ -9,7 +9,14 @@ embeddings and lm_head are the target's):
 - a speculators checkpoint (and `trainer export --format speculators`): `speculators_model_type: dflash`,
   `transformer_layer_config` (the draft layers), `aux_hidden_state_layer_ids` in vLLM's numbering
   (id i = HF `hidden_states[i]`, so z-lab id = i - 1), `block_size`, `mask_token_id`;
-- a `speculators train` save directory: its `checkpoint_best`, else its highest epoch.
+- a `speculators train` save directory: its `checkpoint_best`, else its highest epoch;
+- a SpecForge checkpoint (`{run_id}-step{N}/training_state.pt`) or `specforge train` output directory (its
+  `{run_id}-best`, else `{run_id}-latest`, else its highest step): `draft_state_dict` holds the body, the
+  resume contract the settings training resolved (`dflash_target_layer_ids` in z-lab's numbering, as
+  SpecForge's `extract_context_feature` reads `hidden_states[i + 1]`; `dflash_block_size`,
+  `dflash_mask_token_id`), and the draft config JSON whose path the checkpoint's provenance records the layer
+  shapes (a moved run: found by the path's trailing components beside or above the checkpoint). Read with
+  `torch.load(weights_only=True)`: no code in the file runs.
 
 The drafter is rebuilt as our `DFlashDrafter` (the parity suite shows it computes what speculators'
 `DFlashDraftModel` computes with the same weights) and decoded with the same speculative loop as our runs.
@@ -18,6 +25,7 @@ The drafter is rebuilt as our `DFlashDrafter` (the parity suite shows it compute
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +48,7 @@ class ForeignDrafterError(ValueError):
 @dataclass
 class ForeignDrafter:
     name: str
-    layout: str  # "zlab" | "speculators"
+    layout: str  # "zlab" | "speculators" | "specforge"
     weights: Path
     drafter: Any  # trainer.model.drafter.DFlashDrafter
     feature_layer_ids: list[int]  # z-lab numbering: HF hidden_states[i + 1], as the eval loop expects
@@ -53,6 +61,8 @@ def is_foreign_drafter_dir(path: Path) -> bool:
     """A directory this module loads (not one of our run directories)."""
     if (path / "run.json").is_file():
         return False
+    if _specforge_checkpoint(path) is not None:
+        return True
     try:
         return _drafter_dir(path) is not None
     except ForeignDrafterError:
@@ -66,6 +76,10 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
 
     from trainer.model.drafter import DFlashDrafter
 
+    checkpoint = _specforge_checkpoint(path)
+    if checkpoint is not None:
+        return _load_specforge(path, checkpoint, hidden_size=hidden_size, num_target_layers=num_target_layers,
+                               device=device, dtype=dtype)
     directory = _drafter_dir(path)
     if directory is None:
         raise ForeignDrafterError(
@@ -144,6 +158,12 @@ def _drafter_dir(path: Path) -> Path | None:
 
 
 def _named_verifier(path: Path) -> str | None:
+    checkpoint = _specforge_checkpoint(path)
+    if checkpoint is not None:
+        try:
+            return _recorded_path(_read_specforge_state(checkpoint), "target_model")
+        except ForeignDrafterError:
+            return None
     try:
         directory = _drafter_dir(path)
     except ForeignDrafterError:
@@ -166,6 +186,10 @@ def _load_weights(drafter: Any, weights: Path) -> None:
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as exc:
         raise ForeignDrafterError(f"{weights} cannot be read: {exc}") from None
+    _load_tensors(drafter, tensors, weights)
+
+
+def _load_tensors(drafter: Any, tensors: dict[str, torch.Tensor], weights: Path) -> None:
     if "d2t" in tensors or "t2d" in tensors:
         d2t = tensors.get("d2t")
         if d2t is not None and d2t.numel() and bool(d2t.any()):
@@ -206,6 +230,128 @@ def _read_json_or_none(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+# --- SpecForge: training_state.pt + the draft config JSON it records --------------------------------------
+
+SPECFORGE_STATE = "training_state.pt"
+_SPECFORGE_STEP = re.compile(r"^(?P<run_id>.+)-step(?P<step>\d+)$")
+
+
+def _specforge_checkpoint(path: Path) -> Path | None:
+    """`path` when it is a SpecForge checkpoint; an output directory's best, else latest, else highest step."""
+    if not path.is_dir():
+        return None
+    if (path / SPECFORGE_STATE).is_file():
+        return path
+    try:
+        children = list(path.iterdir())
+    except OSError:
+        return None
+    for suffix in ("-best", "-latest"):
+        for child in sorted(children):
+            if child.name.endswith(suffix) and child.is_symlink() and (child / SPECFORGE_STATE).is_file():
+                return child
+    steps = [(int(m.group("step")), c) for c in children
+             if (m := _SPECFORGE_STEP.match(c.name)) and c.is_dir() and (c / SPECFORGE_STATE).is_file()]
+    return max(steps)[1] if steps else None
+
+
+def _read_specforge_state(checkpoint: Path) -> dict[str, Any]:
+    state_file = checkpoint / SPECFORGE_STATE
+    try:
+        # weights_only: tensors and plain containers, which is all SpecForge writes; no code runs
+        state = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # a torn file or a pickle with code in it
+        raise ForeignDrafterError(f"{state_file} cannot be read: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("draft_state_dict"), dict):
+        raise ForeignDrafterError(f"{state_file} holds no draft_state_dict (not a SpecForge training state)")
+    return state
+
+
+def _recorded_path(state: dict[str, Any], key: str) -> str | None:
+    """A model source's path from `specforge_model_provenance`: ((key, (kind, path, ...)), ...)."""
+    for pair in state.get("specforge_model_provenance") or ():
+        if isinstance(pair, (tuple, list)) and len(pair) == 2 and pair[0] == key:
+            identity = pair[1]
+            if isinstance(identity, (tuple, list)) and len(identity) >= 2 and isinstance(identity[1], str):
+                return identity[1]
+    return None
+
+
+def _relocated(recorded: str, near: Path, max_up: int = 4, max_tail: int = 3) -> list[Path]:
+    """The recorded absolute path, then its trailing components beside `near` and above it (a moved run)."""
+    given = Path(recorded)
+    candidates = [given]
+    if not given.is_absolute():
+        return candidates + [near / given, Path.cwd() / given]
+    bases, base = [], near.resolve()
+    for _ in range(max_up + 1):
+        bases.append(base)
+        if base.parent == base:
+            break
+        base = base.parent
+    bases.append(Path.cwd())
+    parts = given.parts[1:]
+    for length in range(1, min(max_tail, len(parts)) + 1):
+        candidates += [b / Path(*parts[-length:]) for b in bases]
+    return candidates
+
+
+def _load_specforge(path: Path, checkpoint: Path, *, hidden_size: int, num_target_layers: int,
+                    device: torch.device, dtype: torch.dtype) -> ForeignDrafter:
+    from transformers import Qwen3Config
+
+    from trainer.model.drafter import DFlashDrafter
+
+    state = _read_specforge_state(checkpoint)
+    if state.get("strategy") not in ("dflash", None):
+        raise ForeignDrafterError(f"{checkpoint}: strategy {state.get('strategy')!r}; only dflash is supported")
+    recorded = _recorded_path(state, "draft_config")
+    if recorded is None:
+        raise ForeignDrafterError(f"{checkpoint}: the training state records no draft config path")
+    config_file = next((c / CONFIG_FILE if c.is_dir() else c for c in _relocated(recorded, checkpoint)
+                        if (c / CONFIG_FILE if c.is_dir() else c).is_file()), None)
+    if config_file is None:
+        raise ForeignDrafterError(
+            f"{checkpoint}: its draft config {recorded} is not here (nor by its name beside or above the checkpoint)"
+        )
+    config = _read_json(config_file)
+    dflash = dict(config.get("dflash_config") or {})
+    # What training resolved (the resume contract) wins over the JSON: the weights were trained with it.
+    ids = _int_list(list(state.get("dflash_target_layer_ids") or dflash.get("target_layer_ids") or []),
+                    checkpoint, "dflash_target_layer_ids")
+    block = state.get("dflash_block_size", config.get("block_size"))
+    mask = state.get("dflash_mask_token_id", dflash.get("mask_token_id"))
+    if not isinstance(block, int) or block < 2:
+        raise ForeignDrafterError(f"{checkpoint}: block_size {block!r} is not an integer >= 2")
+    if any(i < 0 or i >= num_target_layers for i in ids):
+        raise ForeignDrafterError(
+            f"{checkpoint}: layer ids {ids} (SpecForge / z-lab numbering) fall outside the target's "
+            f"{num_target_layers} layers"
+        )
+    layer_config = {k: v for k, v in config.items()
+                    if k not in ("dflash_config", "architectures", "model_type", "auto_map")}
+    try:
+        draft_config = Qwen3Config(**layer_config)
+    except (TypeError, ValueError) as exc:
+        raise ForeignDrafterError(f"{config_file}: draft layer config does not build a Qwen3 config: {exc}") from None
+    if draft_config.hidden_size != hidden_size:
+        raise ForeignDrafterError(
+            f"{config_file}: the drafter's hidden size {draft_config.hidden_size} differs from the target's {hidden_size}"
+        )
+    drafter = DFlashDrafter(draft_config, num_features=len(ids), block_size=block,
+                            mask_token_id=mask if isinstance(mask, int) else -1)
+    _load_tensors(drafter, dict(state["draft_state_dict"]), checkpoint / SPECFORGE_STATE)
+    drafter.to(device=device, dtype=dtype).eval()
+    name = path.name if checkpoint == path else f"{path.name}/{checkpoint.name}"
+    if checkpoint.is_symlink():
+        name += f" -> {checkpoint.resolve().name}"
+    return ForeignDrafter(
+        name=name, layout="specforge", weights=checkpoint / SPECFORGE_STATE, drafter=drafter, feature_layer_ids=ids,
+        block_size=block, mask_token_id=mask if isinstance(mask, int) else None,
+        verifier=_recorded_path(state, "target_model"),
+    )
 
 
 # --- evaluation: one or two drafters on one target --------------------------------------------------------
