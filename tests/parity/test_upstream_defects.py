@@ -258,3 +258,25 @@ def test_no_silent_false_match_on_planted_speculators_defects(speculators_result
     silent = [f"{r['id']} ({r['invariant']} reported match, observed {r['observed']!r})"
               for r in speculators_result["defects"] if r["classification"] == "silent_false_match"]
     assert not silent, f"{len(silent)} silent false matches: " + "; ".join(silent)
+
+
+# ---- does a planted defect change behaviour? (bench.upstream_defects.behaviour, parity venv) -----------
+
+@pytest.mark.slow
+def test_behaviour_probe_tells_a_real_defect_from_a_no_op(tmp_path: Path, capsys):
+    """The probe that checks every catalogued defect changes what speculators computes: a held-out defect
+    moves the loss, a comment-only edit moves nothing."""
+    pytest.importorskip("speculators", reason="the probes import speculators: run in the parity venv")
+    from bench.upstream_defects.behaviour.__main__ import main as behaviour_main
+
+    heldout = yaml.safe_load(resolve_catalog_path(HELDOUT).read_text())
+    real = next(d for d in heldout["defects"] if d["id"] == "hs-spec-gamma-scaled-by-block")
+    no_op = {"id": "comment-only", "source": "speculators", "invariant": "dflash.loss_decay_gamma",
+             "what": "a comment", "edits": [{"file": real["edits"][0]["file"], "find": real["edits"][0]["find"],
+                                             "replace": real["edits"][0]["find"] + "  # a comment"}]}
+    catalog = tmp_path / "probe.yaml"
+    catalog.write_text(yaml.safe_dump({"sources": heldout["sources"], "defects": [real, no_op]}))
+    assert behaviour_main(["--catalog", str(catalog), "--sources", "speculators"]) == 0
+    out = capsys.readouterr().out
+    assert "hs-spec-gamma-scaled-by-block: changed (loss_T32_fixed-exp-decay" in out
+    assert "comment-only: not exercised" in out
