@@ -63,7 +63,8 @@ def probe() -> dict[str, Any]:
     for window in (None, seq_len):
         mask_mod, q_len, kv_len = create_anchor_block_mask_mod(docs, seq_len, torch.tensor([2, 7, 11]), B,
                                                                sliding_window=window)
-        out[f"mask_window_{window}"] = create_mask(mask_mod, None, None, q_len, kv_len, device="cpu").int().flatten().tolist()
+        dense = create_mask(mask_mod, None, None, q_len, kv_len, device="cpu")
+        out[f"mask_window_{window}"] = dense.int().flatten().tolist()
     torch.manual_seed(3)
     out["anchors"] = select_anchors(torch.ones(1, 40), 5, B)[0].tolist()
 
