@@ -5,6 +5,7 @@ mask is what the loss sees, on CPU."""
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,11 @@ def _config(layers: int, **extra: Any) -> Qwen3Config:
 
 
 def probe() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="probe-specforge-") as scratch:
+        return _probe(Path(scratch))
+
+
+def _probe(scratch: Path) -> dict[str, Any]:
     import specforge.algorithms.common.dflash_family_model as family
     from specforge.config.schema import TrainingConfig
     from specforge.modeling.draft.dflash import DFlashDraftModel
@@ -59,7 +65,7 @@ def probe() -> dict[str, Any]:
     out["flex_mask"] = mask.int().flatten().tolist()
     torch.manual_seed(3)
     out["anchors"] = model._sample_anchor_positions(seq_len, loss_mask, "cpu")[0].tolist()
-    target_dir = tempfile.mkdtemp(prefix="probe-target-")
+    target_dir = str(scratch / "target")
     Qwen3ForCausalLM(_config(2)).save_pretrained(target_dir)
     parts = TargetEmbeddingsAndHead.from_pretrained(target_dir, device="cpu", dtype=torch.float32)
     out["trainable_target_tensors"] = sorted(n for n, p in parts.named_parameters() if p.requires_grad)

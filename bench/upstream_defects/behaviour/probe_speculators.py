@@ -8,6 +8,7 @@ wrapper is checked by the kernel it dispatches to.
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +27,11 @@ def _config(layers: int) -> Qwen3Config:
 
 
 def probe() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="probe-speculators-") as scratch:
+        return _probe(Path(scratch))
+
+
+def _probe(scratch: Path) -> dict[str, Any]:
     from torch.nn.attention.flex_attention import create_mask
 
     from speculators.losses import eager
@@ -68,9 +74,9 @@ def probe() -> dict[str, Any]:
     torch.manual_seed(3)
     out["anchors"] = select_anchors(torch.ones(1, 40), 5, B)[0].tolist()
 
-    verifier = tempfile.mkdtemp(prefix="probe-verifier-")
+    verifier = str(scratch / "verifier")
     Qwen3ForCausalLM(_config(4)).save_pretrained(verifier)
-    deep = tempfile.mkdtemp(prefix="probe-verifier-config-")  # a 36-layer config: the default ids need depth
+    deep = str(scratch / "deep-verifier-config")  # a 36-layer config: the default ids need depth
     deep_config = _config(36)
     deep_config.architectures = ["Qwen3ForCausalLM"]
     deep_config.save_pretrained(deep)
