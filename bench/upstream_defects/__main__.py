@@ -1,8 +1,12 @@
 """`python -m bench.upstream_defects`: how sleuth does on defects planted in real upstream DFlash code.
 
-    PYTHONPATH=. python -m bench.upstream_defects [--sources speculators,specforge,zlab]
+    PYTHONPATH=. python -m bench.upstream_defects [--catalog defects.yaml] [--sources speculators,specforge,zlab]
         [--sleuth "CMD"] [--out results.json] [--jobs 2] [--only ID,...]
         [--speculators PATH] [--specforge PATH] [--zlab PATH]
+
+--catalog: the defect catalog, a path or a file name next to defects.yaml (default defects.yaml, the 65
+defects sleuth is developed against; defects_heldout.yaml is the held-out set that measures whether that
+work generalises).
 
 Sources: speculators from --speculators, $UPSTREAM_SPECULATORS_PATH, this interpreter's installed package or
 the repo's .venv-speculators; SpecForge and z-lab/dflash only from a checkout given by flag or
@@ -22,8 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .catalog import SOURCE_NAMES, CatalogError, load_catalog
+from .catalog import SOURCE_NAMES, CatalogError, load_catalog, resolve_catalog_path
 from .harness import DEFAULT_TIMEOUT_S, run_benchmark, sleuth_command
+
+CATALOG_DIR = Path(__file__).resolve().parent
 
 SHORT = {"detected": "detected", "silent_false_match": "SILENT MATCH", "unknown": "unknown",
          "detected_elsewhere": "elsewhere", "same_as_unmodified": "as unmodified",
@@ -59,12 +65,15 @@ def _summary(result: dict[str, Any]) -> str:
                  f"{t['silent_false_match']}, unknown {t['unknown']}, detected elsewhere {t['detected_elsewhere']}, "
                  f"same as unmodified {t['same_as_unmodified']}, errors {t['error']}, false alarms {t['false_alarms']}; wall {result['wall_s']} s "
                  f"with {result['jobs']} workers, sleuth CPU {result['sleuth_cpu_s']} s")
+    lines.append(f"catalog: {result['catalog']}")
     lines.append(f"sleuth: {result['sleuth']}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.upstream_defects", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--catalog", default="defects.yaml",
+                        help="defect catalog: a path, or a file name next to defects.yaml (default %(default)s)")
     parser.add_argument("--sources", default=",".join(SOURCE_NAMES), help="comma-separated subset of %(default)s")
     parser.add_argument("--sleuth", help='the sleuth command, e.g. "env PYTHONPATH=DIR .venv/bin/python -m sleuth.cli"')
     parser.add_argument("--out", type=Path, help="write the full results as JSON here")
@@ -77,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.jobs < 1:
             raise CatalogError("--jobs must be at least 1")
-        catalog = load_catalog()
+        catalog_path = resolve_catalog_path(args.catalog)
+        catalog = load_catalog(catalog_path)
         sources = [s.strip() for s in args.sources.split(",") if s.strip()]
         result = run_benchmark(
             catalog, sources, {name: getattr(args, name) for name in SOURCE_NAMES}, sleuth_command(args.sleuth),
@@ -88,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         one_line = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"error: {one_line[:600]}", file=sys.stderr)
         return 2
+    result["catalog"] = catalog_path.name if catalog_path.parent == CATALOG_DIR else str(catalog_path)
     print(_table(result))
     print()
     print(_summary(result))

@@ -71,8 +71,26 @@ class Catalog(_Strict):
         return [d for d in self.defects if d.source in names]
 
 
+def resolve_catalog_path(given: str | Path) -> Path:
+    """The catalog file: `given` as a path, else a bare file name looked up next to defects.yaml.
+
+    A bare name lets `--catalog defects_heldout.yaml` work from any directory, like the default does.
+    """
+    path = Path(given).expanduser()
+    if path.is_file():
+        return path.resolve()
+    beside = CATALOG_PATH.parent / path
+    if path.name == str(given) and beside.is_file():
+        return beside.resolve()
+    raise CatalogError(f"no catalog file {given} (neither a path nor a file in {CATALOG_PATH.parent})")
+
+
 def load_catalog(path: Path = CATALOG_PATH) -> Catalog:
-    catalog = Catalog.model_validate(yaml.safe_load(path.read_text()))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"{path.name} is not valid YAML: {exc}") from exc
+    catalog = Catalog.model_validate(data)
     ids = [d.id for d in catalog.defects]
     duplicates = sorted({i for i in ids if ids.count(i) > 1})
     if duplicates:

@@ -15,17 +15,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from bench.upstream_defects.__main__ import main as bench_main
 from bench.upstream_defects.catalog import (
+    CATALOG_PATH,
+    SOURCE_NAMES,
     CatalogError,
     Defect,
     Edit,
     check_defects_apply,
     copy_with_defect,
     load_catalog,
+    resolve_catalog_path,
     resolve_source,
 )
 from bench.upstream_defects.harness import Diagnosis, classify, run_benchmark, sleuth_command
@@ -116,6 +122,100 @@ def test_classification(status, others, unmodified, error, expected):
     assert result.classification == expected
 
 
+# ---- the held-out catalog and --catalog: run anywhere ---------------------------------------------------
+
+HELDOUT = "defects_heldout.yaml"
+
+
+def test_heldout_catalog_is_new_and_covers_every_invariant_and_source():
+    heldout = load_catalog(resolve_catalog_path(HELDOUT))
+    known = load_catalog()
+    assert len(heldout.defects) >= 40
+    assert {d.invariant for d in heldout.defects} == DFLASH_INVARIANTS
+    assert {d.source for d in heldout.defects} == set(SOURCE_NAMES)
+    assert not {d.id for d in heldout.defects} & {d.id for d in known.defects}
+    # not one of the known defects under a new name: no held-out edit repeats a known edit
+    known_edits = {(d.source, e.file, e.find, e.replace) for d in known.defects for e in d.edits}
+    repeated = [d.id for d in heldout.defects if any((d.source, e.file, e.find, e.replace) in known_edits
+                                                     for e in d.edits)]
+    assert not repeated
+
+
+@pytest.mark.parametrize("source", SOURCE_NAMES)
+def test_every_heldout_defect_plants_once_and_parses(source: str):
+    """Needs the source: speculators from the parity venv or $UPSTREAM_SPECULATORS_PATH, SpecForge and z-lab
+    from $UPSTREAM_SPECFORGE_PATH / $UPSTREAM_ZLAB_PATH (skipped where absent)."""
+    catalog = load_catalog(resolve_catalog_path(HELDOUT))
+    root, how = resolve_source(source, catalog.sources[source], None)
+    if root is None:
+        if REQUIRED and source == "speculators":
+            pytest.fail(f"SPECULATORS_PARITY_REQUIRED=1 but {how}", pytrace=False)
+        pytest.skip(how)
+    check_defects_apply(root, catalog.for_sources([source]))  # raises CatalogError naming the first that fails
+
+
+def test_catalog_path_resolution(tmp_path: Path):
+    assert resolve_catalog_path("defects.yaml") == CATALOG_PATH.resolve()
+    assert resolve_catalog_path(HELDOUT).name == HELDOUT
+    own = tmp_path / "mine.yaml"
+    own.write_text(CATALOG_PATH.read_text())
+    assert resolve_catalog_path(own) == own.resolve()
+    with pytest.raises(CatalogError, match="no catalog file"):
+        resolve_catalog_path(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(("text", "message"), [("defects: [", "not valid YAML"), ("[1, 2]", "validation error")])
+def test_a_broken_catalog_is_one_line_and_exit_2(tmp_path: Path, capsys, text: str, message: str):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    assert bench_main(["--catalog", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+
+
+# A stand-in for sleuth's CLI, so that the harness (not sleuth) is what this test exercises: it reports
+# fc_norm `mismatch` when the code it is given no longer calls hidden_norm, `match` otherwise.
+FAKE_SLEUTH = """
+import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+code, out = Path(args[args.index("--code") + 1]), Path(args[args.index("--out") + 1])
+text = "".join(p.read_text() for p in sorted(code.rglob("*.py")))
+status = "match" if "hidden_norm(" in text else "mismatch"
+out.mkdir(parents=True)
+(out / "report.json").write_text(json.dumps({"findings": [
+    {"id": "dflash.fc_norm", "status": status, "observed": "none" if status == "mismatch" else "rmsnorm"}]}))
+"""
+
+
+def test_catalog_option_runs_the_given_catalog(tmp_path: Path, capsys):
+    package = tmp_path / "src" / "speculators"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "core.py").write_text("def forward(fc, hidden_norm, h):\n    return hidden_norm(fc(h))\n")
+    catalog = tmp_path / "tiny.yaml"
+    catalog.write_text(yaml.safe_dump({
+        "sources": {"speculators": {"package": "speculators", "written_against": "test", "env": "UNUSED_ENV"}},
+        "defects": [
+            {"id": "tiny-norm-removed", "source": "speculators", "invariant": "dflash.fc_norm", "what": "norm dropped",
+             "edits": [{"file": "core.py", "find": "hidden_norm(fc(h))", "replace": "fc(h)"}]},
+            {"id": "tiny-norm-kept", "source": "speculators", "invariant": "dflash.fc_norm", "what": "a comment",
+             "edits": [{"file": "core.py", "find": "h):", "replace": "h):  # a comment"}]},
+        ],
+    }))
+    fake = tmp_path / "fake_sleuth.py"
+    fake.write_text(FAKE_SLEUTH)
+    out = tmp_path / "result.json"
+    code = bench_main(["--catalog", str(catalog), "--sources", "speculators", "--speculators", str(package),
+                       "--sleuth", f"{sys.executable} {fake}", "--jobs", "1", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["catalog"] == str(catalog.resolve())
+    assert {r["id"]: r["classification"] for r in result["defects"]} == {
+        "tiny-norm-removed": "detected", "tiny-norm-kept": "silent_false_match"}
+    assert f"catalog: {catalog.resolve()}" in capsys.readouterr().out
+
+
 # ---- the benchmark on speculators' real source: the parity environment ---------------------------------
 
 @pytest.fixture(scope="module")
@@ -158,3 +258,25 @@ def test_no_silent_false_match_on_planted_speculators_defects(speculators_result
     silent = [f"{r['id']} ({r['invariant']} reported match, observed {r['observed']!r})"
               for r in speculators_result["defects"] if r["classification"] == "silent_false_match"]
     assert not silent, f"{len(silent)} silent false matches: " + "; ".join(silent)
+
+
+# ---- does a planted defect change behaviour? (bench.upstream_defects.behaviour, parity venv) -----------
+
+@pytest.mark.slow
+def test_behaviour_probe_tells_a_real_defect_from_a_no_op(tmp_path: Path, capsys):
+    """The probe that checks every catalogued defect changes what speculators computes: a held-out defect
+    moves the loss, a comment-only edit moves nothing."""
+    pytest.importorskip("speculators", reason="the probes import speculators: run in the parity venv")
+    from bench.upstream_defects.behaviour.__main__ import main as behaviour_main
+
+    heldout = yaml.safe_load(resolve_catalog_path(HELDOUT).read_text())
+    real = next(d for d in heldout["defects"] if d["id"] == "hs-spec-gamma-scaled-by-block")
+    no_op = {"id": "comment-only", "source": "speculators", "invariant": "dflash.loss_decay_gamma",
+             "what": "a comment", "edits": [{"file": real["edits"][0]["file"], "find": real["edits"][0]["find"],
+                                             "replace": real["edits"][0]["find"] + "  # a comment"}]}
+    catalog = tmp_path / "probe.yaml"
+    catalog.write_text(yaml.safe_dump({"sources": heldout["sources"], "defects": [real, no_op]}))
+    assert behaviour_main(["--catalog", str(catalog), "--sources", "speculators"]) == 0
+    out = capsys.readouterr().out
+    assert "hs-spec-gamma-scaled-by-block: changed (loss_T32_fixed-exp-decay" in out
+    assert "comment-only: not exercised" in out
