@@ -93,3 +93,42 @@ def test_fsdp2_two_processes_match_one_and_resume_in_one(small_target, tmp_path)
     for name in ("three", "two"):
         for (step, a), (_, b) in zip(losses(one), losses(metric_rows(runs / name))):
             assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, {name} resumed {b}"
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp2"])
+def test_sharded_target_two_processes_match_one_unsharded(small_target, tmp_path, parallelism):
+    """target_parallelism: fsdp2 shards the frozen target's decoder layers over the ranks; its forwards
+    (training, validation, eval in lockstep on every rank) compute what the whole target computes, so 2
+    processes give one unsharded process's losses, validation rows and tau."""
+    config = write_config(tmp_path / "c.json", small_target, steps=3, checkpoint_every=3, schedule="constant",
+                          warmup_steps=0, batch_size=4, target_parallelism="fsdp2", parallelism=parallelism,
+                          eval_every=3, eval_prompts=2, eval_max_new_tokens=8, val_every=3, val_batches=1)
+    runs = tmp_path / "runs"
+    single = trainer_cli("run", "one", "--config", str(config), "--runs-dir", str(runs), "--quiet")
+    assert single.returncode == 0, single.stderr
+    double = torchrun("run", "two", "--config", str(config), "--runs-dir", str(runs), "--quiet")
+    assert double.returncode == 0, double.stderr[-3000:]
+    sharding = json.loads((runs / "two" / "run.json").read_text())["target_sharding"]
+    assert sharding["layer_params_on_rank0"] * 2 == pytest.approx(sharding["layer_params"], rel=0.01)
+    one, two = metric_rows(runs / "one"), metric_rows(runs / "two")
+    assert [(r["step"], r.get("split")) for r in two] == [(r["step"], r.get("split")) for r in one]
+    train_one = [r for r in one if "split" not in r]
+    train_two = [r for r in two if "split" not in r]
+    for (step, a), (_, b) in zip(losses(train_one), losses(train_two)):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, sharded target {b}"
+    assert_same_metrics(train_one, train_two)
+    val_one, val_two = [r for r in one if "split" in r], [r for r in two if "split" in r]
+    assert val_two[0]["loss"] == pytest.approx(val_one[0]["loss"], rel=1e-4, abs=1e-5)
+    assert train_two[-1]["tau"] == pytest.approx(train_one[-1]["tau"], abs=1e-6)  # eval beside the sharded target
+    final_one = json.loads((runs / "one" / "eval.json").read_text())
+    final_two = json.loads((runs / "two" / "eval.json").read_text())
+    assert final_two["tau"] == pytest.approx(final_one["tau"], abs=1e-6)
+
+
+def test_sharded_target_refuses_offline_hidden_states(small_target, tmp_path):
+    config = write_config(tmp_path / "c.json", small_target, steps=1, target_parallelism="fsdp2",
+                          hidden_states=str(tmp_path))
+    result = trainer_cli("run", "x", "--config", str(config), "--runs-dir", str(tmp_path / "runs"), "--quiet")
+    assert result.returncode == 2
+    assert "target_parallelism 'fsdp2' has nothing to shard with hidden_states" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -70,12 +70,82 @@ class ShardedOptimizerLoader:
                                  options=StateDictOptions(full_state_dict=True))
 
 
-def unsharded_copy(template: torch.nn.Module | None, drafter: torch.nn.Module) -> torch.nn.Module | None:
+def unsharded_copy(template: torch.nn.Module | None, drafter: torch.nn.Module,
+                   every_rank: bool = False) -> torch.nn.Module | None:
     """A plain drafter holding the sharded one's current weights, on rank 0 (which holds the unsharded
-    `template`); every rank must call it, the others get None."""
-    weights = get_model_state_dict(drafter, options=FULL)
+    `template`), or on every rank holding one when `every_rank` (eval in lockstep beside a sharded target);
+    every rank must call it, the others get None."""
+    options = StateDictOptions(full_state_dict=True) if every_rank else FULL
+    weights = get_model_state_dict(drafter, options=options)
     if not weights or template is None:
         return None
     model = copy.deepcopy(template)
     model.load_state_dict(weights)
     return model
+
+
+def decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
+    """The target's stack of decoder layers: the ModuleList holding `num_layers` blocks (HF names it
+    model.layers, transformer.h, language_model.layers, ... by family)."""
+    for _, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise ValueError(f"cannot find the {num_layers} decoder layers of {type(model).__name__} to shard")
+
+
+def shard_target(target: Any, mesh: Any) -> None:
+    """`target_parallelism: fsdp2`: shard each frozen decoder layer of `target` (a FrozenTarget loaded on the
+    CPU) over the ranks of `mesh`, on its device: fully_shard moves one layer to the device, keeps this
+    rank's 1/N of it and frees the rest, so no device ever holds the whole target. A layer is all-gathered
+    for its forward and freed after it (reshard_after_forward): the body costs 1/N of its size plus one
+    gathered layer at a time.
+
+    Embeddings, the final norm and lm_head stay whole on every rank: the drafter calls them directly every
+    step, outside the target's forward. The shards are exact copies of the weights, so every forward
+    computes what the unsharded target computes. Every rank must run the same target forwards (a gather is
+    a collective): packed rows, the fidelity check, validation and eval all do so in lockstep.
+    """
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+    layers = decoder_layers(target.model, target.num_layers)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    sharded = {id(p) for p in layers.parameters()} | {id(b) for b in layers.buffers()}
+    moved: dict[int, torch.Tensor] = {}  # tied weights (embeddings = lm_head) stay one tensor
+    for module in target.model.modules():
+        for store in (module._parameters, module._buffers):
+            for key, tensor in store.items():
+                if tensor is None or id(tensor) in sharded:
+                    continue
+                if id(tensor) not in moved:
+                    on_device = tensor.detach().to(device)
+                    moved[id(tensor)] = torch.nn.Parameter(on_device, requires_grad=False) \
+                        if isinstance(tensor, torch.nn.Parameter) else on_device
+                store[key] = moved[id(tensor)]
+    target.device = device
+    target.lm_head = target.model.get_output_embeddings()
+
+
+def load_sharded_target(load: Any, device: torch.device, world_size: int, rank: int, barrier: Any) -> Any:
+    """Load the target with `load()` (on the CPU) one rank at a time and shard it over all ranks: at any
+    moment at most one rank holds the whole target in host memory, and no device ever does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    target = None
+    for turn in range(world_size):
+        if turn == rank:
+            target = load()
+            shard_target(target, mesh)
+        barrier()
+    assert target is not None
+    return target
+
+
+def target_shard_record(target: Any, world_size: int) -> dict[str, Any]:
+    """What this rank holds of the target's decoder layers (run.json `target_sharding`): measured from
+    the local shards, so the record shows the target really is split."""
+    layers = decoder_layers(target.model, target.num_layers)
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in layers.parameters())
+    full = sum(p.numel() for p in layers.parameters())
+    return {"mode": "fsdp2", "world_size": world_size, "layer_params": full, "layer_params_on_rank0": local}
