@@ -56,7 +56,14 @@ class TrainConfig(BaseModel):
         None,
         description="A directory written by `trainer hidden-states generate` for this target, data and "
         "seq_len: the run reads the target's layers from it and loads only the target's embeddings, final "
-        "norm and lm_head (eval, when on, loads the whole target when it first runs).",
+        "norm and lm_head (eval, when on, loads the whole target when it first runs). A directory of "
+        "speculators' offline hidden states (hs_<i>.safetensors, or its parent) is read too.",
+    )
+    hidden_states_layers: list[int] | None = Field(
+        None,
+        description="For speculators' hidden states only: the --target-layer-ids the vLLM server extracted "
+        "(vLLM's convention, id i = HF hidden_states[i], without the final layer launch_vllm.py appends); "
+        "their files do not record them. None: speculators' default [2, L//2, L-3].",
     )
 
     # --- DFlash architecture: the invariants sleuth checks ---------------------------------------------

@@ -132,3 +132,35 @@ def test_sharded_target_refuses_offline_hidden_states(small_target, tmp_path):
     assert result.returncode == 2
     assert "target_parallelism 'fsdp2' has nothing to shard with hidden_states" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_fsdp2_with_muon_matches_one_process_and_resumes_exactly(small_target, tmp_path):
+    """optimizer: muon under parallelism: fsdp2: each rank holds shards of every matrix and of its momentum
+    buffer; Newton-Schulz runs on the gathered matrix, so 2 processes follow 1 process. A checkpoint (gathered
+    Muon + AdamW state) resumes in 2 processes to exactly the uninterrupted run, and in 1 process."""
+    config = write_config(tmp_path / "c.json", small_target, steps=6, checkpoint_every=2, keep_checkpoints=2,
+                          schedule="constant", warmup_steps=0, batch_size=4, parallelism="fsdp2", optimizer="muon",
+                          muon_lr=2e-2)
+    runs = tmp_path / "runs"
+    single = trainer_cli("run", "one", "--config", str(config), "--runs-dir", str(runs), "--quiet")
+    assert single.returncode == 0, single.stderr
+    double = torchrun("run", "full", "--config", str(config), "--runs-dir", str(runs), "--quiet")
+    assert double.returncode == 0, double.stderr[-3000:]
+    one, full = metric_rows(runs / "one"), metric_rows(runs / "full")
+    for (step, a), (_, b) in zip(losses(one), losses(full)):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, 2 FSDP2+Muon processes {b}"
+    assert_same_metrics(one, full)
+    for name in ("cut", "cut1"):  # the same run, stopped after its step-4 checkpoint
+        shutil.copytree(runs / "full", runs / name)
+        shutil.rmtree(runs / name / "checkpoints" / "step-00000006")
+    resumed = torchrun("run", "cut", "--resume", "--runs-dir", str(runs), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert comparable_losses(metric_rows(runs / "cut")) == comparable_losses(full)  # exact, same world size
+    resumed_one = trainer_cli("run", "cut1", "--resume", "--runs-dir", str(runs), "--quiet")
+    assert resumed_one.returncode == 0, resumed_one.stderr
+    for (step, a), (_, b) in zip(losses(one), losses(metric_rows(runs / "cut1"))):
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-5), f"step {step}: 1 process {a}, resumed in 1 process {b}"
+
+
+def comparable_losses(rows):
+    return [(r["step"], r["loss"], r["acc"], r["position_acc"]) for r in rows]

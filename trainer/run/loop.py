@@ -215,7 +215,8 @@ def _train(
         from trainer.hidden_states.offline import OfflineTarget
 
         target = OfflineTarget.load(config.hidden_states, config.target, torch_device,
-                                    compute_dtype(config, torch_device), mask_token_id=config.mask_token_id)
+                                    compute_dtype(config, torch_device), mask_token_id=config.mask_token_id,
+                                    speculators_layer_ids=config.hidden_states_layers)
     elif target_sharded:
         target = load_sharded_target(
             lambda: FrozenTarget.load(config.target, torch.device("cpu"), compute_dtype(config, torch_device),
