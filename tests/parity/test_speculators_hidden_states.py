@@ -17,14 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REQUIRED = os.environ.get("SPECULATORS_PARITY_REQUIRED") == "1"
-try:
-    import speculators.train.data  # noqa: F401
-except Exception as exc:  # ImportError, or a broken install
-    if REQUIRED:
-        pytest.fail(f"SPECULATORS_PARITY_REQUIRED=1 but speculators does not import: {exc!r}", pytrace=False)
-    pytest.skip(f"speculators is not importable here ({type(exc).__name__}); run `make parity`",
-                allow_module_level=True)
+from speculators_guard import require_speculators
+
+require_speculators()
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "make_speculators_hidden_states_fixture.py"
