@@ -63,7 +63,7 @@ class TrainConfig(BaseModel):
         None,
         description="For speculators' hidden states only: the --target-layer-ids the vLLM server extracted "
         "(vLLM's convention, id i = HF hidden_states[i], without the final layer launch_vllm.py appends); "
-        "their files do not record them. None: speculators' default [2, L//2, L-3].",
+        "their files do not record them (required for such a directory).",
     )
 
     # --- DFlash architecture: the invariants sleuth checks ---------------------------------------------

@@ -12,7 +12,7 @@ and last the final layer that `launch_vllm.py` appends (id L: the last decoder l
 final norm; speculators' trainer applies `verifier_norm` itself before the lm_head).
 
 The files record neither the layer ids nor the target, so the run says which ids the server used
-(`hidden_states_layers`, speculators' default when unset) and the reader checks what the files do carry:
+(`hidden_states_layers`, required) and the reader checks what the files do carry:
 the layer count, the hidden size, finite values on read (speculators' own check), and every training
 document's tokens, by content. Our rows pack several documents; a document's states are its file's states
 (the fidelity check holds the packed forward to the per-document one), and the first `seq_len` tokens of a
@@ -46,11 +46,6 @@ def speculators_dir(directory: Path) -> Path | None:
     return None
 
 
-def speculators_default_layer_ids(num_layers: int) -> list[int]:
-    """speculators' `resolve_target_layer_ids` default, in vLLM's convention."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def _token_key(tokens: Tensor) -> str:
     return hashlib.sha256(tokens.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
@@ -74,7 +69,10 @@ class SpeculatorsHiddenStates:
         found = speculators_dir(Path(directory).expanduser().resolve())
         if found is None:
             raise HiddenStateError(f"{directory} holds no speculators hidden states (hs_<i>.safetensors)")
-        ids = list(vllm_layer_ids) if vllm_layer_ids is not None else speculators_default_layer_ids(num_layers)
+        if vllm_layer_ids is None:
+            raise HiddenStateError(f"speculators' files in {found} do not record which layers they hold: set "
+                                   "hidden_states_layers to the --target-layer-ids the vLLM server used (vLLM ids)")
+        ids = list(vllm_layer_ids)
         if any(not 0 <= i < num_layers for i in ids):
             raise HiddenStateError(f"hidden_states_layers {ids} must be vLLM layer ids in 0..{num_layers - 1} "
                                    f"(the final layer {num_layers} is the entry launch_vllm.py appends)")
