@@ -5,7 +5,11 @@
 #      (simple_flex_attention, its compiled forward) in the same process: tokens/s, peak memory, model FLOPs
 #      utilisation against the bf16 dense peak (989 TFLOPS on H100/H200; --peak-tflops otherwise);
 #   3. the same for the current recipe (D-PACE + Muon), and offline hidden states against the online target.
-# FSDP2 needs two GPUs; with one it is covered by the CPU/gloo test (tests/trainer/test_distributed.py).
+#   4. with two or more GPUs: the target sharded over them (target_parallelism: fsdp2) against the whole target
+#      on every rank, and FSDP2 with Muon: a short torchrun training run each, metrics rows (loss, tokens/s)
+#      and run.json's target_sharding record copied to the results.
+# FSDP2 and target sharding need two GPUs (NCCL refuses two ranks on one device); with one they are covered
+# by the CPU/gloo tests (tests/trainer/test_distributed.py) and step 4 writes why it was skipped.
 # The machine reaches no network: PYTHON must already have torch (CUDA), transformers and, for the
 # comparison, speculators 0.9.0 (pip install speculators==0.9.0 where a network exists). Without
 # speculators, step 1 is skipped and step 2 times ours alone.
@@ -53,4 +57,29 @@ deadline 120 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --size
 echo "== offline hidden states vs the target run online, bf16 (embedded target, or TARGET=DIR)"
 deadline 90 "$PYTHON" bench/offline_step.py --device cuda --dtype bfloat16 --target "${TARGET:-embedded}" \
     --seq-len 1024 --batch-size 8 2>&1 | grep -v Warning | tee "$RESULTS/offline_step.txt"
+echo "== sharded target and FSDP2 + Muon under torchrun (needs >= 2 GPUs)"
+GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${GPUS:-0}" -ge 2 ]; then
+    SHARD_CFG="$RESULTS/shard_config.json"
+    cat > "$SHARD_CFG" <<JSON
+{"target": "${TARGET:-embedded}", "seq_len": 1024, "batch_size": $((GPUS * 4)), "steps": 20, "log_every": 5,
+ "warmup_steps": 2, "eval_every": null, "eval_prompts": 2, "eval_max_new_tokens": 16, "checkpoint_every": 20,
+ "dtype": "bfloat16"}
+JSON
+    for variant in "none ddp adamw" "fsdp2 ddp adamw" "fsdp2 fsdp2 muon"; do
+        set -- $variant
+        name="shard-$1-$2-$3"
+        rm -rf "$RESULTS/runs/$name"
+        deadline 100 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$GPUS" -m trainer.cli run "$name" \
+            --config "$SHARD_CFG" --set target_parallelism="$1" --set parallelism="$2" --set optimizer="$3" \
+            --runs-dir "$RESULTS/runs" --device cuda --quiet 2>&1 | grep -v Warning | tail -5
+        cp "$RESULTS/runs/$name/metrics.jsonl" "$RESULTS/$name.metrics.jsonl" 2>/dev/null
+        "$PYTHON" -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1])).get('target_sharding')))" \
+            "$RESULTS/runs/$name/run.json" > "$RESULTS/$name.sharding.json" 2>/dev/null
+        rm -rf "$RESULTS/runs/$name/checkpoints"
+    done 2>&1 | tee "$RESULTS/sharded_target.txt"
+else
+    echo "only ${GPUS:-0} GPU(s): target sharding and FSDP2 need >= 2 (covered by the CPU/gloo tests)" \
+        | tee "$RESULTS/sharded_target.txt"
+fi
 date -u | tee -a "$RESULTS/env.txt"

@@ -56,7 +56,14 @@ class TrainConfig(BaseModel):
         None,
         description="A directory written by `trainer hidden-states generate` for this target, data and "
         "seq_len: the run reads the target's layers from it and loads only the target's embeddings, final "
-        "norm and lm_head (eval, when on, loads the whole target when it first runs).",
+        "norm and lm_head (eval, when on, loads the whole target when it first runs). A directory of "
+        "speculators' offline hidden states (hs_<i>.safetensors, or its parent) is read too.",
+    )
+    hidden_states_layers: list[int] | None = Field(
+        None,
+        description="For speculators' hidden states only: the --target-layer-ids the vLLM server extracted "
+        "(vLLM's convention, id i = HF hidden_states[i], without the final layer launch_vllm.py appends); "
+        "their files do not record them (required for such a directory).",
     )
 
     # --- DFlash architecture: the invariants sleuth checks ---------------------------------------------
@@ -134,6 +141,12 @@ class TrainConfig(BaseModel):
         "ddp",
         description="Under torchrun: 'ddp' replicates the drafter on every rank; 'fsdp2' shards its weights "
         "and optimizer state (torch's fully_shard). Checkpoints are the same either way.",
+    )
+    target_parallelism: Literal["none", "fsdp2"] = Field(
+        "none",
+        description="Under torchrun: 'none' holds the whole frozen target on every rank; 'fsdp2' shards its "
+        "decoder layers over the ranks (torch's fully_shard; each layer gathered for its forward, then freed), "
+        "so a target larger than one device trains. Embeddings, final norm and lm_head stay whole on every rank.",
     )
 
     # --- bookkeeping -----------------------------------------------------------------------------------
@@ -214,9 +227,12 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"fc_layers {self.fc_layers} index outside the {k} selected target layers")
         if isinstance(self.target_logits_source, int) and self.target_logits_source < 0:
             raise ValueError("target_logits_source must be 'final' or a non-negative layer id")
-        if self.parallelism == "fsdp2" and self.optimizer != "adamw":
-            raise ValueError("parallelism 'fsdp2' is implemented with optimizer 'adamw' only (Muon's chained "
-                             "optimizer state is not gathered yet)")
+        if self.target_parallelism == "fsdp2" and self.hidden_states:
+            raise ValueError("target_parallelism 'fsdp2' has nothing to shard with hidden_states (the target's "
+                             "layers are not loaded); drop one of them")
+        if self.target_parallelism == "fsdp2" and self.target_packing == "per_document":
+            raise ValueError("target_parallelism 'fsdp2' needs a packed target forward (every rank runs each "
+                             "sharded layer together); per_document runs a data-dependent number of forwards")
         if self.loss_weighting == "dpace" and self.loss != "ce":
             raise ValueError("loss_weighting 'dpace' needs loss 'ce' (D-PACE weighs cross-entropy confidences)")
         if self.seq_len <= self.block_size:

@@ -115,8 +115,9 @@ class HiddenStateCache:
             raise HiddenStateError(f"hidden states in {self.directory} lack layer(s) {missing} that this run reads "
                                    f"(stored: {self.layers}); regenerate with those target_layer_ids")
 
-    def gather(self, input_ids: Tensor, position_ids: Tensor, layers: list[int]) -> dict[int, Tensor]:
-        """{layer: [N, S, H]} for the rows of a batch, found by content."""
+    def gather(self, input_ids: Tensor, position_ids: Tensor, layers: list[int],
+               doc_ids: Tensor | None = None) -> dict[int, Tensor]:
+        """{layer: [N, S, H]} for the rows of a batch, found by content (whole rows: doc_ids unused)."""
         locations = []
         for row in range(input_ids.shape[0]):
             key = row_key(input_ids[row].cpu(), position_ids[row].cpu())

@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from trainer.hidden_states.cache import HiddenStateCache, HiddenStateError
+from trainer.hidden_states.cache import MANIFEST, HiddenStateCache, HiddenStateError
+from trainer.hidden_states.speculators_format import SpeculatorsHiddenStates, speculators_dir
 from trainer.hidden_states.generate import head_logits
 from trainer.target.frozen import FrozenTarget, TargetError, _find_final_norm
 
@@ -34,9 +35,16 @@ class OfflineTarget:
 
     @classmethod
     def load(cls, cache_dir: str, target: str, device: torch.device, dtype: torch.dtype,
-             mask_token_id: int | None = None) -> OfflineTarget:
-        cache = HiddenStateCache.open(Path(cache_dir))
+             mask_token_id: int | None = None, speculators_layer_ids: list[int] | None = None) -> OfflineTarget:
+        """Our own cache (manifest.json), or a directory of speculators' hs_<i>.safetensors files."""
+        directory = Path(cache_dir).expanduser()
         head = load_head_only(target, device, dtype, mask_token_id)
+        cache: HiddenStateCache | SpeculatorsHiddenStates
+        if not (directory / MANIFEST).exists() and speculators_dir(directory) is not None:
+            cache = SpeculatorsHiddenStates.open(directory, vllm_layer_ids=speculators_layer_ids,
+                                                 num_layers=head.num_layers, hidden_size=head.hidden_size)
+        else:
+            cache = HiddenStateCache.open(directory)
         return cls(head, cache, lambda: FrozenTarget.load(target, device, dtype, mask_token_id=mask_token_id))
 
     def full_target(self) -> FrozenTarget:
@@ -49,8 +57,12 @@ class OfflineTarget:
                        feature_layer_ids: list[int], logits_source: str | int) -> tuple[Tensor, Tensor]:
         final = self.head.num_layers - 1
         wanted = sorted(set(feature_layer_ids) | {final} | ({logits_source} if isinstance(logits_source, int) else set()))
-        stored = self.cache.gather(input_ids, position_ids, wanted)
+        stored = self.cache.gather(input_ids, position_ids, wanted, doc_ids=doc_ids)
         stored = {layer: value.to(device=self.head.device, dtype=self.head.dtype) for layer, value in stored.items()}
+        if not getattr(self.cache, "final_normed", True):  # speculators/vLLM store the final layer before the norm
+            if self.head.final_norm is None:
+                raise TargetError("cannot find the target's final norm for the stored final layer")
+            stored[final] = self.head.final_norm(stored[final])
         features = torch.cat([stored[i] for i in feature_layer_ids], dim=-1)  # [N, S, k*H]
         if logits_source == "final" or logits_source == final:
             logits = head_logits(self.head, stored[final])

@@ -34,7 +34,14 @@ from trainer.run.checkpoint import (
 )
 from trainer.run.distributed import Distributed, init_distributed
 from trainer.run.optim import build_optimizer
-from trainer.run.sharding import ShardedOptimizerLoader, gather_full_state, shard_drafter, unsharded_copy
+from trainer.run.sharding import (
+    ShardedOptimizerLoader,
+    gather_full_state,
+    load_sharded_target,
+    shard_drafter,
+    target_shard_record,
+    unsharded_copy,
+)
 from trainer.run.trackers import open_trackers, require_trackers
 from trainer.run.progress import RunProgress
 from trainer.run.rundir import (
@@ -202,11 +209,20 @@ def _train(
             f"rate never reaches lr {config.lr:g} (lower warmup_steps or raise --steps)"
         )
     display.message(f"loading target {config.target}")
+    # Sharding the target makes every target forward a collective: all ranks run each one together.
+    target_sharded = dist.enabled and config.target_parallelism == "fsdp2"
     if config.hidden_states:
         from trainer.hidden_states.offline import OfflineTarget
 
         target = OfflineTarget.load(config.hidden_states, config.target, torch_device,
-                                    compute_dtype(config, torch_device), mask_token_id=config.mask_token_id)
+                                    compute_dtype(config, torch_device), mask_token_id=config.mask_token_id,
+                                    speculators_layer_ids=config.hidden_states_layers)
+    elif target_sharded:
+        target = load_sharded_target(
+            lambda: FrozenTarget.load(config.target, torch.device("cpu"), compute_dtype(config, torch_device),
+                                      mask_token_id=config.mask_token_id),
+            torch_device, dist.world_size, dist.rank, dist.barrier,
+        )
     else:
         target = FrozenTarget.load(
             config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
@@ -238,6 +254,9 @@ def _train(
     else:
         display.message("checking the target's packed forward against its own")
         fidelity = check_target_fidelity(config, target, announce=dist.is_main)
+        if target_sharded and fidelity.packing == "per_document":
+            raise RunError("target_parallelism 'fsdp2' needs a packed target forward, but this target is exact "
+                           "only one document at a time (per_document): use target_parallelism 'none'")
 
     drafter = build_drafter(config, target, plan)
     start_step = 0
@@ -245,7 +264,9 @@ def _train(
         # Checkpoints hold full tensors, so they resume under any world size and either parallelism.
         load_drafter_weights(drafter, checkpoint)
     fsdp = dist.enabled and config.parallelism == "fsdp2"
-    eval_template = copy.deepcopy(drafter) if fsdp and dist.is_main else None  # unsharded shape for eval
+    # Eval runs on rank 0, or on every rank in lockstep when the target is sharded (its forwards are collectives).
+    eval_ranks = dist.is_main or target_sharded
+    eval_template = copy.deepcopy(drafter) if fsdp and eval_ranks else None  # unsharded shape for eval
     param_names = shard_drafter(drafter) if fsdp else []
     optimizer = build_optimizer(config, drafter)  # after sharding: FSDP2 optimizers hold shards
     if checkpoint is not None:
@@ -256,10 +277,11 @@ def _train(
         """The drafter as one process holds it, for eval (rank 0); a collective under FSDP2."""
         if not fsdp:
             return drafter
-        return unsharded_copy(eval_template, drafter)  # None on the ranks that only took part in the gather
+        # None on the ranks that only took part in the gather
+        return unsharded_copy(eval_template, drafter, every_rank=target_sharded)
     # Everything a user can get wrong (held-out prompts included) fails before the run directory is written.
     # Every run ends with eval.json, whether or not it also evaluates periodically (eval_every).
-    evaluator = _Evaluator(config, target, vocab_ids) if dist.is_main else None
+    evaluator = _Evaluator(config, target, vocab_ids) if eval_ranks else None
     validator = _Validator(config, target, plan, dist, torch_device) if config.val_every else None
     require_trackers(config)
     if resume:
@@ -276,6 +298,8 @@ def _train(
             run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created, fidelity,
             data_record,
         )
+    if dist.is_main and target_sharded:
+        run.update_info(target_sharding=target_shard_record(target, dist.world_size))
     if dist.is_main and vocab_ids is not None:
         save_vocab(run.path / VOCAB_FILE, vocab_ids, target.vocab_size)
     dist.barrier()
@@ -354,7 +378,8 @@ def _train(
     if evaluator is not None and final_drafter is not None:
         final_drafter.eval()
         report = evaluator.full(final_drafter)
-        atomic_write_json(run.eval_path, {"step": config.steps, **report})
+        if dist.is_main:
+            atomic_write_json(run.eval_path, {"step": config.steps, **report})
         last = {**last, "eval_tau": report.get("tau")}
     if dist.is_main:
         trackers.close()

@@ -34,8 +34,10 @@ def build_optimizer(config: TrainConfig, model: torch.nn.Module) -> torch.optim.
     parts: list[torch.optim.Optimizer] = []
     muon_lr = config.muon_lr if config.muon_lr is not None else config.lr
     if muon_params:
+        # FSDP2 holds each matrix as a DTensor shard; Newton-Schulz needs the whole matrix (GatheringMuon).
+        muon_type = GatheringMuon if any(_is_dtensor(p) for p in muon_params) else torch.optim.Muon
         parts.append(
-            torch.optim.Muon(
+            muon_type(
                 muon_params, lr=muon_lr, momentum=config.muon_momentum, weight_decay=config.muon_weight_decay,
                 ns_steps=config.muon_ns_steps, adjust_lr_fn=config.muon_adjust_lr_fn,
             )
@@ -63,6 +65,55 @@ def split_params_for_muon(model: torch.nn.Module) -> tuple[list[torch.nn.Paramet
         else:
             adamw.append(param)
     return muon, adamw
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "full_tensor") and hasattr(tensor, "device_mesh")
+
+
+class GatheringMuon(torch.optim.Muon):
+    """torch's Muon for FSDP2-sharded matrices (`parallelism: fsdp2`, `optimizer: muon`).
+
+    Muon orthogonalises each matrix's whole update (Newton-Schulz on the full 2-D matrix), so a shard alone
+    cannot be updated. Per matrix, every rank all-gathers the parameter, its gradient and its momentum
+    buffer, runs torch's own functional Muon on the full tensors (the exact computation one process makes)
+    and keeps its own shard of the new parameter and buffer. The state stays sharded between steps (a
+    DTensor momentum buffer per matrix, gathered into checkpoints like AdamW's moments), at the price of
+    three all-gathers and one full matrix at a time per Muon matrix per step.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        from torch.distributed.tensor import distribute_tensor
+        from torch.optim._muon import muon
+
+        if closure is not None:
+            raise ValueError("GatheringMuon.step takes no closure")
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+                buffer = state["momentum_buffer"]
+                full_param, full_buffer = param.full_tensor(), buffer.full_tensor()
+                muon([full_param], [param.grad.full_tensor()], [full_buffer], lr=group["lr"],
+                     weight_decay=group["weight_decay"], momentum=group["momentum"], nesterov=group["nesterov"],
+                     ns_coefficients=group["ns_coefficients"], eps=group["eps"], ns_steps=group["ns_steps"],
+                     adjust_lr_fn=group["adjust_lr_fn"], has_complex=False)
+                # Every rank computed the same full tensors: each keeps its shard, no communication.
+                for sharded, full in ((param, full_param), (buffer, full_buffer)):
+                    mine = distribute_tensor(full, sharded.device_mesh, sharded.placements, src_data_rank=None)
+                    sharded.to_local().copy_(mine.to_local())
+
+
+def optimizer_kind(part: torch.optim.Optimizer) -> str:
+    """The torch optimizer a part is (GatheringMuon is Muon): a checkpoint resumes across parallelisms."""
+    for cls in type(part).__mro__:
+        if cls.__module__.startswith("torch.optim"):
+            return cls.__name__
+    return type(part).__name__
 
 
 class OptimizerChain:
@@ -102,7 +153,7 @@ class OptimizerChain:
             count = 0
             for group in saved["param_groups"]:
                 groups.append({**group, "params": [p + offset for p in group["params"]], "part": index,
-                               "part_type": type(part).__name__})
+                               "part_type": optimizer_kind(part)})
                 count += len(group["params"])
             offset += count
         return {"state": state, "param_groups": groups}
@@ -112,9 +163,9 @@ class OptimizerChain:
         offset = 0
         for index, part in enumerate(self.parts):
             mine = [g for g in groups if g.get("part") == index]
-            if not mine or any(g.get("part_type") != type(part).__name__ for g in mine):
+            if not mine or any(g.get("part_type") != optimizer_kind(part) for g in mine):
                 raise ValueError(
-                    f"the checkpoint's optimizer does not match this run's ({type(part).__name__} part {index})"
+                    f"the checkpoint's optimizer does not match this run's ({optimizer_kind(part)} part {index})"
                 )
             count = sum(len(g["params"]) for g in mine)
             local_groups = []
