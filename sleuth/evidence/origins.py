@@ -217,3 +217,34 @@ def head_input(node: ast.Call) -> ast.expr | None:
     if set(tokens(name)) & {"head", "unembed"} or name in {"lm_head", "output_layer", "embed_out"}:
         return node.args[0]
     return None
+
+
+# --- what a called module is (i11-attn) --------------------------------------------------------------------
+
+NOOP_MODULES = {"Identity", "identity", "Dropout", "Sequential"}
+
+
+def module_definitions(an: Analyzer, callee: ast.expr) -> list[ast.expr] | None:
+    """What a called module attribute / name is bound to in the analysed code (`self.hidden_norm = X`):
+    the bound expressions, or None when the callee has no definition here (a parameter with no call site,
+    an attribute of an opaque object, a library function)."""
+    if not isinstance(callee, (ast.Name, ast.Attribute)):
+        return None
+    found = an.defs_of(callee)
+    if not found or not found[0]:
+        return None
+    return list(found[0])
+
+
+def is_noop_module(node: ast.expr) -> bool:
+    """`nn.Identity()`, `nn.Dropout(...)` (no normalisation), `nn.Sequential()` with nothing in it, `lambda x: x`:
+    a module that passes its input through unchanged (for what a norm or projection must do)."""
+    if isinstance(node, ast.Lambda):
+        params = [a.arg for a in node.args.args]
+        return len(params) >= 1 and isinstance(node.body, ast.Name) and node.body.id == params[0]
+    if isinstance(node, ast.Call):
+        name = call_name(node)
+        if name == "Sequential":
+            return not node.args
+        return name in NOOP_MODULES
+    return False
