@@ -27,6 +27,7 @@ from sleuth.evidence.ast_index import (
     leaf_name,
     tokens,
 )
+from sleuth.evidence.origins import Leg, anchor_legs
 from sleuth.evidence.registry import detector
 
 
@@ -115,7 +116,7 @@ def _name_polarity(an: Analyzer, stmt: ast.AST, name: str, depth: int) -> str | 
 _FLIP_OP = {ast.Lt: ast.Gt, ast.LtE: ast.GtE, ast.Gt: ast.Lt, ast.GtE: ast.LtE}
 
 
-def _anchor_comparisons(an: Analyzer) -> Iterator[tuple[ast.AST, str, int, ast.expr | None, str, float]]:
+def _anchor_comparisons(an: Analyzer) -> Iterator[tuple[ast.AST, str, int, ast.expr | None, str, float, Leg]]:
     """(node, op as 'kv OP anchor' with op in < <= > >=, constant offset on the anchor side, non-constant
     term, polarity, confidence) for every comparison of a key position against an anchor."""
     for node in nodes_of(an, ast.Compare):
@@ -145,11 +146,30 @@ def _anchor_comparisons(an: Analyzer) -> Iterator[tuple[ast.AST, str, int, ast.e
             continue
         symbol = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}[op]
         # kv + 1 <= anchor is kv <= anchor - 1: a constant on the key side moves to the anchor side
-        kv_offset = 0
-        if isinstance(kv_side, ast.BinOp) and isinstance(kv_side.op, (ast.Add, ast.Sub)) and const_number(kv_side.right) is not None \
-                and float(const_number(kv_side.right)).is_integer():
-            kv_offset = int(const_number(kv_side.right)) * (1 if isinstance(kv_side.op, ast.Add) else -1)
-        yield node, symbol, an.const_offset(anchor_side) - kv_offset, an.nonconst_offset(anchor_side), _polarity(an, node), confidence
+        kv_offset = an.const_offset(kv_side)
+        polarity = _polarity(an, node)
+        nonconst = an.nonconst_offset(anchor_side)
+        # the anchor side's value is what reaches it, not what it is called: every path from the sampled anchors
+        # (an offset in a repeat, at a caller, in a helper's argument) counts, one reading per path
+        for leg in _unique_legs(anchor_legs(an, anchor_side)):
+            yield node, symbol, leg.offset - kv_offset, nonconst, polarity, confidence, leg
+
+
+def _unique_legs(legs: list[Leg]) -> list[Leg]:
+    """One leg per (offset, complete, switch): the same path reached through several call sites reads once."""
+    seen: dict[tuple, Leg] = {}
+    for leg in legs:
+        seen.setdefault((leg.offset, leg.complete, leg.switch), leg)
+    return list(seen.values())
+
+
+def _leg_note(an: Analyzer, leg: Leg) -> str:
+    if not leg.complete:
+        return f"; the anchor's path is not traced: {leg.missing}"
+    if leg.offset and leg.entered is not None:
+        unit = an.unit(leg.entered)
+        return f"; the anchor arrives as `{ast.unparse(leg.entered)[:60]}` ({unit.path}:{getattr(leg.entered, 'lineno', 0)})"
+    return ""
 
 
 def _scope_mentions_mask(an: Analyzer, node: ast.AST) -> bool:
@@ -180,19 +200,23 @@ def _visible_upper_bound(symbol: str, offset: int, polarity: str) -> str | None:
 def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
     readings: list[CodeReading] = []
     by_function: dict[int, list[CodeReading]] = {}
-    for node, symbol, offset, nonconst, polarity, confidence in _anchor_comparisons(an):
+    for node, symbol, offset, nonconst, polarity, confidence, leg in _anchor_comparisons(an):
         value = _visible_upper_bound(symbol, offset, polarity)
         if value is None:
             continue
         switch = an.switch_of(node)
         mode: Mode = "hardcoded"
-        detail = f"visible context: {value} ({polarity} region written as kv {symbol} anchor{offset:+d})"
+        detail = f"visible context: {value} ({polarity} region written as kv {symbol} anchor{offset:+d})" + _leg_note(an, leg)
         if nonconst is not None:
             mode, switch = "switch", ast.unparse(nonconst)
         elif switch is not None and not re.search(r"window|sliding", switch):
             mode = "switch"
         elif switch is not None:
             continue
+        elif leg.switch is not None:
+            mode, switch = "switch", leg.switch
+        if not leg.complete:
+            value += "?"  # what the anchor is here was not established: no claim either way
         reading = reading_at(an, "dflash.context_excludes_anchor", value, node, confidence, mode=mode, switch=switch, detail=detail)
         readings.append(reading)
         by_function.setdefault(id(an.outermost_function(node)), []).append(reading)

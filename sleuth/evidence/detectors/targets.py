@@ -6,7 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from sleuth.evidence.origins import Origin, head_input, trace
+from sleuth.evidence.origins import Origin, block_legs, head_input, reaching_definitions, trace
 from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
@@ -168,6 +168,67 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
     return readings
 
 
+def _block_position_readings(an: Analyzer, node: ast.AST, candidate: ast.expr, siblings: list[ast.expr],
+                             target_name: str) -> list[CodeReading] | None:
+    """Block positions read along the anchor's whole path (i11-attn): an offset on a helper's argument or in a
+    reassignment counts, and a block whose positions are joined to the context's position tensor must take the
+    anchor's position from that tensor: the anchor's packed index is its position only where positions are a
+    plain arange (packed documents restart theirs). None when no anchor + arange(B) is found here."""
+    legs = block_legs(an, candidate)
+    if not legs:
+        return None
+    context_positions = [s for s in siblings if s is not candidate]
+    out = []
+    seen: set[tuple] = set()
+    for leg, start in legs:
+        offset = leg.offset + start
+        key = (offset, leg.lookup, leg.complete, leg.switch)
+        if key in seen:
+            continue
+        seen.add(key)
+        value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+        detail = f"block token j at position anchor + j{offset:+d} (`{target_name}`)"
+        confidence = 0.8
+        if leg.lookup is None and context_positions and not all(_is_plain_arange(an, c) for c in context_positions):
+            value = "anchor index+j" if offset == 0 else f"anchor index+j{offset:+d}"
+            detail = (f"block positions start at the anchor's packed index, but the context's positions are "
+                      f"`{ast.unparse(context_positions[0])[:40]}` (document positions in a packed row): the anchor's "
+                      f"position is that tensor at the anchor")
+            confidence = 0.85  # it sees both parts of the positions: it outranks a reading of the block part alone
+        elif leg.lookup is not None and context_positions and not any(
+                ast.unparse(c).startswith(leg.lookup.split("[")[0]) for c in context_positions):
+            detail += f"; the anchor's position is read from `{leg.lookup}`"
+        if leg.entered is not None and offset:
+            detail += f"; the offset enters at `{ast.unparse(leg.entered)[:50]}` ({an.unit(leg.entered).path}:{getattr(leg.entered, 'lineno', 0)})"
+        mode = "switch" if leg.switch else "hardcoded"
+        if not leg.complete:
+            value += "?"
+            detail += f"; the anchor's path is not traced: {leg.missing}"
+        out.append(reading_at(an, "dflash.block_position_ids", value, node, confidence, mode=mode, switch=leg.switch, detail=detail))
+    return out
+
+
+def _is_plain_arange(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
+    """Positions that are certainly 0..n-1 (an arange built here, through names and layout methods)."""
+    if depth > 6:
+        return False
+    if isinstance(node, ast.Call):
+        if call_name(node) == "arange" and an.arange_start(node) == 0:
+            return True
+        if isinstance(node.func, ast.Attribute) and call_name(node) in PRESERVING_METHODS and not is_module_name(node.func.value):
+            return _is_plain_arange(an, node.func.value, depth + 1)
+        return False
+    if isinstance(node, ast.Subscript):
+        return _is_plain_arange(an, node.value, depth + 1)
+    if isinstance(node, ast.Name):
+        reached = reaching_definitions(an, node)
+        if reached is None:
+            return False
+        definitions, is_param = reached
+        return bool(definitions) and not is_param and all(_is_plain_arange(an, d, depth + 1) for d in definitions)
+    return False
+
+
 @detector("dflash.block_position_ids")
 def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
     readings = []
@@ -188,11 +249,15 @@ def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
             else:
                 candidates = [value_node]
             for candidate in candidates:
-                for offset, switch in an.block_index_offsets(candidate):
-                    value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
-                    mode = "switch" if switch else "hardcoded"
-                    readings.append(reading_at(an, "dflash.block_position_ids", value, node, 0.8, mode=mode, switch=switch,
-                                             detail=f"block token j at position anchor + j{offset:+d} (`{target_name}`)"))
+                traced = _block_position_readings(an, node, candidate, candidates, target_name)
+                if traced is not None:
+                    readings += traced
+                else:
+                    for offset, switch in an.block_index_offsets(candidate):
+                        value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+                        mode = "switch" if switch else "hardcoded"
+                        readings.append(reading_at(an, "dflash.block_position_ids", value, node, 0.8, mode=mode, switch=switch,
+                                                 detail=f"block token j at position anchor + j{offset:+d} (`{target_name}`)"))
                 while (isinstance(candidate, ast.Call) and isinstance(candidate.func, ast.Attribute)
                        and call_name(candidate) in PRESERVING_METHODS and not is_module_name(candidate.func.value)):
                     candidate = candidate.func.value
