@@ -326,6 +326,9 @@ def _legs(an: Analyzer, node: ast.AST, bindings: dict[str, ast.expr], depth: int
         if isinstance(node.func, ast.Attribute) and (name in PRESERVING_METHODS or name in _OFFSET_KEEPING_FUNCS) \
                 and not is_module_name(node.func.value) and not (isinstance(node.func.value, ast.Attribute) and is_module_name(node.func.value.value)):
             return _legs(an, node.func.value, bindings, depth + 1, seen)
+        if name in {"add", "sub", "subtract"} and len(node.args) == 2 and _int_const(node.args[1]) is not None:
+            sign = 1 if name == "add" else -1
+            return _shift(_legs(an, node.args[0], bindings, depth + 1, seen), sign * _int_const(node.args[1]), node)
         if name in _OFFSET_KEEPING_FUNCS and node.args:
             first = node.args[0]
             if isinstance(first, (ast.List, ast.Tuple)) and len(first.elts) == 1:
@@ -355,7 +358,27 @@ def _legs(an: Analyzer, node: ast.AST, bindings: dict[str, ast.expr], depth: int
         return legs
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd):
         return _legs(an, node.operand, bindings, depth + 1, seen)
-    return [Leg(missing=f"`{ast.unparse(node)[:50]}` is computed in a way not followed", source=node)]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        elements = node.elts or _appended(an, node)
+        out = []
+        for element in elements[:4]:
+            out += _legs(an, element, bindings, depth + 1, seen)
+        return out or [Leg(source=node)]
+    if isinstance(node, (ast.ListComp, ast.GeneratorExp)):
+        return [leg if leg.complete else Leg(source=node) for leg in _legs(an, node.elt, bindings, depth + 1, seen)]
+    # built here in some other way (a product, a comprehension over rows): where the anchors come from
+    return [Leg(source=node)]
+
+
+def _appended(an: Analyzer, node: ast.expr) -> list[ast.expr]:
+    """The values appended to a list built empty (`anchors = []; anchors.append(p)`), in the same function."""
+    parent = an.parents.get(node)
+    if not (isinstance(parent, ast.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0], ast.Name)):
+        return []
+    name, func = parent.targets[0].id, an.enclosing_function(node)
+    return [call.args[0] for call in an.calls_named("append")
+            if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == name
+            and call.args and an.enclosing_function(call) is func]
 
 
 def _local_callee(node: ast.Call) -> bool:

@@ -189,7 +189,7 @@ def _block_position_readings(an: Analyzer, node: ast.AST, candidate: ast.expr, s
         value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
         detail = f"block token j at position anchor + j{offset:+d} (`{target_name}`)"
         confidence = 0.8
-        if leg.lookup is None and context_positions and not all(_is_plain_arange(an, c) for c in context_positions):
+        if leg.lookup is None and context_positions and _packs_documents(an) and not all(_is_plain_arange(an, c) for c in context_positions):
             value = "anchor index+j" if offset == 0 else f"anchor index+j{offset:+d}"
             detail = (f"block positions start at the anchor's packed index, but the context's positions are "
                       f"`{ast.unparse(context_positions[0])[:40]}` (document positions in a packed row): the anchor's "
@@ -206,6 +206,28 @@ def _block_position_readings(an: Analyzer, node: ast.AST, candidate: ast.expr, s
             detail += f"; the anchor's path is not traced: {leg.missing}"
         out.append(reading_at(an, "dflash.block_position_ids", value, node, confidence, mode=mode, switch=leg.switch, detail=detail))
     return out
+
+
+def _packs_documents(an: Analyzer) -> bool:
+    """Whether the code packs several documents in a row: it compares one tensor read at two places for
+    equality (`doc_ids[q] == doc_ids[kv]`, through names), the same-document rule of a packed mask."""
+    def base(node: ast.AST, depth: int = 0) -> str | None:
+        if isinstance(node, ast.Subscript):
+            return ast.unparse(node.value)
+        if isinstance(node, ast.Name) and depth < 3:
+            reached = reaching_definitions(an, node)
+            if reached and len(reached[0]) == 1:
+                return base(reached[0][0], depth + 1)
+        return None
+
+    def compute() -> bool:
+        for node in nodes_of(an, ast.Compare):
+            if len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+                left, right = base(node.left), base(node.comparators[0])
+                if left is not None and left == right:
+                    return True
+        return False
+    return an.memo("packs-documents", compute)
 
 
 def _is_plain_arange(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
