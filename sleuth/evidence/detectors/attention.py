@@ -27,7 +27,7 @@ from sleuth.evidence.ast_index import (
     leaf_name,
     tokens,
 )
-from sleuth.evidence.origins import Leg, anchor_legs
+from sleuth.evidence.origins import Leg, anchor_legs, reaching_definitions
 from sleuth.evidence.registry import detector
 
 
@@ -320,9 +320,172 @@ def _block_comparisons(an: Analyzer) -> Iterator[tuple[ast.Compare, str]]:
             yield node, type(node.ops[0]).__name__
 
 
+# --- the mask as a formula: which conjunctions of conditions let a key through ---------------------------
+
+MAX_TERMS = 32
+_OPAQUE = "opaque"
+
+
+def _conjunctions(an: Analyzer, node: ast.AST, depth: int = 0) -> list[list[ast.AST]] | None:
+    """The mask expression as an OR of ANDs of its conditions (atoms: comparisons, or `opaque` nodes), through
+    names (the definitions that reach the use: `m = m & extra` under an `if` gives both alternatives),
+    `or_masks` / `and_masks` of mask functions (into their returns) and & | ~-free boolean algebra.
+    None when it grows past MAX_TERMS."""
+    if depth > 12:
+        return [[node]]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)) or isinstance(node, ast.BoolOp):
+        parts = [node.left, node.right] if isinstance(node, ast.BinOp) else node.values
+        conj = isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitAnd) or isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And)
+        return _combine([_conjunctions(an, p, depth + 1) for p in parts], conj)
+    if isinstance(node, ast.Call):
+        name = call_name(node)
+        if name in {"logical_and", "logical_or", "and_masks", "or_masks", "bitwise_and", "bitwise_or"} and node.args:
+            parts = [_mask_function_body(an, a) or a for a in node.args]
+            return _combine([_conjunctions(an, p, depth + 1) for p in parts], "and" in name)
+        if isinstance(node.func, ast.Attribute) and name in {"bool", "to", "contiguous", "clone", "expand", "view", "reshape"}:
+            return _conjunctions(an, node.func.value, depth + 1)
+    if isinstance(node, ast.Name):
+        reached = reaching_definitions(an, node)
+        if reached and reached[0] and not reached[1]:
+            out: list[list[ast.AST]] = []
+            for definition in reached[0][-3:]:
+                inner = _conjunctions(an, definition, depth + 1)
+                if inner is None:
+                    return None
+                out += inner
+            return out if len(out) <= MAX_TERMS else None
+    if isinstance(node, ast.IfExp):
+        # either branch may be the one that runs (a window term that is `True` for full attention)
+        return _combine([_conjunctions(an, node.body, depth + 1), _conjunctions(an, node.orelse, depth + 1)], False)
+    if isinstance(node, ast.Constant) and node.value is True:
+        return [[]]
+    return [[node]]
+
+
+def _combine(parts: list[list[list[ast.AST]] | None], conj: bool) -> list[list[ast.AST]] | None:
+    if any(p is None for p in parts):
+        return None
+    if not conj:
+        out = [c for p in parts for c in p]  # type: ignore[union-attr]
+        return out if len(out) <= MAX_TERMS else None
+    out = [[]]
+    for p in parts:
+        out = [a + b for a in out for b in p]  # type: ignore[union-attr]
+        if len(out) > MAX_TERMS:
+            return None
+    return out
+
+
+def _mask_function_body(an: Analyzer, node: ast.AST) -> ast.expr | None:
+    """The returned expression of a mask function passed by name (`or_masks(prefix_mod, block_mod)`)."""
+    if isinstance(node, ast.Name) and node.id in an.functions:
+        returns = [r.value for r in ast.walk(an.functions[node.id][0][0]) if isinstance(r, ast.Return) and r.value is not None]
+        return returns[0] if len(returns) == 1 else None
+    return None
+
+
+def _key_region(an: Analyzer, atom: ast.AST) -> str | None:
+    """'block' for `kv >= S` (a key among the block tokens), 'context' for `kv < S`; the raw key index only."""
+    if not isinstance(atom, ast.Compare) or len(atom.ops) != 1 or type(atom.ops[0]) not in _FLIP_OP:
+        return None
+    left, right, op = atom.left, atom.comparators[0], type(atom.ops[0])
+    lt, rt = an.tags(left), an.tags(right)
+    if "kv" in rt and "kv" not in lt:
+        left, right, op, lt, rt = right, left, _FLIP_OP[op], rt, lt
+    if "kv" not in lt or rt & {"kv", "q", "anchor", "blockid", "arange"} or lt & {"blockid", "slot", "anchor"}:
+        return None
+    if _wrapped(an, left) or not isinstance(left, (ast.Name, ast.Subscript, ast.Attribute)):
+        return None
+    return "block" if op in (ast.Gt, ast.GtE) else "context"
+
+
+def _wrapped(an: Analyzer, node: ast.AST, depth: int = 0) -> str | None:
+    """The modulus when a key index is wrapped (`remainder(kv, S)`, `kv % S`): every block key then aliases a
+    context position."""
+    if depth > 4:
+        return None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+        return ast.unparse(node.right)
+    if isinstance(node, ast.Call) and call_name(node) in {"remainder", "fmod"} and node.args:
+        return ast.unparse(node.args[-1])
+    if isinstance(node, ast.Name):
+        reached = reaching_definitions(an, node)
+        if reached and len(reached[0]) == 1:
+            return _wrapped(an, reached[0][0], depth + 1)
+    return None
+
+
+def _is_block_equality(an: Analyzer, atom: ast.AST) -> bool:
+    if not isinstance(atom, ast.Compare) or len(atom.ops) != 1 or not isinstance(atom.ops[0], ast.Eq):
+        return False
+    left, right = atom.left, atom.comparators[0]
+    return ("blockid" in an.tags(left) and "blockid" in an.tags(right)) or bool(
+        _floordiv_divisors(an, left) & _floordiv_divisors(an, right))
+
+
+def _mask_formula_readings(an: Analyzer) -> list[CodeReading]:
+    """Blocks isolated, read from the whole mask a function returns (i11-attn): every conjunction that lets a
+    block key through (`kv >= S`) must also require the same block; every conjunction that lets a context key
+    through by comparing a WRAPPED key index with the anchor must also require `kv < S`, or other blocks'
+    tokens alias into the context. A conjunction with a condition not understood says nothing."""
+    readings: list[CodeReading] = []
+    done: set[int] = set()
+    for atom in nodes_of(an, ast.Compare):
+        if _key_region(an, atom) != "block" and not (_anchor_side_of(an, atom) and _wrapped(an, _anchor_side_of(an, atom))):
+            continue
+        func = an.enclosing_function(atom)
+        if func is None or id(func) in done:
+            continue
+        done.add(id(func))
+        owner = func
+        while an.enclosing_function(owner) is not None and not _returns_of(an, owner):
+            owner = an.enclosing_function(owner)
+        for ret in _returns_of(an, owner):
+            formula = _conjunctions(an, ret)
+            if formula is None:
+                continue
+            for conjunction in formula:
+                if any(not isinstance(a, ast.Compare) and (an.tags(a) & {"kv"} or isinstance(a, ast.Call)) for a in conjunction):
+                    continue  # a condition on the keys not understood: no claim from this conjunction
+                regions = {_key_region(an, a) for a in conjunction}
+                if "block" in regions and not any(_is_block_equality(an, a) for a in conjunction):
+                    if any(_anchor_side_of(an, a) for a in conjunction) or "context" in regions:
+                        continue  # an empty region (kv >= S and kv < S / kv < anchor): nothing gets through
+                    where = next(a for a in conjunction if _key_region(an, a) == "block")
+                    readings.append(reading_at(an, "dflash.blocks_isolated", "cross-block", where, 0.85,
+                                               detail="a block query sees every block's tokens: the mask lets "
+                                               f"`{ast.unparse(where)}` through with no same-block condition"))
+                wrapped = [a for a in conjunction if _anchor_side_of(an, a) is not None and _wrapped(an, _anchor_side_of(an, a))]
+                if wrapped and "context" not in regions and not any(_is_block_equality(an, a) for a in conjunction):
+                    kv = _anchor_side_of(an, wrapped[0])
+                    readings.append(reading_at(an, "dflash.blocks_isolated", "cross-block", wrapped[0], 0.85,
+                                               detail=f"the context rule compares a wrapped key index (`{ast.unparse(kv)}` "
+                                               f"wraps modulo {_wrapped(an, kv)}) with the anchor and never requires the key "
+                                               "to be a context key: other blocks' tokens alias into the context"))
+    return readings
+
+
+def _returns_of(an: Analyzer, func: ast.AST) -> list[ast.expr]:
+    return [r.value for r in ast.walk(func) if isinstance(r, ast.Return) and r.value is not None
+            and an.enclosing_function(r) is func]
+
+
+def _anchor_side_of(an: Analyzer, atom: ast.AST) -> ast.expr | None:
+    """The key side of a key-vs-anchor comparison."""
+    if not isinstance(atom, ast.Compare) or len(atom.ops) != 1 or type(atom.ops[0]) not in _FLIP_OP:
+        return None
+    left, right = atom.left, atom.comparators[0]
+    lt, rt = an.tags(left), an.tags(right)
+    if "anchor" in rt and "anchor" not in lt and "kv" in lt:
+        return left
+    if "anchor" in lt and "anchor" not in rt and "kv" in rt:
+        return right
+    return None
+
+
 @detector("dflash.blocks_isolated")
 def detect_blocks_isolated(an: Analyzer) -> list[CodeReading]:
-    readings = []
+    readings = _mask_formula_readings(an)
     for node, op in _block_comparisons(an):
         switch = an.switch_of(node)
         if op == "Eq":
