@@ -323,6 +323,13 @@ def _legs(an: Analyzer, node: ast.AST, bindings: dict[str, ast.expr], depth: int
         return legs
     if isinstance(node, ast.Call):
         name = call_name(node)
+        gathered = _gather_parts(node)
+        if gathered is not None and "anchor" in an.tags(gathered[1]) and "anchor" not in an.tags(gathered[0]):
+            # another tensor read at the anchors (`pos.gather(1, anchors)`, `take_along_dim(pos, anchors)`)
+            legs = _legs(an, gathered[1], bindings, depth + 1, seen)
+            for leg in legs:
+                leg.lookup = leg.lookup or ast.unparse(gathered[0])
+            return legs
         if isinstance(node.func, ast.Attribute) and (name in PRESERVING_METHODS or name in _OFFSET_KEEPING_FUNCS) \
                 and not is_module_name(node.func.value) and not (isinstance(node.func.value, ast.Attribute) and is_module_name(node.func.value.value)):
             return _legs(an, node.func.value, bindings, depth + 1, seen)
@@ -379,6 +386,23 @@ def _appended(an: Analyzer, node: ast.expr) -> list[ast.expr]:
     return [call.args[0] for call in an.calls_named("append")
             if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and call.func.value.id == name
             and call.args and an.enclosing_function(call) is func]
+
+
+def _gather_parts(node: ast.Call) -> tuple[ast.expr, ast.expr] | None:
+    """(source tensor, index) of a gather-like read: x.gather(d, i), torch.gather(x, d, i), x.index_select(d, i),
+    take_along_dim(x, i[, d]), x.take(i)."""
+    name = call_name(node)
+    method = isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value)
+    if name in {"gather", "index_select"}:
+        if method and len(node.args) >= 2:
+            return node.func.value, node.args[1]
+        if not method and len(node.args) >= 3:
+            return node.args[0], node.args[2]
+    if name in {"take_along_dim", "take_along_axis"} and len(node.args) >= 2 and not method:
+        return node.args[0], node.args[1]
+    if name == "take" and method and node.args:
+        return node.func.value, node.args[0]
+    return None
 
 
 def _local_callee(node: ast.Call) -> bool:

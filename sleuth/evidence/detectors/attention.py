@@ -378,10 +378,14 @@ def _combine(parts: list[list[list[ast.AST]] | None], conj: bool) -> list[list[a
 
 def _mask_function_body(an: Analyzer, node: ast.AST) -> ast.expr | None:
     """The returned expression of a mask function passed by name (`or_masks(prefix_mod, block_mod)`)."""
-    if isinstance(node, ast.Name) and node.id in an.functions:
-        returns = [r.value for r in ast.walk(an.functions[node.id][0][0]) if isinstance(r, ast.Return) and r.value is not None]
-        return returns[0] if len(returns) == 1 else None
-    return None
+    if not isinstance(node, ast.Name):
+        return None
+    # nested mask functions (closures over the anchors) are found by name as well as top-level ones
+    found = [f for f in nodes_of(an, ast.FunctionDef) if f.name == node.id]
+    if len(found) != 1:
+        return None
+    returns = _returns_of(an, found[0])
+    return returns[0] if len(returns) == 1 else None
 
 
 def _key_region(an: Analyzer, atom: ast.AST) -> str | None:
@@ -437,10 +441,16 @@ def _mask_formula_readings(an: Analyzer) -> list[CodeReading]:
         if func is None or id(func) in done:
             continue
         done.add(id(func))
-        owner = func
-        while an.enclosing_function(owner) is not None and not _returns_of(an, owner):
-            owner = an.enclosing_function(owner)
-        for ret in _returns_of(an, owner):
+        composed = _combinator_uses(an, func)
+        if composed:
+            # a mask piece (`doc_mod` in `and_masks(ctx_mod, doc_mod)`) is read inside the mask it composes
+            starts = composed
+        else:
+            starts = _returns_of(an, func)
+        for ret in starts:
+            if id(ret) in done:
+                continue
+            done.add(id(ret))
             formula = _conjunctions(an, ret)
             if formula is None:
                 continue
@@ -463,6 +473,26 @@ def _mask_formula_readings(an: Analyzer) -> list[CodeReading]:
                                                f"wraps modulo {_wrapped(an, kv)}) with the anchor and never requires the key "
                                                "to be a context key: other blocks' tokens alias into the context"))
     return readings
+
+
+_COMBINATORS = {"and_masks", "or_masks"}
+
+
+def _combinator_uses(an: Analyzer, func: ast.AST) -> list[ast.Call]:
+    """The outermost `or_masks(...)` / `and_masks(...)` calls that take this mask function as a piece."""
+    name = getattr(func, "name", None)
+    out = []
+    for combinator in _COMBINATORS:
+        for call in an.calls_named(combinator):
+            if not any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(call)):
+                continue
+            outer = call
+            parent = an.parents.get(outer)
+            while isinstance(parent, ast.Call) and call_name(parent) in _COMBINATORS:
+                outer, parent = parent, an.parents.get(parent)
+            if outer not in out:
+                out.append(outer)
+    return out
 
 
 def _returns_of(an: Analyzer, func: ast.AST) -> list[ast.expr]:
