@@ -531,6 +531,136 @@ def detect_blocks_isolated(an: Analyzer) -> list[CodeReading]:
     return readings
 
 
+_UNKNOWN = object()
+
+
+def _feeds_context(an: Analyzer, call: ast.Call) -> bool:
+    """The call passes the drafter's context (target hidden states / fused features) as an argument."""
+    for value in [kw.value for kw in call.keywords if kw.arg] + list(call.args):
+        names = [leaf_name(n) for n in ast.walk(value) if isinstance(n, (ast.Name, ast.Attribute))]
+        if any(set(tokens(n)) & (CONTEXT_TOKENS - {"prefix", "cond"}) and set(tokens(n)) & {"hidden", "hiddens", "feature", "features", "feat", "feats", "ctx", "context"} for n in names):
+            return True
+    return any(kw.arg and set(tokens(kw.arg)) & {"target", "ctx", "context"} and set(tokens(kw.arg)) & {"hidden", "features", "feats", "ctx", "context"}
+               for kw in call.keywords)
+
+
+def _full_attention_reading(an: Analyzer, node: ast.AST, switch: str) -> CodeReading:
+    """A causal restriction under a condition that involves sliding windows: whether it applies to a
+    FULL-attention layer is what the rule is about. The condition is evaluated with the window size None
+    (what a full-attention layer has) and every flag at its default, through the names it is built from:
+    `non_causal = window is None or flag` keeps full attention bidirectional whatever the flag says;
+    `non_causal = flag` makes it causal unless the flag is set. The name of a flag decides nothing."""
+    test, in_body = _enclosing_test(an, node)
+    flags: dict[str, object] = {}
+    applies = _evaluate(an, test, flags, 0) if test is not None else _UNKNOWN
+    if applies is not _UNKNOWN and not in_body:
+        applies = not applies
+    if applies is _UNKNOWN:
+        return reading_at(an, "dflash.block_bidirectional", "causal", node, 0.5, mode="switch", switch=switch,
+                          detail=f"causal under `{switch}`: whether that holds for full-attention layers was not established")
+    flipped: dict[str, object] = {name: not value for name, value in flags.items() if isinstance(value, bool)}
+    other = _evaluate(an, test, {}, 0, overrides=flipped) if flipped else applies
+    if other is not _UNKNOWN and not in_body and flipped:
+        other = not other
+    depends = bool(flipped) and other is not _UNKNOWN and bool(other) != bool(applies)
+    defaults = ", ".join(f"{k}={v!r}" for k, v in flags.items())
+    if applies:
+        return reading_at(an, "dflash.block_bidirectional", "causal", node, 0.75, mode="default" if depends else "hardcoded",
+                          detail=f"causal in the block for full-attention layers too: `{switch}` holds with no sliding "
+                          f"window" + (f" at the defaults ({defaults})" if defaults else ""))
+    return reading_at(an, "dflash.block_bidirectional", "bidirectional", node, 0.5, mode="default" if depends else "hardcoded",
+                      detail=f"causal only for sliding-window layers (`{switch}` is false with no window"
+                      + (f", at the defaults {defaults})" if depends else ")"))
+
+
+def _enclosing_test(an: Analyzer, node: ast.AST) -> tuple[ast.expr | None, bool]:
+    child, current = node, an.parents.get(node)
+    while current is not None and not isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.Module)):
+        if isinstance(current, (ast.If, ast.IfExp)) and child is not current.test:
+            in_body = child is current.body or (isinstance(current.body, list) and child in current.body)
+            return current.test, in_body
+        child, current = current, an.parents.get(current)
+    return None, True
+
+
+def _is_window_size(name: str, default: ast.expr | None) -> bool:
+    toks = set(tokens(name))
+    if not toks & {"window", "sliding", "swa"}:
+        return False
+    return not (isinstance(default, ast.Constant) and isinstance(default.value, bool))
+
+
+def _evaluate(an: Analyzer, node: ast.AST, flags: dict[str, object], depth: int,
+              overrides: dict[str, object] | None = None) -> object:
+    """True / False / None, or _UNKNOWN: a condition evaluated for a full-attention layer (window None)."""
+    overrides = overrides or {}
+    if depth > 8:
+        return _UNKNOWN
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        inner = _evaluate(an, node.operand, flags, depth + 1, overrides)
+        return _UNKNOWN if inner is _UNKNOWN else not inner
+    if isinstance(node, ast.BoolOp):
+        values = [_evaluate(an, v, flags, depth + 1, overrides) for v in node.values]
+        if isinstance(node.op, ast.Or):
+            if any(v is not _UNKNOWN and v for v in values):
+                return True
+            return _UNKNOWN if any(v is _UNKNOWN for v in values) else False
+        if any(v is not _UNKNOWN and not v for v in values):
+            return False
+        return _UNKNOWN if any(v is _UNKNOWN for v in values) else True
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)):
+        left = _evaluate(an, node.left, flags, depth + 1, overrides)
+        right = _evaluate(an, node.comparators[0], flags, depth + 1, overrides)
+        if left is _UNKNOWN or right is _UNKNOWN:
+            return _UNKNOWN
+        same = left is None and right is None or (left is not None and right is not None and left == right)
+        if (left is None) != (right is None):
+            same = False
+        return same if isinstance(node.ops[0], ast.Is) else not same
+    if isinstance(node, ast.Name):
+        if node.id in overrides:
+            return overrides[node.id]
+        reached = reaching_definitions(an, node)
+        if reached and len(reached[0]) == 1 and not reached[1]:
+            return _evaluate(an, reached[0][0], flags, depth + 1, overrides)
+        found = an.defs_of(node)
+        scope = found[1] if found else None
+        if reached and not reached[0] and scope is not None and node.id in scope.params:
+            default = scope.params.get(node.id)
+            if _is_window_size(node.id, default):
+                return None  # a full-attention layer: no window
+            if isinstance(default, ast.Constant) and isinstance(default.value, bool):
+                flags[node.id] = default.value
+                return default.value
+        # a closure variable of a nested mask function: a parameter of the enclosing builder
+        outer = _outer_parameter(an, node)
+        if outer is not None:
+            name, default = outer
+            if _is_window_size(name, default):
+                return None
+            if isinstance(default, ast.Constant) and isinstance(default.value, bool):
+                flags[name] = default.value
+                return default.value
+        return _UNKNOWN
+    return _UNKNOWN
+
+
+def _outer_parameter(an: Analyzer, node: ast.Name) -> tuple[str, ast.expr | None] | None:
+    func = an.enclosing_function(node)
+    while func is not None:
+        args = func.args
+        positional = args.posonlyargs + args.args
+        defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+        pairs = list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults))
+        for arg, default in pairs:
+            if arg.arg == node.id:
+                return arg.arg, default
+        func = an.enclosing_function(func)
+    return None
+
+
 @detector("dflash.block_bidirectional")
 def detect_block_bidirectional(an: Analyzer) -> list[CodeReading]:
     readings = []
@@ -548,8 +678,7 @@ def detect_block_bidirectional(an: Analyzer) -> list[CodeReading]:
             continue
         switch = an.switch_of(node)
         if switch and mentions_window(an, node, switch):
-            readings.append(reading_at(an, "dflash.block_bidirectional", "bidirectional", node, 0.5, mode="hardcoded",
-                                     detail=f"causal only for sliding-window layers (under `{switch}`)"))
+            readings.append(_full_attention_reading(an, node, switch))
             continue
         mode = "switch" if switch else "hardcoded"
         readings.append(reading_at(an, "dflash.block_bidirectional", "causal", node, 0.75, mode=mode, switch=switch,
@@ -559,10 +688,17 @@ def detect_block_bidirectional(an: Analyzer) -> list[CodeReading]:
         causal = kwarg(node, "is_causal")
         scope_ok = scope_mentions_block(an, node) or in_draft_class(an, node)
         is_attention_call = bool(re.search(r"attention|attn|sdpa", name, re.I))
-        if causal is not None and isinstance(causal, ast.Constant) and scope_ok and (is_attention_call or causal.value is False):
+        # Evidence both ways or neither: a flag that counts when it says False must count when it says True
+        # (a drafter pass switched to is_causal=True must not fall back to other readings). On a call that is not
+        # an attention function, the flag is about the drafter only when the call feeds it the context features
+        # (a target model call may pass is_causal=True legitimately).
+        drafter_call = not is_attention_call and _feeds_context(an, node)
+        if causal is not None and isinstance(causal, ast.Constant) and isinstance(causal.value, bool) and scope_ok and (
+                is_attention_call or drafter_call or causal.value is False):
             value = "causal" if causal.value is True else "bidirectional"
+            what = "attention call" if is_attention_call else "drafter call" if drafter_call else "call"
             readings.append(reading_at(an, "dflash.block_bidirectional", value, node, 0.6,
-                                     detail=f"attention call with is_causal={causal.value}"))
+                                     detail=f"{what} with is_causal={causal.value}"))
         if name in {"tril", "tril_"} and scope_ok and _scope_mentions_mask(an, node):
             readings.append(reading_at(an, "dflash.block_bidirectional", "causal", node, 0.55,
                                      detail="a lower-triangular (causal) mask in the block attention"))
