@@ -25,6 +25,7 @@ from sleuth.evidence.ast_index import (
     is_neg_inf,
     kwarg,
     leaf_name,
+    name_tags,
     tokens,
 )
 from sleuth.evidence.origins import Leg, anchor_legs, reaching_definitions
@@ -196,9 +197,75 @@ def _visible_upper_bound(symbol: str, offset: int, polarity: str) -> str | None:
     return "kv < anchor" if last_visible <= -1 else "kv <= anchor" if last_visible == 0 else f"kv <= anchor{last_visible:+d}"
 
 
+def _split_offset(node: ast.AST) -> tuple[str, int]:
+    """(text of the non-constant part, constant) of `x + c` / `x - c` / `c + x` (nested)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+        c = const_number(node.right)
+        if c is not None and float(c).is_integer():
+            base, inner = _split_offset(node.left)
+            return base, inner + int(c) * (1 if isinstance(node.op, ast.Add) else -1)
+        c = const_number(node.left)
+        if c is not None and isinstance(node.op, ast.Add) and float(c).is_integer():
+            base, inner = _split_offset(node.right)
+            return base, inner + int(c)
+    return ast.unparse(node), 0
+
+
+def _advances(an: Analyzer, loop: ast.AST) -> list[tuple[ast.AST, str, int]]:
+    """`start += acc + 1` / `start = start + acc + 1` on an anchor-like name in a decoding loop: (node, base, c)."""
+    out = []
+    for node in ast.walk(loop):
+        if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name) \
+                and "anchor" in name_tags(node.target.id):
+            base, c = _split_offset(node.value)
+            if const_number(node.value) is None:
+                out.append((node, base, c))
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and "anchor" in name_tags(node.targets[0].id) and isinstance(node.value, ast.BinOp) \
+                and isinstance(node.value.op, ast.Add) and isinstance(node.value.left, ast.Name) \
+                and node.value.left.id == node.targets[0].id:
+            base, c = _split_offset(node.value.right)
+            out.append((node, base, c))
+    return out
+
+
+def _inference_context_readings(an: Analyzer) -> list[CodeReading]:
+    """Serving: after a verify pass the anchor advances by `acc + 1` (the accepted tokens and the bonus token);
+    the new context kept from that pass must be exactly those positions, `[:acc + 1]`: one more keeps the new
+    anchor's own position (`kv <= anchor`), the label leak at inference."""
+    readings = []
+    for loop in nodes_of(an, ast.While) + nodes_of(an, ast.For):
+        advances = _advances(an, loop)
+        if not advances:
+            continue
+        for node in ast.walk(loop):
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.value, ast.Subscript)):
+                continue
+            target_tokens = set(tokens(leaf_name(node.targets[0])))
+            if not target_tokens & (CONTEXT_TOKENS | {"hidden", "hiddens"}) or target_tokens & {"ids", "logits", "tokens", "labels"}:
+                continue
+            parts = node.value.slice.elts if isinstance(node.value.slice, ast.Tuple) else [node.value.slice]
+            for part in parts:
+                if not (isinstance(part, ast.Slice) and part.lower is None and part.upper is not None):
+                    continue
+                base, kept = _split_offset(part.upper)
+                for advance, adv_base, step in advances:
+                    if adv_base != base or base.lstrip("-").isdigit():
+                        continue
+                    extra = kept - step
+                    value = "kv < anchor" if extra <= 0 else "kv <= anchor" if extra == 1 else f"kv <= anchor{extra - 1:+d}"
+                    readings.append(reading_at(
+                        an, "dflash.context_excludes_anchor", value, node, 0.7,
+                        detail=f"the context kept after a verify pass is `[:{ast.unparse(part.upper)}]` while the anchor "
+                               f"advances by `{ast.unparse(advance.value)}` (line {advance.lineno}): "
+                               + ("the new anchor's position stays out of the context" if extra <= 0 else
+                                  f"{extra} position(s) past the last accepted one, the new anchor's own included")))
+    return readings
+
+
 @detector("dflash.context_excludes_anchor")
 def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
-    readings: list[CodeReading] = []
+    readings: list[CodeReading] = _inference_context_readings(an)
     by_function: dict[int, list[CodeReading]] = {}
     for node, symbol, offset, nonconst, polarity, confidence, leg in _anchor_comparisons(an):
         value = _visible_upper_bound(symbol, offset, polarity)
