@@ -214,9 +214,12 @@ def _split_offset(node: ast.AST) -> tuple[str, int]:
 def _advances(an: Analyzer, loop: ast.AST) -> list[tuple[ast.AST, str, int]]:
     """`start += acc + 1` / `start = start + acc + 1` on an anchor-like name in a decoding loop: (node, base, c)."""
     out = []
+    # the block's start: an anchor-like name, or whatever the loop slices a block from (`x[:, p : p + B]`)
+    block_starts = {n.lower.id for n in ast.walk(loop) if isinstance(n, ast.Slice) and isinstance(n.lower, ast.Name)
+                    and n.upper is not None and _split_offset(n.upper)[0].startswith(n.lower.id + " + ")}
     for node in ast.walk(loop):
         if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name) \
-                and "anchor" in name_tags(node.target.id):
+                and ("anchor" in name_tags(node.target.id) or node.target.id in block_starts):
             base, c = _split_offset(node.value)
             if const_number(node.value) is None:
                 out.append((node, base, c))
@@ -288,8 +291,10 @@ def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
         readings.append(reading)
         by_function.setdefault(id(an.outermost_function(node)), []).append(reading)
     # both cuts in one function: the choice is a runtime switch even if the if/else was not recognised
+    # (two different comparisons; one comparison reached by anchors from different call sites is not a switch:
+    # every call site must be right)
     for group in by_function.values():
-        if len({r.value for r in group}) > 1:
+        if len({r.value for r in group}) > 1 and len({r.line for r in group}) > 1:
             for r in group:
                 if r.mode == "hardcoded":
                     r.mode, r.switch = "switch", r.switch or "two cuts in one function"
@@ -612,32 +617,28 @@ def _feeds_context(an: Analyzer, call: ast.Call) -> bool:
 
 
 def _full_attention_reading(an: Analyzer, node: ast.AST, switch: str) -> CodeReading:
-    """A causal restriction under a condition that involves sliding windows: whether it applies to a
-    FULL-attention layer is what the rule is about. The condition is evaluated with the window size None
-    (what a full-attention layer has) and every flag at its default, through the names it is built from:
-    `non_causal = window is None or flag` keeps full attention bidirectional whatever the flag says;
-    `non_causal = flag` makes it causal unless the flag is set. The name of a flag decides nothing."""
+    """A causal restriction under a runtime condition: whether it applies to a FULL-attention layer is what the
+    rule is about. The condition is evaluated with the window size None (what a full-attention layer has),
+    through the names it is built from and into every caller (a flag a caller passes, or leaves at its default,
+    decides; a config field's default counts as a default): `non_causal = window is None or flag` keeps full
+    attention bidirectional whatever the flag says; `non_causal = flag` makes it causal wherever the flag is
+    left False. The name of a flag decides nothing. Any caller path that makes it causal is causal."""
     test, in_body = _enclosing_test(an, node)
     flags: dict[str, object] = {}
-    applies = _evaluate(an, test, flags, 0) if test is not None else _UNKNOWN
-    if applies is not _UNKNOWN and not in_body:
-        applies = not applies
-    if applies is _UNKNOWN:
-        return reading_at(an, "dflash.block_bidirectional", "causal", node, 0.5, mode="switch", switch=switch,
-                          detail=f"causal under `{switch}`: whether that holds for full-attention layers was not established")
-    flipped: dict[str, object] = {name: not value for name, value in flags.items() if isinstance(value, bool)}
-    other = _evaluate(an, test, {}, 0, overrides=flipped) if flipped else applies
-    if other is not _UNKNOWN and not in_body and flipped:
-        other = not other
-    depends = bool(flipped) and other is not _UNKNOWN and bool(other) != bool(applies)
+    values = _evaluate(an, test, flags, 0, {}) if test is not None else {_UNKNOWN}
+    truths = {(_UNKNOWN if v is _UNKNOWN else bool(v) == in_body) for v in values}
     defaults = ", ".join(f"{k}={v!r}" for k, v in flags.items())
-    if applies:
-        return reading_at(an, "dflash.block_bidirectional", "causal", node, 0.75, mode="default" if depends else "hardcoded",
+    mode = "default" if flags else "hardcoded"
+    if True in truths:
+        return reading_at(an, "dflash.block_bidirectional", "causal", node, 0.75, mode=mode,
                           detail=f"causal in the block for full-attention layers too: `{switch}` holds with no sliding "
-                          f"window" + (f" at the defaults ({defaults})" if defaults else ""))
-    return reading_at(an, "dflash.block_bidirectional", "bidirectional", node, 0.5, mode="default" if depends else "hardcoded",
-                      detail=f"causal only for sliding-window layers (`{switch}` is false with no window"
-                      + (f", at the defaults {defaults})" if depends else ")"))
+                          f"window" + (f" (at {defaults})" if defaults else ""))
+    if truths == {False}:
+        return reading_at(an, "dflash.block_bidirectional", "bidirectional", node, 0.5, mode=mode,
+                          detail=f"causal only for sliding-window layers (`{switch}` is false with no window"
+                          + (f", at {defaults})" if defaults else ")"))
+    return reading_at(an, "dflash.block_bidirectional", "causal", node, 0.5, mode="switch", switch=switch,
+                      detail=f"causal under `{switch}`: whether that holds for full-attention layers was not established")
 
 
 def _enclosing_test(an: Analyzer, node: ast.AST) -> tuple[ast.expr | None, bool]:
@@ -658,72 +659,127 @@ def _is_window_size(name: str, default: ast.expr | None) -> bool:
 
 
 def _evaluate(an: Analyzer, node: ast.AST, flags: dict[str, object], depth: int,
-              overrides: dict[str, object] | None = None) -> object:
-    """True / False / None, or _UNKNOWN: a condition evaluated for a full-attention layer (window None)."""
-    overrides = overrides or {}
-    if depth > 8:
-        return _UNKNOWN
+              bindings: dict[str, ast.expr]) -> set[object]:
+    """The values a condition can take for a full-attention layer (window None), over every caller path;
+    _UNKNOWN stands for a value not established."""
+    if depth > 10:
+        return {_UNKNOWN}
     if isinstance(node, ast.Constant):
-        return node.value
+        return {node.value}
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        inner = _evaluate(an, node.operand, flags, depth + 1, overrides)
-        return _UNKNOWN if inner is _UNKNOWN else not inner
+        return {v if v is _UNKNOWN else not v for v in _evaluate(an, node.operand, flags, depth + 1, bindings)}
     if isinstance(node, ast.BoolOp):
-        values = [_evaluate(an, v, flags, depth + 1, overrides) for v in node.values]
-        if isinstance(node.op, ast.Or):
-            if any(v is not _UNKNOWN and v for v in values):
-                return True
-            return _UNKNOWN if any(v is _UNKNOWN for v in values) else False
-        if any(v is not _UNKNOWN and not v for v in values):
-            return False
-        return _UNKNOWN if any(v is _UNKNOWN for v in values) else True
+        out: set[object] = set()
+        combos: list[list[object]] = [[]]
+        for value in node.values:
+            combos = [c + [v] for c in combos for v in _evaluate(an, value, flags, depth + 1, bindings)][:64]
+        for combo in combos:
+            out.add(_bool_op(isinstance(node.op, ast.Or), combo))
+        return out
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)):
-        left = _evaluate(an, node.left, flags, depth + 1, overrides)
-        right = _evaluate(an, node.comparators[0], flags, depth + 1, overrides)
-        if left is _UNKNOWN or right is _UNKNOWN:
-            return _UNKNOWN
-        same = left is None and right is None or (left is not None and right is not None and left == right)
-        if (left is None) != (right is None):
-            same = False
-        return same if isinstance(node.ops[0], ast.Is) else not same
+        out = set()
+        for left in _evaluate(an, node.left, flags, depth + 1, bindings):
+            for right in _evaluate(an, node.comparators[0], flags, depth + 1, bindings):
+                if left is _UNKNOWN or right is _UNKNOWN:
+                    out.add(_UNKNOWN)
+                    continue
+                # only None identity is decided: `x is None` with x a window (None) or a known constant
+                if left is not None and right is not None:
+                    out.add(_UNKNOWN)
+                    continue
+                same = left is None and right is None
+                out.add(same if isinstance(node.ops[0], ast.Is) else not same)
+        return out
     if isinstance(node, ast.Name):
-        if node.id in overrides:
-            return overrides[node.id]
+        if node.id in bindings:
+            return _evaluate(an, bindings[node.id], flags, depth + 1, {})
         reached = reaching_definitions(an, node)
-        if reached and len(reached[0]) == 1 and not reached[1]:
-            return _evaluate(an, reached[0][0], flags, depth + 1, overrides)
-        found = an.defs_of(node)
-        scope = found[1] if found else None
-        if reached and not reached[0] and scope is not None and node.id in scope.params:
-            default = scope.params.get(node.id)
-            if _is_window_size(node.id, default):
-                return None  # a full-attention layer: no window
-            if isinstance(default, ast.Constant) and isinstance(default.value, bool):
-                flags[node.id] = default.value
-                return default.value
-        # a closure variable of a nested mask function: a parameter of the enclosing builder
-        outer = _outer_parameter(an, node)
-        if outer is not None:
-            name, default = outer
-            if _is_window_size(name, default):
-                return None
-            if isinstance(default, ast.Constant) and isinstance(default.value, bool):
-                flags[name] = default.value
-                return default.value
-        return _UNKNOWN
-    return _UNKNOWN
+        if reached and reached[0] and not reached[1]:
+            out = set()
+            for definition in reached[0][-2:]:
+                out |= _evaluate(an, definition, flags, depth + 1, bindings)
+            return out
+        owner = _owning_parameter(an, node)
+        if owner is None:
+            return {_UNKNOWN}
+        func, default = owner
+        return _parameter_values(an, func, node.id, default, flags, depth)
+    if isinstance(node, ast.Attribute):
+        if isinstance(node.value, ast.Name) and node.value.id == "self":
+            found = an.defs_of(node)
+            if found and found[0]:
+                out = set()
+                for definition in found[0][-2:]:
+                    out |= _evaluate(an, definition, flags, depth + 1, {})
+                return out
+            return {_UNKNOWN}
+        # a config field (`config.flag`): its declared default, when the field is declared once
+        entries = an.field_defaults.get(node.attr, [])
+        literals = {an.literal(v) for v, _u, _s in entries}
+        if len(literals) == 1:
+            value = literals.pop()
+            if isinstance(value, bool) or value is None:
+                flags[node.attr] = value
+                return {value}
+        return {_UNKNOWN}
+    return {_UNKNOWN}
 
 
-def _outer_parameter(an: Analyzer, node: ast.Name) -> tuple[str, ast.expr | None] | None:
+def _bool_op(is_or: bool, values: list[object]) -> object:
+    if is_or:
+        if any(v is not _UNKNOWN and v for v in values):
+            return True
+        return _UNKNOWN if any(v is _UNKNOWN for v in values) else False
+    if any(v is not _UNKNOWN and not v for v in values):
+        return False
+    return _UNKNOWN if any(v is _UNKNOWN for v in values) else True
+
+
+def _parameter_values(an: Analyzer, func: ast.AST, name: str, default: ast.expr | None, flags: dict[str, object],
+                      depth: int) -> set[object]:
+    if _is_window_size(name, default):
+        return {None}  # a full-attention layer: no window
+    callee = func.name if not (func.name == "__init__" and isinstance(an.parents.get(func), ast.ClassDef)) \
+        else an.parents[func].name
+    calls = an.calls_named(callee)
+    positional = [a.arg for a in func.args.posonlyargs + func.args.args]
+    if positional and positional[0] in {"self", "cls"}:
+        positional = positional[1:]
+    index = positional.index(name) if name in positional else None
+    out: set[object] = set()
+    for call in calls[:6]:
+        arg = kwarg(call, name)
+        if arg is None and index is not None and index < len(call.args) and not any(
+                isinstance(a, ast.Starred) for a in call.args[: index + 1]):
+            arg = call.args[index]
+        if arg is not None:
+            out |= _evaluate(an, arg, flags, depth + 1, {})
+        elif call.keywords and any(kw.arg is None for kw in call.keywords):
+            out.add(_UNKNOWN)  # **kwargs may carry it
+        else:
+            out |= _default_value(name, default, flags)
+    if not calls:
+        out |= _default_value(name, default, flags)
+    return out or {_UNKNOWN}
+
+
+def _default_value(name: str, default: ast.expr | None, flags: dict[str, object]) -> set[object]:
+    if isinstance(default, ast.Constant) and (isinstance(default.value, bool) or default.value is None):
+        flags[name] = default.value
+        return {default.value}
+    return {_UNKNOWN}
+
+
+def _owning_parameter(an: Analyzer, node: ast.Name) -> tuple[ast.AST, ast.expr | None] | None:
+    """(function, default) for a name that is a parameter of its function or of an enclosing one (a closure)."""
     func = an.enclosing_function(node)
     while func is not None:
         args = func.args
         positional = args.posonlyargs + args.args
         defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-        pairs = list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults))
-        for arg, default in pairs:
+        for arg, default in list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults)):
             if arg.arg == node.id:
-                return arg.arg, default
+                return func, default
         func = an.enclosing_function(func)
     return None
 
@@ -744,9 +800,12 @@ def detect_block_bidirectional(an: Analyzer) -> list[CodeReading]:
         if not q_kv or not scope_mentions_block(an, node):
             continue
         switch = an.switch_of(node)
-        if switch and mentions_window(an, node, switch):
-            readings.append(_full_attention_reading(an, node, switch))
-            continue
+        if switch:
+            # what the switch is for a full-attention layer with the flags as the callers / defaults set them
+            evaluated = _full_attention_reading(an, node, switch)
+            if evaluated.mode != "switch" or mentions_window(an, node, switch):
+                readings.append(evaluated)
+                continue
         mode = "switch" if switch else "hardcoded"
         readings.append(reading_at(an, "dflash.block_bidirectional", "causal", node, 0.75, mode=mode, switch=switch,
                                  detail="queries of a block see only earlier block tokens (query/key order compared)"))

@@ -22,7 +22,7 @@ from sleuth.evidence.ast_index import (
     tokens,
     is_module_name,
 )
-from sleuth.evidence.origins import is_noop_module, module_definitions
+from sleuth.evidence.origins import is_noop_module, module_definitions, reaching_definitions
 from sleuth.evidence.registry import detector
 
 
@@ -352,7 +352,7 @@ def _fc_norm_at(an: Analyzer, node: ast.AST) -> list[CodeReading]:
         readings.append(reading_at(an, "dflash.fc_norm", "raw", node, 0.75,
                                    detail=f"fc output goes through `{ast.unparse(norm_call.func)}`, which is {what}: no norm"))
     elif kind == "switch":
-        readings.append(reading_at(an, "dflash.fc_norm", "normed", node, 0.5, mode="switch", switch=what,
+        readings.append(reading_at(an, "dflash.fc_norm", "normed?", node, 0.5, mode="switch", switch=what,
                                    detail=f"`{ast.unparse(norm_call.func)}` is a norm or a pass-through depending on {what}"))
     elif kind == "norm":
         readings.append(reading_at(an, "dflash.fc_norm", "normed", node, 0.75, detail=f"fc output goes through a norm ({what})"))
@@ -412,9 +412,16 @@ def _is_norm_call(node: ast.Call) -> bool:
 # --- KV injection -------------------------------------------------------------------------------------
 
 
-def _is_context(an: Analyzer, node: ast.AST) -> bool:
+def _is_context(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
     names = [leaf_name(n) for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))]
-    return any(set(tokens(n)) & CONTEXT_TOKENS for n in names)
+    if any(set(tokens(n)) & CONTEXT_TOKENS for n in names):
+        return True
+    # a local name says nothing: what it was computed from does (`v_c = self.v_proj(ctx)`)
+    if isinstance(node, ast.Name) and depth < 3:
+        reached = reaching_definitions(an, node)
+        if reached and len(reached[0]) == 1 and not reached[1]:
+            return _is_context(an, reached[0][0], depth + 1)
+    return False
 
 
 @detector("dflash.kv_injection")
