@@ -349,3 +349,31 @@ def serve(draft, target, ids, layer_ids, B, max_len):
 def test_serving_keeps_exactly_the_positions_the_anchor_advances_past(tmp_path, kept, expected):
     got, reason = status(tmp_path, {"serve.py": SERVE.format(kept=kept)}, "dflash.context_excludes_anchor")
     assert got == expected, reason
+
+
+def test_context_keys_projected_from_the_block_itself_are_not_context(tmp_path):
+    text = KV_MODULES.format(ctx_v="v_proj").replace("self.k_proj(ctx), self.k_proj(x)", "self.k_proj(x), self.k_proj(x)")
+    got, reason = status(tmp_path, {"a.py": text}, "dflash.kv_injection")
+    assert got == "mismatch", reason
+
+
+SERVE_POSITIONS = '''
+import torch
+
+def decode(drafter, ids, feats, block_size, max_len):
+    positions = torch.arange(max_len + block_size)[None]
+    start = ids.shape[1]
+    while start < max_len:
+        draft = drafter(ids[:, start:start + block_size], feats, position_ids=positions[:, {cut}])
+        start += 1
+    return draft
+'''
+
+
+@pytest.mark.parametrize("cut,expected", [
+    ("start:start + block_size", "match"),
+    ("start + 1:start + block_size + 1", "mismatch"),
+])
+def test_serving_block_positions_cut_from_the_position_range(tmp_path, cut, expected):
+    got, reason = status(tmp_path, {"d.py": SERVE_POSITIONS.format(cut=cut)}, "dflash.block_position_ids")
+    assert got == expected, reason

@@ -435,6 +435,13 @@ def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
         if not isinstance(seq, (ast.List, ast.Tuple)) or len(seq.elts) != 2:
             continue
         first, second = seq.elts
+        sources = (_traced_projection_source(an, first), _traced_projection_source(an, second))
+        if None not in sources and sources[0] == sources[1] and _function_has_context(an, node):
+            # both halves projected from one input: the "context" K/V are the block's own (no context at all)
+            readings.append(reading_at(an, "dflash.kv_injection", "context K/V from the block's own states", node, 0.85,
+                                       detail=f"both halves of the concatenation project `{sources[0]}`: the context part "
+                                       "does not come from the target features"))
+            continue
         a_ctx, b_ctx = _is_context(an, first), _is_context(an, second)
         if a_ctx == b_ctx and not a_ctx:
             # names say nothing (c, x): the block is the source the queries are projected from
@@ -493,6 +500,27 @@ def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
                     readings.append(reading_at(an, "dflash.kv_injection", "added to hidden states", node, 0.55,
                                              detail="the fused context is added to the block's hidden states, not injected as K/V"))
     return readings
+
+
+def _function_has_context(an: Analyzer, node: ast.AST) -> bool:
+    """The function around `node` takes or reads the drafter's context (target features) somewhere."""
+    func = an.enclosing_function(node)
+    if func is None:
+        return False
+    return any(set(tokens(n.arg if isinstance(n, ast.arg) else n.id)) & CONTEXT_TOKENS
+               for n in ast.walk(func) if isinstance(n, (ast.arg, ast.Name)))
+
+
+def _traced_projection_source(an: Analyzer, node: ast.AST, depth: int = 0) -> str | None:
+    """The input text X of the projection that produced `node` (through local names), or None."""
+    direct = _projection_source(an, node)
+    if direct is not None:
+        return direct
+    if isinstance(node, ast.Name) and depth < 3:
+        reached = reaching_definitions(an, node)
+        if reached and len(reached[0]) == 1 and not reached[1]:
+            return _traced_projection_source(an, reached[0][0], depth + 1)
+    return None
 
 
 def _projection_kind(an: Analyzer, node: ast.AST, depth: int = 0) -> str | None:

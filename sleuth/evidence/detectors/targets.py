@@ -208,6 +208,28 @@ def _block_position_readings(an: Analyzer, node: ast.AST, candidate: ast.expr, s
     return out
 
 
+def _sliced_block_positions(an: Analyzer, node: ast.AST, value: ast.expr, target_name: str) -> CodeReading | None:
+    """Serving style: the block's positions cut from a plain arange of positions, `pos[:, start : start + B]`
+    (or a context-and-block window ending at `start + B`): block token j sits at start + j + c."""
+    if not isinstance(value, ast.Subscript) or not _is_plain_arange(an, value.value):
+        return None
+    parts = value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice]
+    cut = parts[-1]
+    if not isinstance(cut, ast.Slice) or cut.upper is None:
+        return None
+    upper = cut.upper
+    size_terms = [n for n in ast.walk(upper) if isinstance(n, (ast.Name, ast.Attribute)) and an.is_blocksize(n)]
+    if not size_terms or "anchor" not in an.tags(upper):
+        return None
+    offset = an.const_offset(upper)
+    if cut.lower is not None and "anchor" in an.tags(cut.lower) and an.const_offset(cut.lower) != offset:
+        return reading_at(an, "dflash.block_position_ids", "anchor+j?", node, 0.6,
+                          detail=f"`{ast.unparse(value)[:60]}`: the start and the end of the cut disagree")
+    text = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+    return reading_at(an, "dflash.block_position_ids", text, node, 0.7,
+                      detail=f"`{target_name}` cut from a plain arange as `{ast.unparse(cut)}`: block token j at anchor + j{offset:+d}")
+
+
 def _packs_documents(an: Analyzer) -> bool:
     """Whether the code packs several documents in a row: it compares one tensor read at two places for
     equality (`doc_ids[q] == doc_ids[kv]`, through names), the same-document rule of a packed mask."""
@@ -270,6 +292,10 @@ def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
                 candidates = [e for a in value_node.args for e in (a.elts if isinstance(a, (ast.List, ast.Tuple)) else [a])]
             else:
                 candidates = [value_node]
+            sliced = _sliced_block_positions(an, node, value_node, target_name)
+            if sliced is not None:
+                readings.append(sliced)
+                continue
             for candidate in candidates:
                 traced = _block_position_readings(an, node, candidate, candidates, target_name)
                 if traced is not None:
