@@ -180,6 +180,8 @@ def block_mask(anchors, doc, S, B):
 @pytest.mark.parametrize("ctx_rule,expected", [
     ("(kv < S) & (pos < anchors[q // B])", "match"),
     ("pos < anchors[q // B]", "mismatch"),  # the wrapped index lets other blocks' tokens alias into the context
+    ("(kv <= S) & (pos < anchors[q // B])", "mismatch"),  # the bound one too loose: the first block token aliases
+    ("(kv <= S - 1) & (pos < anchors[q // B])", "match"),
 ])
 def test_a_wrapped_key_index_needs_the_context_bound(tmp_path, ctx_rule, expected):
     got, reason = status(tmp_path, {"m.py": FLEX_PIECES.format(ctx_rule=ctx_rule)}, "dflash.blocks_isolated")

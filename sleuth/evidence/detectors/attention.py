@@ -491,6 +491,19 @@ def _wrapped(an: Analyzer, node: ast.AST, depth: int = 0) -> str | None:
     return None
 
 
+def _context_bound_excess(an: Analyzer, atom: ast.Compare, modulus: str | None) -> int | None:
+    """How many key indices past `kv < modulus` a context bound lets through (0 for exactly `kv < M` /
+    `kv <= M - 1`), None when the bound is not written against the modulus."""
+    left, right, op = atom.left, atom.comparators[0], type(atom.ops[0])
+    if "kv" in an.tags(right) and "kv" not in an.tags(left):
+        left, right, op = right, left, _FLIP_OP[op]
+    base, c = _split_offset(right)
+    if modulus is None or base != modulus:
+        return None
+    last_visible = c - 1 if op is ast.Lt else c if op is ast.LtE else None
+    return None if last_visible is None else last_visible + 1
+
+
 def _is_block_equality(an: Analyzer, atom: ast.AST) -> bool:
     if not isinstance(atom, ast.Compare) or len(atom.ops) != 1 or not isinstance(atom.ops[0], ast.Eq):
         return False
@@ -538,6 +551,15 @@ def _mask_formula_readings(an: Analyzer) -> list[CodeReading]:
                                                detail="a block query sees every block's tokens: the mask lets "
                                                f"`{ast.unparse(where)}` through with no same-block condition"))
                 wrapped = [a for a in conjunction if _anchor_side_of(an, a) is not None and _wrapped(an, _anchor_side_of(an, a))]
+                if wrapped and "context" in regions:
+                    modulus = _wrapped(an, _anchor_side_of(an, wrapped[0]))
+                    bounds = [a for a in conjunction if _key_region(an, a) == "context"]
+                    loose = [a for a in bounds if _context_bound_excess(an, a, modulus) not in (0, None)]
+                    if loose and len(loose) == len(bounds):
+                        readings.append(reading_at(an, "dflash.blocks_isolated", "cross-block", loose[0], 0.85,
+                                                   detail=f"the context bound `{ast.unparse(loose[0])}` lets key indices at or "
+                                                   f"past {modulus} through, and the wrapped index `{ast.unparse(_anchor_side_of(an, wrapped[0]))}` "
+                                                   "maps those block tokens onto context positions"))
                 if wrapped and "context" not in regions and not any(_is_block_equality(an, a) for a in conjunction):
                     kv = _anchor_side_of(an, wrapped[0])
                     readings.append(reading_at(an, "dflash.blocks_isolated", "cross-block", wrapped[0], 0.85,
