@@ -379,3 +379,35 @@ def decode(drafter, ids, feats, block_size, max_len):
 def test_serving_block_positions_cut_from_the_position_range(tmp_path, cut, expected):
     got, reason = status(tmp_path, {"d.py": SERVE_POSITIONS.format(cut=cut)}, "dflash.block_position_ids")
     assert got == expected, reason
+
+
+NORM_THEN_USE = '''
+import torch
+from torch import nn
+
+class Fuse(nn.Module):
+    def __init__(self, k, d):
+        super().__init__()
+        self.proj = nn.Linear(k * d, d, bias=False)
+        self.post_norm = nn.RMSNorm(d)
+
+    def forward(self, feats, x):
+        fused = self.proj(feats)
+        fused_n = self.post_norm(fused)
+        return self.layers(x, context={used})
+'''
+
+
+@pytest.mark.parametrize("used,expected", [("fused_n", "match"), ("fused", "mismatch")])
+def test_the_normed_fc_output_must_be_the_one_used(tmp_path, used, expected):
+    got, reason = status(tmp_path, {"f.py": NORM_THEN_USE.format(used=used)}, "dflash.fc_norm")
+    assert got == expected, reason
+
+
+@pytest.mark.parametrize("rule,expected", [
+    ("in_blocks & ((kv - S) // B == q // B)", "match"),
+    ("in_blocks & ((kv - S) // B + 1 == q // B)", "mismatch"),  # each block sees the previous one, not its own
+])
+def test_block_ids_compared_with_a_shift_are_different_blocks(tmp_path, rule, expected):
+    got, reason = status(tmp_path, {"m.py": DENSE_BLOCKS.format(block_rule=rule)}, "dflash.blocks_isolated")
+    assert got == expected, reason

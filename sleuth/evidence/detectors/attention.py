@@ -607,12 +607,34 @@ def _anchor_side_of(an: Analyzer, atom: ast.AST) -> ast.expr | None:
     return None
 
 
+def _block_id_shift(an: Analyzer, node: ast.Compare) -> int:
+    """A constant added to one block id and not the other (`q // B == (kv - S) // B + 1`): those compare
+    different blocks. Offsets inside the division (`(kv - S) // B`) are how key indices map to blocks, not a shift."""
+    def outer_offset(side: ast.AST, depth: int = 0) -> int:
+        if isinstance(side, ast.BinOp) and isinstance(side.op, (ast.Add, ast.Sub)):
+            c = const_number(side.right)
+            if c is not None and float(c).is_integer():
+                return outer_offset(side.left, depth + 1) + int(c) * (1 if isinstance(side.op, ast.Add) else -1)
+        if isinstance(side, ast.Name) and depth < 4:
+            reached = reaching_definitions(an, side)
+            if reached and len(reached[0]) == 1 and not reached[1]:
+                return outer_offset(reached[0][0], depth + 1)
+        if isinstance(side, ast.Call) and isinstance(side.func, ast.Attribute) and call_name(side) in PRESERVING_METHODS:
+            return outer_offset(side.func.value, depth + 1)
+        return 0
+    return outer_offset(node.left) - outer_offset(node.comparators[0])
+
+
 @detector("dflash.blocks_isolated")
 def detect_blocks_isolated(an: Analyzer) -> list[CodeReading]:
     readings = _mask_formula_readings(an)
     for node, op in _block_comparisons(an):
         switch = an.switch_of(node)
-        if op == "Eq":
+        shift = _block_id_shift(an, node)
+        if op == "Eq" and shift:
+            value, detail = "cross-block", (f"the block ids compared are {shift:+d} apart: a block sees another block's "
+                                            "tokens instead of its own")
+        elif op == "Eq":
             value, detail = "isolated", "a block's keys are restricted to its own block (same block id)"
         elif op in {"Lt", "LtE", "Gt", "GtE"}:
             value, detail = "cross-block", "block tokens see other blocks (block ids compared with an order, not ==)"

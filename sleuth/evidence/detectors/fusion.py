@@ -341,6 +341,11 @@ def _fc_norm_at(an: Analyzer, node: ast.AST) -> list[CodeReading]:
                     returned = True
         if returned and norm_call is None:
             return readings  # the caller may norm it: not evidence either way
+        if norm_call is not None and func is not None and _normed_value_unused(an, func, var, norm_call):
+            readings.append(reading_at(an, "dflash.fc_norm", "raw", node, 0.7,
+                                       detail=f"`{ast.unparse(norm_call)[:50]}` is computed, but `{var}` (the fc output "
+                                       "before the norm) is what the code goes on to use"))
+            return readings
     else:
         return readings
     if norm_call is None:
@@ -360,6 +365,19 @@ def _fc_norm_at(an: Analyzer, node: ast.AST) -> list[CodeReading]:
         readings.append(reading_at(an, "dflash.fc_norm", "normed?", node, 0.5,
                                    detail=f"fc output goes through `{ast.unparse(norm_call.func)}`, {what}"))
     return readings
+
+
+def _normed_value_unused(an: Analyzer, func: ast.AST, var: str, norm_call: ast.Call) -> bool:
+    """The norm's result is bound to another name that nothing reads, while the raw fc output is read after it."""
+    parent = an.parents.get(norm_call)
+    if not (isinstance(parent, ast.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0], ast.Name)):
+        return False
+    normed = parent.targets[0].id
+    if normed == var:
+        return False
+    later = [n for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+             and n.lineno > norm_call.lineno]
+    return not any(n.id == normed for n in later) and any(n.id == var for n in later)
 
 
 def _norm_module_kind(an: Analyzer, call: ast.Call) -> tuple[str, str]:
