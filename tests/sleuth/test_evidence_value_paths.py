@@ -411,3 +411,24 @@ def test_the_normed_fc_output_must_be_the_one_used(tmp_path, used, expected):
 def test_block_ids_compared_with_a_shift_are_different_blocks(tmp_path, rule, expected):
     got, reason = status(tmp_path, {"m.py": DENSE_BLOCKS.format(block_rule=rule)}, "dflash.blocks_isolated")
     assert got == expected, reason
+
+
+PACKED_CONTEXT = '''
+import torch
+
+def context_rule(doc, anchors, S, B):
+    def mod(b, h, q_idx, kv_idx):
+        a = anchors[q_idx // B]
+        same = doc[a] == doc[kv_idx.clamp(max=S - 1)]
+        return {rule}
+    return mod
+'''
+
+
+@pytest.mark.parametrize("rule,expected", [
+    ("(kv_idx < S) & same & (kv_idx < a)", "match"),
+    ("(kv_idx < S) & (kv_idx < a)", "mismatch"),  # the same-document condition computed, then left out
+])
+def test_a_packed_context_rule_keeps_its_same_document_condition(tmp_path, rule, expected):
+    got, reason = status(tmp_path, {"m.py": PACKED_CONTEXT.format(rule=rule)}, "dflash.context_excludes_anchor")
+    assert got == expected, reason

@@ -266,9 +266,60 @@ def _inference_context_readings(an: Analyzer) -> list[CodeReading]:
     return readings
 
 
+def _same_document_atom(an: Analyzer, atom: ast.AST) -> bool:
+    """`doc[q_anchor] == doc[kv]` (through names): one tensor read at two places, compared for equality."""
+    if not isinstance(atom, ast.Compare) or len(atom.ops) != 1 or not isinstance(atom.ops[0], ast.Eq):
+        return False
+
+    def base(node: ast.AST, depth: int = 0) -> str | None:
+        if isinstance(node, ast.Subscript):
+            return ast.unparse(node.value)
+        if isinstance(node, ast.Name) and depth < 3:
+            reached = reaching_definitions(an, node)
+            if reached and len(reached[0]) == 1 and not reached[1]:
+                return base(reached[0][0], depth + 1)
+        return None
+    left, right = base(atom.left), base(atom.comparators[0])
+    return left is not None and left == right
+
+
+def _document_readings(an: Analyzer) -> list[CodeReading]:
+    """Packed rows: a mask function that computes the same-document condition must require it wherever it lets
+    a context key through by the anchor rule; a conjunction without it shows other documents' context."""
+    readings: list[CodeReading] = []
+    done: set[int] = set()
+    for atom in nodes_of(an, ast.Compare):
+        if _anchor_side_of(an, atom) is None:
+            continue
+        outer = an.outermost_function(atom)
+        if outer is None or id(outer) in done:
+            continue
+        done.add(id(outer))
+        if not any(_same_document_atom(an, c) for c in ast.walk(outer) if isinstance(c, ast.Compare)):
+            continue  # this code has no same-document rule to lose
+        func = an.enclosing_function(atom)
+        starts = _combinator_uses(an, func) or _returns_of(an, func)
+        for start in starts:
+            formula = _conjunctions(an, start)
+            for conjunction in formula or []:
+                if not any(_anchor_side_of(an, a) is not None for a in conjunction):
+                    continue
+                regions = {_key_region(an, a) for a in conjunction}
+                if {"block", "context"} <= regions or any(
+                        not isinstance(a, ast.Compare) and (an.tags(a) & {"kv"} or isinstance(a, ast.Call)) for a in conjunction):
+                    continue
+                if not any(_same_document_atom(an, a) for a in conjunction):
+                    where = next(a for a in conjunction if _anchor_side_of(an, a) is not None)
+                    readings.append(reading_at(an, "dflash.context_excludes_anchor", "kv < anchor, any document", where, 0.9,
+                                               detail="the code computes the same-document condition but this part of the "
+                                               "mask lets context keys through without it: other documents of the packed "
+                                               "row are visible"))
+    return readings
+
+
 @detector("dflash.context_excludes_anchor")
 def detect_context_excludes_anchor(an: Analyzer) -> list[CodeReading]:
-    readings: list[CodeReading] = _inference_context_readings(an)
+    readings: list[CodeReading] = _inference_context_readings(an) + _document_readings(an)
     by_function: dict[int, list[CodeReading]] = {}
     for node, symbol, offset, nonconst, polarity, confidence, leg in _anchor_comparisons(an):
         value = _visible_upper_bound(symbol, offset, polarity)
