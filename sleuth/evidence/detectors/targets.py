@@ -6,7 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from sleuth.evidence.origins import Origin, head_input, trace
+from sleuth.evidence.origins import Origin, block_legs, head_input, reaching_definitions, trace
 from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
@@ -168,6 +168,112 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
     return readings
 
 
+def _block_position_readings(an: Analyzer, node: ast.AST, candidate: ast.expr, siblings: list[ast.expr],
+                             target_name: str) -> list[CodeReading] | None:
+    """Block positions read along the anchor's whole path (i11-attn): an offset on a helper's argument or in a
+    reassignment counts, and a block whose positions are joined to the context's position tensor must take the
+    anchor's position from that tensor: the anchor's packed index is its position only where positions are a
+    plain arange (packed documents restart theirs). None when no anchor + arange(B) is found here."""
+    legs = block_legs(an, candidate)
+    if not legs:
+        return None
+    context_positions = [s for s in siblings if s is not candidate]
+    out = []
+    seen: set[tuple] = set()
+    for leg, start in legs:
+        offset = leg.offset + start
+        key = (offset, leg.lookup, leg.complete, leg.switch)
+        if key in seen:
+            continue
+        seen.add(key)
+        value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+        detail = f"block token j at position anchor + j{offset:+d} (`{target_name}`)"
+        confidence = 0.8
+        if leg.lookup is None and context_positions and _packs_documents(an) and not all(_is_plain_arange(an, c) for c in context_positions):
+            value = "anchor index+j" if offset == 0 else f"anchor index+j{offset:+d}"
+            detail = (f"block positions start at the anchor's packed index, but the context's positions are "
+                      f"`{ast.unparse(context_positions[0])[:40]}` (document positions in a packed row): the anchor's "
+                      f"position is that tensor at the anchor")
+            confidence = 0.85  # it sees both parts of the positions: it outranks a reading of the block part alone
+        elif leg.lookup is not None and context_positions and not any(
+                ast.unparse(c).startswith(leg.lookup.split("[")[0]) for c in context_positions):
+            detail += f"; the anchor's position is read from `{leg.lookup}`"
+        if leg.entered is not None and offset:
+            detail += f"; the offset enters at `{ast.unparse(leg.entered)[:50]}` ({an.unit(leg.entered).path}:{getattr(leg.entered, 'lineno', 0)})"
+        mode = "switch" if leg.switch else "hardcoded"
+        if not leg.complete:
+            value += "?"
+            detail += f"; the anchor's path is not traced: {leg.missing}"
+        out.append(reading_at(an, "dflash.block_position_ids", value, node, confidence, mode=mode, switch=leg.switch, detail=detail))
+    return out
+
+
+def _sliced_block_positions(an: Analyzer, node: ast.AST, value: ast.expr, target_name: str) -> CodeReading | None:
+    """Serving style: the block's positions cut from a plain arange of positions, `pos[:, start : start + B]`
+    (or a context-and-block window ending at `start + B`): block token j sits at start + j + c."""
+    if not isinstance(value, ast.Subscript) or not _is_plain_arange(an, value.value):
+        return None
+    parts = value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice]
+    cut = parts[-1]
+    if not isinstance(cut, ast.Slice) or cut.upper is None:
+        return None
+    upper = cut.upper
+    size_terms = [n for n in ast.walk(upper) if isinstance(n, (ast.Name, ast.Attribute)) and an.is_blocksize(n)]
+    if not size_terms or "anchor" not in an.tags(upper):
+        return None
+    offset = an.const_offset(upper)
+    if cut.lower is not None and "anchor" in an.tags(cut.lower) and an.const_offset(cut.lower) != offset:
+        return reading_at(an, "dflash.block_position_ids", "anchor+j?", node, 0.6,
+                          detail=f"`{ast.unparse(value)[:60]}`: the start and the end of the cut disagree")
+    text = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+    # serving is a site of its own: correct training positions elsewhere do not vouch for it
+    return reading_at(an, "dflash.block_position_ids", text, node, 0.7 if offset == 0 else 0.85,
+                      detail=f"`{target_name}` cut from a plain arange as `{ast.unparse(cut)}`: block token j at anchor + j{offset:+d}")
+
+
+def _packs_documents(an: Analyzer) -> bool:
+    """Whether the code packs several documents in a row: it compares one tensor read at two places for
+    equality (`doc_ids[q] == doc_ids[kv]`, through names), the same-document rule of a packed mask."""
+    def base(node: ast.AST, depth: int = 0) -> str | None:
+        if isinstance(node, ast.Subscript):
+            return ast.unparse(node.value)
+        if isinstance(node, ast.Name) and depth < 3:
+            reached = reaching_definitions(an, node)
+            if reached and len(reached[0]) == 1:
+                return base(reached[0][0], depth + 1)
+        return None
+
+    def compute() -> bool:
+        for node in nodes_of(an, ast.Compare):
+            if len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+                left, right = base(node.left), base(node.comparators[0])
+                if left is not None and left == right:
+                    return True
+        return False
+    return an.memo("packs-documents", compute)
+
+
+def _is_plain_arange(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
+    """Positions that are certainly 0..n-1 (an arange built here, through names and layout methods)."""
+    if depth > 6:
+        return False
+    if isinstance(node, ast.Call):
+        if call_name(node) == "arange" and an.arange_start(node) == 0:
+            return True
+        if isinstance(node.func, ast.Attribute) and call_name(node) in PRESERVING_METHODS and not is_module_name(node.func.value):
+            return _is_plain_arange(an, node.func.value, depth + 1)
+        return False
+    if isinstance(node, ast.Subscript):
+        return _is_plain_arange(an, node.value, depth + 1)
+    if isinstance(node, ast.Name):
+        reached = reaching_definitions(an, node)
+        if reached is None:
+            return False
+        definitions, is_param = reached
+        return bool(definitions) and not is_param and all(_is_plain_arange(an, d, depth + 1) for d in definitions)
+    return False
+
+
 @detector("dflash.block_position_ids")
 def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
     readings = []
@@ -187,12 +293,20 @@ def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
                 candidates = [e for a in value_node.args for e in (a.elts if isinstance(a, (ast.List, ast.Tuple)) else [a])]
             else:
                 candidates = [value_node]
+            sliced = _sliced_block_positions(an, node, value_node, target_name)
+            if sliced is not None:
+                readings.append(sliced)
+                continue
             for candidate in candidates:
-                for offset, switch in an.block_index_offsets(candidate):
-                    value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
-                    mode = "switch" if switch else "hardcoded"
-                    readings.append(reading_at(an, "dflash.block_position_ids", value, node, 0.8, mode=mode, switch=switch,
-                                             detail=f"block token j at position anchor + j{offset:+d} (`{target_name}`)"))
+                traced = _block_position_readings(an, node, candidate, candidates, target_name)
+                if traced is not None:
+                    readings += traced
+                else:
+                    for offset, switch in an.block_index_offsets(candidate):
+                        value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+                        mode = "switch" if switch else "hardcoded"
+                        readings.append(reading_at(an, "dflash.block_position_ids", value, node, 0.8, mode=mode, switch=switch,
+                                                 detail=f"block token j at position anchor + j{offset:+d} (`{target_name}`)"))
                 while (isinstance(candidate, ast.Call) and isinstance(candidate.func, ast.Attribute)
                        and call_name(candidate) in PRESERVING_METHODS and not is_module_name(candidate.func.value)):
                     candidate = candidate.func.value
