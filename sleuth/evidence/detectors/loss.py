@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from sleuth.evidence.ast_index import (
     ANCHOR_TOKENS,
@@ -13,7 +14,9 @@ from sleuth.evidence.ast_index import (
     LOGITS_TOKENS,
     WEIGHTISH_TOKENS,
     MISSING,
+    VARIANT,
     in_draft_class,
+    in_variant_code,
     is_module_name,
     reading_at,
     nodes_of,
@@ -25,6 +28,7 @@ from sleuth.evidence.ast_index import (
     name_tags,
     tokens,
 )
+from sleuth.evidence.origins import keyed_values
 from sleuth.evidence.registry import detector
 
 
@@ -58,29 +62,296 @@ def _decay_exponentials(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr, ast.
         yield node, numerator, divisor
 
 
+def _inverted_decays(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr, ast.expr]]:
+    """exp(-X * G) over the slot index X: a decay written with a rate, whose gamma is 1/G (call, X, G)."""
+    for node in nodes_of(an, ast.Call):
+        if call_name(node) != "exp":
+            continue
+        if node.args:
+            arg = node.args[0]
+        elif isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value):
+            arg = node.func.value
+        else:
+            continue
+        sides: tuple[ast.expr, ast.expr] | None = None
+        if isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub) and isinstance(arg.operand, ast.BinOp) \
+                and isinstance(arg.operand.op, ast.Mult):
+            sides = (arg.operand.left, arg.operand.right)
+        elif isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mult):
+            for negated, other in ((arg.left, arg.right), (arg.right, arg.left)):
+                if isinstance(negated, ast.UnaryOp) and isinstance(negated.op, ast.USub):
+                    sides = (negated.operand, other)
+        if sides is None:
+            continue
+        for slot, rate in (sides, sides[::-1]):
+            if _is_slot_index(an, slot) and not _is_slot_index(an, rate) and _in_loss_context(an, node):
+                yield node, slot, rate
+                break
+
+
+@dataclass
+class _Source:
+    """Where a value on the decay's path ends: a literal, a default (parameter, settings field, `.get`
+    fallback), or an opaque value (`missing` says why)."""
+    value: object
+    node: ast.AST
+    how: str
+    kind: str  # literal | default | opaque
+    missing: str = ""
+
+
+def _call_bindings(an: Analyzer, func: ast.AST, param: str) -> list[tuple[ast.Call, ast.expr | None | object]]:
+    """Each DFlash-path call of `func` (also `partial(func, ...)`) with what it passes for `param`: the
+    argument, None (omitted: the default applies) or MISSING (unknown: `**kwargs`, `*args`, or a partial
+    that leaves it to its own caller)."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return []
+    positional = [a.arg for a in func.args.posonlyargs + func.args.args]
+    callee = func.name
+    if callee == "__init__":
+        cls = an.parents.get(func)
+        callee = cls.name if isinstance(cls, ast.ClassDef) else ""
+    if positional and positional[0] in {"self", "cls"}:
+        positional = positional[1:]
+    index = positional.index(param) if param in positional else None
+
+    def bound(args: list[ast.expr], keywords: list[ast.keyword], omitted: object) -> object:
+        for kw in keywords:
+            if kw.arg == param:
+                return kw.value
+        starred = any(isinstance(a, ast.Starred) for a in args) or any(kw.arg is None for kw in keywords)
+        if index is not None and index < len(args) and not any(isinstance(a, ast.Starred) for a in args[: index + 1]):
+            return args[index]
+        return MISSING if starred else omitted
+
+    out: list[tuple[ast.Call, object]] = []
+    for call in an.calls_named(callee):
+        if in_variant_code(an, call) or an.enclosing_function(call) is func:
+            continue
+        out.append((call, bound(call.args, call.keywords, None)))
+    for call in an.calls_named("partial"):
+        if call.args and leaf_name(call.args[0]) == callee and not in_variant_code(an, call):
+            out.append((call, bound(call.args[1:], call.keywords, MISSING)))
+    return out
+
+
+def _config_defaults(an: Analyzer, key: str) -> list[_Source]:
+    """A settings value read by its key (`args.key`, `cfg["key"]`, `kwargs.get("key")`): the defaults of
+    settings fields declared with exactly that name, and values stored under that key in literal dicts."""
+    out: list[_Source] = []
+    for value_node, _unit, stmt in an.field_defaults.get(key, []):
+        if in_variant_code(an, stmt):
+            continue
+        value = an.literal(value_node)
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            out.append(_Source(value, stmt, f"settings field `{key}`", "default"))
+    return out
+
+
+def _gamma_sources(an: Analyzer, node: ast.AST, depth: int = 0) -> list[_Source]:
+    """Follow the decay's gamma back along its value path: assignments, `self.x`, parameters to the arguments
+    their callers pass (a default counts only where some caller leaves it unset), keyword dicts handed to an
+    entry point, settings fields read by their exact key. Names never stand in for the path."""
+    if depth > 10:
+        return [_Source(MISSING, node, "", "opaque", "the trail is too long to follow")]
+    number = const_number(node)
+    if number is not None:
+        return [_Source(float(number), node, ast.unparse(node), "literal")]
+    if isinstance(node, ast.Constant) and node.value is None:
+        return [_Source(None, node, "None", "literal")]
+    if isinstance(node, ast.Call):
+        name = call_name(node)
+        if name in {"float", "int"} and len(node.args) == 1:
+            return _gamma_sources(an, node.args[0], depth + 1)
+        if name in {"get", "pop", "getattr", "setdefault"} and len(node.args) >= 2:
+            key_node = node.args[1] if name == "getattr" else node.args[0]
+            fallback = node.args[2] if name == "getattr" and len(node.args) >= 3 else node.args[-1] if name != "getattr" else None
+            out: list[_Source] = []
+            if isinstance(key_node, ast.Constant) and isinstance(key_node.value, str):
+                out += _config_defaults(an, key_node.value)
+            if fallback is not None:
+                out += [_Source(s.value, s.node, f"`{ast.unparse(node)[:60]}` fallback", "default", s.missing) if s.kind == "literal" else s
+                        for s in _gamma_sources(an, fallback, depth + 1)]
+            return out
+        return [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is computed at run time")]
+    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+        out = []
+        for value in node.values:
+            out += _gamma_sources(an, value, depth + 1)
+        return out
+    if isinstance(node, ast.Name) or (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+        found = an.defs_of(node)
+        if found is None:
+            if isinstance(node, ast.Attribute):
+                return _config_defaults(an, node.attr) or [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)}` is never assigned in the analysed code")]
+            return [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)}` is not defined in the analysed code")]
+        definitions, scope = found
+        if definitions:
+            out = []
+            for definition in definitions[-3:]:
+                out += _gamma_sources(an, definition, depth + 1)
+            return out
+        return _parameter_sources(an, scope.node, node.id, scope.params.get(node.id), depth)
+    if isinstance(node, ast.Attribute):
+        out = _config_defaults(an, node.attr) + _constructor_argument(an, node, node.attr, depth)
+        return out or [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is a run-time setting with no default in the code")]
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        key = node.slice.value
+        out = _config_defaults(an, key) + _constructor_argument(an, node, key, depth)
+        for value in [v for v in keyed_values(an, key) if not in_variant_code(an, v)][:3]:
+            out += _gamma_sources(an, value, depth + 1)
+        return out or [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is a run-time setting with no default in the code")]
+    return [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is computed at run time")]
+
+
+def _constructor_argument(an: Analyzer, node: ast.AST, key: str, depth: int) -> list[_Source]:
+    """`self.hparams.key` / `self.settings["key"]` inside a class whose constructor takes `key`: the class keeps
+    its constructor arguments under their names (Lightning's save_hyperparameters, `self.cfg = locals()`)."""
+    base = node.value
+    while isinstance(base, (ast.Attribute, ast.Subscript)):
+        base = base.value
+    cls = an.enclosing(node, (ast.ClassDef,))
+    if not (isinstance(base, ast.Name) and base.id == "self" and isinstance(cls, ast.ClassDef)):
+        return []
+    for stmt in cls.body:
+        if isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
+            scope = an.scope(stmt.body[0]) if stmt.body else None
+            if scope is not None and key in scope.params:
+                return _parameter_sources(an, stmt, key, scope.params[key], depth + 1)
+    return []
+
+
+def _parameter_sources(an: Analyzer, func: ast.AST | None, param: str, default: ast.expr | None, depth: int) -> list[_Source]:
+    name = getattr(func, "name", "?")
+    sites = _call_bindings(an, func, param) if func is not None else []
+    passed = [arg for _call, arg in sites if isinstance(arg, ast.expr)]
+    out: list[_Source] = []
+    for arg in passed[:4]:
+        out += _gamma_sources(an, arg, depth + 1)
+    # A default is what runs only where a caller leaves the parameter unset (or nothing calls the function).
+    if default is not None and (not sites or any(not isinstance(arg, ast.expr) for _call, arg in sites)):
+        value = an.literal(default)
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            out.append(_Source(None if value is None else float(value), default, f"default of `{name}({param}=...)`", "default"))
+    if not passed:
+        # an entry point called with a keyword dict: `{"gamma": g}` splatted into `forward(**kwargs)`
+        for value in [v for v in keyed_values(an, param) if not in_variant_code(an, v)][:3]:
+            out += _gamma_sources(an, value, depth + 1)
+    if not out:
+        why = "nothing in the analysed code calls it" if not sites else "its callers pass it at run time"
+        out.append(_Source(MISSING, func or an.units[0].tree, "", "opaque", f"parameter `{param}` of `{name}` has no default and {why}"))
+    return out
+
+
+def _references(an: Analyzer, name: str) -> list[ast.AST]:
+    """Loads of a function's name (`f`, `obj.f`) anywhere: calls, `partial(f, ...)`, a registry entry."""
+    index = an.memo("name-loads", lambda: _index_name_loads(an))
+    return index.get(name, [])
+
+
+def _index_name_loads(an: Analyzer) -> dict[str, list[ast.AST]]:
+    index: dict[str, list[ast.AST]] = {}
+    for node in an.by_type.get(ast.Name, []):
+        if isinstance(node.ctx, ast.Load):
+            index.setdefault(node.id, []).append(node)
+    for node in an.by_type.get(ast.Attribute, []):
+        if isinstance(node.ctx, ast.Load):
+            index.setdefault(node.attr, []).append(node)
+    return index
+
+
+def _module_of(path: str) -> str:
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _refers_to(an: Analyzer, ref: ast.AST, func: ast.AST) -> bool:
+    """Whether a load of `func`'s name means `func`: in its own file, or in a file that imports the name from
+    `func`'s module. A file that defines or imports the name from elsewhere means another function; a name
+    of unknown provenance (`obj.f`, a star import) may be it."""
+    here, there = an.unit(ref), an.unit(func)
+    if here is there:
+        return True
+    name = func.name
+    if isinstance(ref, ast.Name):
+        if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name for n in here.tree.body):
+            return False
+        target = _module_of(there.path)
+        package = _module_of(here.path).rsplit(".", 1)[0] if "." in _module_of(here.path) else ""
+        for stmt in ast.walk(here.tree):
+            if not isinstance(stmt, ast.ImportFrom) or not any((a.asname or a.name) == name for a in stmt.names):
+                continue
+            module = stmt.module or ""
+            if stmt.level:
+                base = package.split(".")
+                base = base[: len(base) - (stmt.level - 1)] if stmt.level > 1 else base
+                module = ".".join([*base, module] if module else base)
+            # the analysed root may sit below the import root (or above it): compare the common tail
+            tail = module.split(".", 1)[-1]
+            # `from pkg import f` where pkg's __init__ re-exports f from pkg.sub: a package above the target
+            return any(target.endswith(m) or target.startswith(m + ".") or (".%s." % m) in f".{target}."
+                       for m in {module, tail}) or module.endswith(target)
+    return True
+
+
+def _used_on_dflash_path(an: Analyzer, func: ast.AST, depth: int = 0) -> bool | None:
+    """True: DFlash code refers to `func` (or to another algorithm's function that DFlash code uses);
+    False: only other algorithms' code does (their loss applies it, DFlash's does not); None: nothing
+    refers to it (a library function or an entry point: undecided)."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > 3:
+        return None
+    refs = [r for r in _references(an, func.name) if an.enclosing_function(r) is not func and _refers_to(an, r, func)]
+    if not refs:
+        return None
+    for ref in refs:
+        if not in_variant_code(an, ref):
+            return True
+        holder = an.enclosing_function(ref)
+        if holder is not None and _used_on_dflash_path(an, an.outermost_function(ref) or holder, depth + 1) is True:
+            return True
+    return False
+
+
 @detector("dflash.loss_decay_gamma")
 def detect_gamma(an: Analyzer) -> list[CodeReading]:
-    readings = _flat_weights(an) if not list(_decay_exponentials(an)) else []
-    for node, numerator, divisor in _decay_exponentials(an):
-        number = const_number(divisor)
-        if number is not None:
-            readings.append(reading_at(an, "dflash.loss_decay_gamma", float(number), node, 0.85,
-                                     detail=f"the decay divisor (gamma) is hard-coded to {number}"))
+    """The gamma the decay actually divides by, traced along its value path; a decay that only other
+    algorithms' code applies is no decay for DFlash (`none`)."""
+    decays = [(node, numerator, divisor, False) for node, numerator, divisor in _decay_exponentials(an)]
+    decays += [(node, slot, rate, True) for node, slot, rate in _inverted_decays(an)]
+    readings = _flat_weights(an) if not decays else []
+    for node, _numerator, divisor, inverted in decays:
+        if an.switch_of(node) == VARIANT or in_variant_code(an, node):
+            continue  # DSpark's decay from slot 0, another algorithm's loss
+        holder = an.outermost_function(node) or an.enclosing_function(node)
+        if holder is not None and _used_on_dflash_path(an, holder) is False:
+            readings.append(reading_at(an, "dflash.loss_decay_gamma", "none", node, 0.6,
+                                       detail=f"the decay in `{holder.name}` is applied only by other algorithms' code; "
+                                              "nothing on the DFlash loss path calls it"))
             continue
-        if isinstance(divisor, ast.Subscript) and isinstance(divisor.slice, ast.Constant) and isinstance(divisor.slice.value, str):
-            name = divisor.slice.value  # cfg["gamma"]: the key names the setting
-        elif isinstance(divisor, (ast.Name, ast.Attribute)):
-            name = leaf_name(divisor)
-        else:
-            continue
-        defaults = _defaults_for(an, divisor, name)
-        if defaults:
-            for value, where, how in defaults:
-                detail = f"default of `{how}` = {value!r} (the divisor of the decay exp(-(k-1)/{name}))"
-                readings.append(reading_at(an, "dflash.loss_decay_gamma", value, where, 0.6, mode="default", detail=detail))
-        else:
-            readings.append(reading_at(an, "dflash.loss_decay_gamma", None, node, 0.3, mode="switch", switch=name,
-                                     detail=f"gamma `{name}` is passed in at run time, no default in the code"))
+        written = f"exp(-(k-1) * {ast.unparse(divisor)[:30]})" if inverted else f"exp(-(k-1)/{ast.unparse(divisor)[:30]})"
+        sources = _gamma_sources(an, divisor)
+        known = [s for s in sources if s.kind != "opaque"]
+        opaque = [s for s in sources if s.kind == "opaque"]
+        for source in known:
+            value = source.value
+            if inverted and isinstance(value, float):
+                if value == 0:
+                    continue
+                value = 1.0 / value
+            hard = source.kind == "literal" and source.node is divisor
+            how = (f"the decay divisor (gamma) is hard-coded to {source.value}" if hard else
+                   f"{source.how} = {source.value!r}, the value that reaches the decay {written}")
+            if inverted:
+                how += f": it multiplies the exponent, so the decay's gamma is 1/{source.value}"
+            if opaque:
+                how += f" (other values may reach it: {opaque[0].missing})"
+            readings.append(reading_at(an, "dflash.loss_decay_gamma", None if value is None else float(value),
+                                       divisor if hard else source.node, 0.85 if hard else 0.6,
+                                       mode="hardcoded" if hard else "default", detail=how))
+        if not known:
+            why = "; ".join(dict.fromkeys(s.missing for s in opaque))[:200]
+            readings.append(reading_at(an, "dflash.loss_decay_gamma", None, node, 0.3, mode="switch",
+                                       switch=leaf_name(divisor) or ast.unparse(divisor)[:30],
+                                       detail=f"the decay's gamma is set at run time ({why})"))
     return readings
 
 
@@ -136,45 +407,6 @@ def _is_flat(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
         found = an.defs_of(node)
         return bool(found and len(found[0]) == 1 and _is_flat(an, found[0][0], depth + 1))
     return False
-
-
-def _defaults_for(an: Analyzer, divisor: ast.expr, name: str) -> list[tuple[object, ast.AST, str]]:
-    """Defaults that reach the decay's divisor: the value resolved in place, parameter defaults of the same
-    name, dataclass/pydantic fields and `.get("..name..", d)` calls whose key contains the name."""
-    out: list[tuple[object, ast.AST, str]] = []
-    direct = an.literal(divisor)
-    if direct is not MISSING and (direct is None or isinstance(direct, (int, float))):
-        out.append((None if direct is None else float(direct), divisor, ast.unparse(divisor)))
-        return out
-    lname = name.lower()
-    for func_list in an.functions.values():
-        for func, scope in func_list:
-            for param, default in scope.params.items():
-                if default is None or not (param.lower() == lname or lname in param.lower()):
-                    continue
-                value = an.literal(default)
-                if value is MISSING or not (value is None or isinstance(value, (int, float))):
-                    continue
-                out.append((None if value is None else float(value), default, f"{func.name}({param}=...)"))
-    for field_name, entries in an.field_defaults.items():
-        if field_name.lower() == lname or lname in field_name.lower():
-            for value_node, _unit, stmt in entries:
-                value = an.literal(value_node)
-                if value is not MISSING and (value is None or isinstance(value, (int, float))):
-                    out.append((None if value is None else float(value), stmt, field_name))
-    for key, value_node, where in _dict_literal_items(an):
-        if key.lower() == lname:
-            value = an.literal(value_node)
-            if value is not MISSING and (value is None or isinstance(value, (int, float))):
-                out.append((None if value is None else float(value), where, f"{{{key!r}: ...}}"))
-    for node in nodes_of(an, ast.Call):
-        if call_name(node) in {"get", "pop"} and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant):
-            key = str(node.args[0].value).lower()
-            if key == lname or lname in key:
-                value = an.literal(node.args[1])
-                if value is not MISSING and (value is None or isinstance(value, (int, float))):
-                    out.append((None if value is None else float(value), node, f"get({node.args[0].value!r})"))
-    return out
 
 
 def _dict_literal_items(an: Analyzer) -> list[tuple[str, ast.expr, ast.AST]]:
