@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sleuth.evidence.ast_index import (
     ANCHOR_TOKENS,
@@ -14,9 +14,12 @@ from sleuth.evidence.ast_index import (
     LOGITS_TOKENS,
     WEIGHTISH_TOKENS,
     MISSING,
+    Mode,
     VARIANT,
     in_draft_class,
+    VARIANT_PATTERN,
     in_variant_code,
+    in_variant_file,
     is_module_name,
     reading_at,
     nodes_of,
@@ -572,16 +575,134 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
     sliced_from_one = any(
         isinstance(n.slice, ast.Slice) and const_number(n.slice.lower) == 1 and n.slice.upper is None
         and set(tokens(leaf_name(n.value))) & (WEIGHTISH_TOKENS | LOGITS_TOKENS | {"ce", "nll", "kl", "losses", "target", "targets", "labels"})
-        for n in nodes_of(an, ast.Subscript)
+        for n in nodes_of(an, ast.Subscript) if not in_variant_code(an, n)
     )
+    readings = [r for r in readings if not (in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or ""))]
     if not readings and not sliced_from_one:
         for node, numerator, _divisor in _decay_exponentials(an):
+            if an.switch_of(node) == VARIANT or in_variant_code(an, node):
+                continue
+            holder = an.outermost_function(node)
+            if holder is not None and _used_on_dflash_path(an, holder) is False:
+                continue
             if _is_slot_index(an, numerator) and _in_loss_context(an, node):
                 start = _slot_start(an, numerator)
+                switch = an.switch_of(node)
+                mode: Mode = "switch" if switch else "hardcoded"
                 if start == 0:
-                    readings.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", node, 0.6,
+                    readings.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", node, 0.6, mode=mode, switch=switch,
                                              detail="decay weights cover slot 0 and nothing zeroes the anchor slot"))
+                elif _clamped_at_zero(numerator):
+                    readings.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", node, 0.6, mode=mode, switch=switch,
+                                             detail=f"`{ast.unparse(numerator)[:40]}` is clamped at 0, so slot 0 gets the full "
+                                                    "weight exp(0) = 1, and nothing zeroes the anchor slot"))
+    # other algorithms' readings (Domino's, DSpark's) say nothing about DFlash's slot 0
+    readings = [r for r in readings if not (in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or ""))]
+    if not any(r.value == "weight 0" for r in readings):
+        readings += _slot_zero_kept(an)
+    return _behind_weighting_switch(an, readings)
+
+
+def _clamped_at_zero(node: ast.AST) -> bool:
+    """`(k - 1).clamp(min=0)` / `clamp(k - 1, min=0)` / `max(k - 1, 0)`: the exponent is 0 at slot 0 as well."""
+    if not isinstance(node, ast.Call) or call_name(node) not in {"clamp", "clamp_min", "clip", "maximum", "max"}:
+        return False
+    inner = node.func.value if isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value) else (node.args[0] if node.args else None)
+    bound = kwarg(node, "min")
+    if bound is None:
+        rest = node.args if inner is not (node.args[0] if node.args else None) else node.args[1:]
+        bound = rest[0] if rest else None
+    return (isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Sub) and const_number(inner.right) == 1
+            and const_number(bound) == 0)
+
+
+def _slot_zero_kept(an: Analyzer) -> list[CodeReading]:
+    """A slot mask in the loss weights that lets slot 0 through (`pos >= 0`, `pos > -1`): slot 0 is trained,
+    unless something else zeroes it (the caller only asks when nothing does)."""
+    readings = []
+    for node in nodes_of(an, ast.Compare):
+        if len(node.ops) != 1 or in_variant_code(an, node) or an.switch_of(node) == VARIANT:
+            continue
+        op, bound = node.ops[0], const_number(node.comparators[0])
+        keeps = (isinstance(op, ast.GtE) and bound == 0) or (isinstance(op, ast.Gt) and bound == -1)
+        # only the slot index itself (0 at the anchor), not a distance like `slot - 1` whose 0 is slot 1
+        if keeps and _is_slot_index(an, node.left) and _slot_start(an, node.left) == 0 and an.const_offset(node.left) == 0 \
+                and _in_loss_context(an, node) and _in_weight_expression(an, node):
+            readings.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", node, 0.6,
+                                       detail=f"`{ast.unparse(node)}` keeps every slot, the anchor's too, and nothing "
+                                              "zeroes slot 0"))
     return readings
+
+
+def _function_at(an: Analyzer, path: str, line: int) -> ast.AST | None:
+    """The outermost function of the analysed code that holds `path:line`."""
+    for entries in an.functions.values():
+        for func, _scope in entries:
+            if an.unit(func).path == path and func.lineno <= line <= (func.end_lineno or func.lineno) \
+                    and an.outermost_function(func) is None:
+                return func
+    return None
+
+
+def _behind_weighting_switch(an: Analyzer, readings: list[CodeReading]) -> list[CodeReading]:
+    """A slot-0 exclusion inside a weighting function that the loss picks behind a switch
+    (`decay_fn = dpace if ... else decayed`) holds only in that branch: its readings become switch readings,
+    and each alternative the other branch assigns in its place that zeroes nothing adds `trained` there."""
+    zeroing: dict[ast.AST, list[int]] = {}
+    for i, r in enumerate(readings):
+        if r.value == "weight 0" and r.mode == "hardcoded":
+            func = _function_at(an, r.path, r.line)
+            if func is not None:
+                zeroing.setdefault(func, []).append(i)
+    holders = {_function_at(an, r.path, r.line) for r in readings if r.value == "weight 0"}
+    out = list(readings)
+    for func, indices in zeroing.items():
+        refs = [ref for ref in _references(an, func.name)
+                if an.enclosing_function(ref) is not func and _refers_to(an, ref, func) and not in_variant_code(an, ref)]
+        if not refs:
+            continue
+        alternatives: list[tuple[ast.AST, str, str]] = []
+        for ref in refs:
+            label = an.switch_of(ref)
+            if label is None or label == VARIANT:
+                alternatives = []
+                break  # used unconditionally somewhere: its exclusion holds on that path
+            for other, name in _other_branch_assignments(an, ref):
+                if name != func.name and not any(getattr(h, "name", None) == name for h in holders):
+                    alternatives.append((other, name, label))
+            if not alternatives:
+                break
+        if not alternatives:
+            continue
+        label = alternatives[0][2]
+        for i in indices:
+            r = out[i]
+            out[i] = replace(r, mode="switch", switch=label, detail=f"{r.detail} (only where `{func.name}` weighs the loss: behind `{label}`)")
+        for other, name, label in alternatives:
+            out.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", other, 0.6, mode="switch", switch=label,
+                                  detail=f"in the other branch of `{label}` the per-slot weights come from `{name}`, "
+                                         "which does not zero slot 0"))
+    return out
+
+
+def _other_branch_assignments(an: Analyzer, ref: ast.AST) -> list[tuple[ast.AST, str]]:
+    """`x = f(...)` in one branch of an if: the functions the other branch assigns to `x` instead."""
+    stmt = an.parents.get(ref)
+    while stmt is not None and not isinstance(stmt, ast.stmt):
+        stmt = an.parents.get(stmt)
+    branch = an.parents.get(stmt) if stmt is not None else None
+    if not (isinstance(stmt, ast.Assign) and isinstance(branch, ast.If)):
+        return []
+    names = {ast.unparse(t) for t in stmt.targets}
+    other = branch.orelse if stmt in branch.body else branch.body
+    out = []
+    for alt in other:
+        if isinstance(alt, ast.Assign) and {ast.unparse(t) for t in alt.targets} == names:
+            for sub in ast.walk(alt.value):
+                name = sub.id if isinstance(sub, ast.Name) else sub.attr if isinstance(sub, ast.Attribute) else None
+                if name and name in an.functions and name != "partial":
+                    out.append((alt, name))
+    return out
 
 
 def _holds_decay(an: Analyzer, node: ast.AST) -> bool:
