@@ -267,10 +267,50 @@ def _module_of(path: str) -> str:
     return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
+def _unit_for_module(an: Analyzer, module: str) -> object | None:
+    """The analysed file of a dotted module (`pkg.sub` -> pkg/sub.py or pkg/sub/__init__.py); the analysed root
+    may sit below the import root, so the longest common tail decides."""
+    index = an.memo("modules", lambda: {_module_of(u.path): u for u in an.units})
+    if module in index:
+        return index[module]
+    parts = module.split(".")
+    for start in range(1, len(parts)):
+        tail = ".".join(parts[start:])
+        hits = [u for m, u in index.items() if m == tail or m.endswith("." + tail)]
+        if len(hits) == 1:
+            return hits[0]
+    return None
+
+
+def _imported_from(an: Analyzer, unit: object, name: str, depth: int = 0) -> str | None:
+    """The module a file's `from M import name` finally takes `name` from, through package re-exports."""
+    package = _module_of(unit.path)
+    package = package if unit.path.endswith("__init__.py") else package.rsplit(".", 1)[0] if "." in package else ""
+    for stmt in unit.tree.body if depth else ast.walk(unit.tree):
+        if not isinstance(stmt, ast.ImportFrom):
+            continue
+        alias = next((a for a in stmt.names if (a.asname or a.name) == name), None)
+        if alias is None:
+            continue
+        module = stmt.module or ""
+        if stmt.level:
+            base = package.split(".") if package else []
+            base = base[: len(base) - (stmt.level - 1)] if stmt.level > 1 else base
+            module = ".".join([*base, module] if module else base)
+        source = _unit_for_module(an, module)
+        if source is not None and depth < 4 and not any(
+                isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == alias.name for n in source.tree.body):
+            deeper = _imported_from(an, source, alias.name, depth + 1)
+            if deeper is not None:
+                return deeper
+        return _module_of(source.path) if source is not None else module
+    return None
+
+
 def _refers_to(an: Analyzer, ref: ast.AST, func: ast.AST) -> bool:
     """Whether a load of `func`'s name means `func`: in its own file, or in a file that imports the name from
-    `func`'s module. A file that defines or imports the name from elsewhere means another function; a name
-    of unknown provenance (`obj.f`, a star import) may be it."""
+    `func`'s module (through package re-exports). A file that defines or imports the name from elsewhere
+    means another function; a name of unknown provenance (`obj.f`, a star import) may be it."""
     here, there = an.unit(ref), an.unit(func)
     if here is there:
         return True
@@ -278,21 +318,10 @@ def _refers_to(an: Analyzer, ref: ast.AST, func: ast.AST) -> bool:
     if isinstance(ref, ast.Name):
         if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name for n in here.tree.body):
             return False
-        target = _module_of(there.path)
-        package = _module_of(here.path).rsplit(".", 1)[0] if "." in _module_of(here.path) else ""
-        for stmt in ast.walk(here.tree):
-            if not isinstance(stmt, ast.ImportFrom) or not any((a.asname or a.name) == name for a in stmt.names):
-                continue
-            module = stmt.module or ""
-            if stmt.level:
-                base = package.split(".")
-                base = base[: len(base) - (stmt.level - 1)] if stmt.level > 1 else base
-                module = ".".join([*base, module] if module else base)
-            # the analysed root may sit below the import root (or above it): compare the common tail
-            tail = module.split(".", 1)[-1]
-            # `from pkg import f` where pkg's __init__ re-exports f from pkg.sub: a package above the target
-            return any(target.endswith(m) or target.startswith(m + ".") or (".%s." % m) in f".{target}."
-                       for m in {module, tail}) or module.endswith(target)
+        module = _imported_from(an, here, name)
+        if module is not None:
+            target = _module_of(there.path)
+            return module == target or target.endswith("." + module) or module.endswith("." + target)
     return True
 
 
@@ -807,8 +836,12 @@ def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
         switch = an.switch_of(node)
         readings.append(reading_at(an, "dflash.loss_kind", value, node, 0.7, mode="switch" if switch else "hardcoded",
                                  switch=switch, detail=f"{name}(...)"))
+    readings += _squared_errors(an)
+    # other algorithms' losses say nothing about DFlash's (and must not hide a regression term in it)
+    readings = [r for r in readings if not (in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or ""))]
+    readings = _chosen_from_registry(an, readings)
     # an auxiliary regression term beside a CE/KL objective does not change the loss kind
-    if any(r.value in ("ce", "kl", "ce (data tokens)") for r in readings):
+    if any(r.value in ("ce", "kl", "ce (data tokens)") and r.mode == "hardcoded" for r in readings):
         readings = [r for r in readings if not str(r.value).startswith("regression")]
     # hand-written: -log_softmax(draft).gather(argmax(target)) is CE; softmax * (logp - logq) is KL
     for node in nodes_of(an, ast.FunctionDef):
@@ -822,6 +855,96 @@ def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
                 readings.append(reading_at(an, "dflash.loss_kind", "ce", node, 0.55, mode="switch" if switch else "hardcoded",
                                          switch=switch, detail=f"{node.name}: -log_softmax gathered at the target argmax"))
     return readings
+
+
+def _squared_errors(an: Analyzer) -> list[CodeReading]:
+    """A hand-written squared error between two tensors (`(a - b).pow(2)`, `(a - b) ** 2`, `square(a - b)`) as
+    the body of a loss: a regression, not CE / KL. A variance (`x - x.mean()`) is not one."""
+    readings = []
+    for node in nodes_of(an, (ast.BinOp, ast.Call)):
+        if isinstance(node, ast.BinOp):
+            base = node.left if isinstance(node.op, ast.Pow) and const_number(node.right) == 2 else None
+        elif call_name(node) == "pow" and isinstance(node.func, ast.Attribute) and node.args and const_number(node.args[0]) == 2:
+            base = node.func.value
+        elif call_name(node) == "square":
+            base = node.func.value if isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value) else (node.args[0] if node.args else None)
+        else:
+            base = None
+        if not (isinstance(base, ast.BinOp) and isinstance(base.op, ast.Sub)):
+            continue
+        if any(isinstance(n, ast.Call) and call_name(n) in {"mean", "var", "std"} for side in (base.left, base.right) for n in ast.walk(side)):
+            continue  # x - x.mean(): a variance or a norm, not an objective
+        holder = an.enclosing(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef))
+        if holder is None or in_variant_code(an, node):
+            continue
+        is_loss = isinstance(holder, ast.Lambda) and _lambda_is_loss_term(an, holder) or (
+            isinstance(holder, (ast.FunctionDef, ast.AsyncFunctionDef)) and re.search(r"loss|objective|criterion", holder.name, re.I))
+        if not is_loss:
+            continue
+        switch = an.switch_of(node)
+        readings.append(reading_at(an, "dflash.loss_kind", "regression (squared error)", node, 0.7,
+                                   mode="switch" if switch else "hardcoded", switch=switch,
+                                   detail=f"`{ast.unparse(node)[:60]}`: a squared error, not CE / KL"))
+    return readings
+
+
+def _lambda_is_loss_term(an: Analyzer, lam: ast.Lambda) -> bool:
+    """A lambda stored as a loss term: a value of a loss-config mapping (`{"name": (fn, weight)}`), or bound to
+    a name / keyword / parameter about a loss."""
+    current = an.parents.get(lam)
+    while isinstance(current, (ast.Tuple, ast.List)):
+        current = an.parents.get(current)
+    if isinstance(current, ast.Dict):
+        holder = an.parents.get(current)
+        names = [ast.unparse(t) for t in getattr(holder, "targets", [])] + [ast.unparse(getattr(holder, "target", ast.Pass()))]
+        return any(re.search(r"loss|objective|criterion", n, re.I) for n in names)
+    if isinstance(current, ast.keyword):
+        return bool(current.arg and re.search(r"loss|objective|criterion", current.arg, re.I))
+    if isinstance(current, (ast.Assign, ast.AnnAssign)):
+        targets = current.targets if isinstance(current, ast.Assign) else [current.target]
+        return any(re.search(r"loss|objective|criterion", ast.unparse(t), re.I) for t in targets)
+    return False
+
+
+def _registry_choice(an: Analyzer, func: ast.AST, depth: int = 0) -> str | None:
+    """When a loss function is used only as one entry of a mapping with several (`{"kl_div": kl, "ce": ce}`, a
+    loss picked by name at run time), the mapping's name; None when it is called or bound on its own somewhere
+    (or nothing refers to it: a library function)."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > 3:
+        return None
+    refs = [r for r in _references(an, func.name)
+            if an.enclosing_function(r) is not func and _refers_to(an, r, func) and not in_variant_code(an, r)]
+    if not refs:
+        return None
+    chosen_from = None
+    for ref in refs:
+        container = an.parents.get(ref)
+        while isinstance(container, (ast.Tuple, ast.List)):
+            container = an.parents.get(container)
+        if isinstance(container, ast.Dict) and len(container.keys) >= 2:
+            holder = an.parents.get(container)
+            chosen_from = ast.unparse(holder.targets[0]) if isinstance(holder, ast.Assign) else (
+                ast.unparse(holder.target) if isinstance(holder, ast.AnnAssign) else "a mapping of losses")
+            continue
+        caller = an.outermost_function(ref)
+        inner = _registry_choice(an, caller, depth + 1) if caller is not None else None
+        if inner is None:
+            return None
+        chosen_from = inner
+    return chosen_from
+
+
+def _chosen_from_registry(an: Analyzer, readings: list[CodeReading]) -> list[CodeReading]:
+    """Readings inside loss functions that the code picks by name at run time become switch readings."""
+    out = []
+    for r in readings:
+        func = _function_at(an, r.path, r.line)
+        registry = _registry_choice(an, func) if func is not None and r.mode == "hardcoded" else None
+        if registry is not None:
+            r = replace(r, mode="switch", switch=f"{registry}[...]",
+                        detail=f"{r.detail} in `{func.name}`, one of the losses `{registry}` picks by name at run time")
+        out.append(r)
+    return out
 
 
 EMBED_SOURCES = {"get_input_embeddings", "embed_tokens", "Embedding", "wte", "tok_embeddings", "embed_in", "word_embeddings"}
