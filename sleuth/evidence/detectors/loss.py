@@ -1193,8 +1193,9 @@ def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
             name == "permutation" and replace is None) or (
             name in {"argsort", "topk"} and _uses_uniform_noise(an, node)
         ):
-            readings.append(reading_at(an, "dflash.anchor_sampling", "uniform without replacement", node, 0.7,
-                                     detail=f"anchors drawn with {name}"))
+            value, why = _candidate_set(an, node)
+            readings.append(reading_at(an, "dflash.anchor_sampling", value, node, 0.7 if value != "uniform without replacement" or why else 0.6,
+                                     detail=f"anchors drawn with {name}" + (f" ({why})" if why else "")))
         elif name in {"randint", "randint_like"} or (name == "multinomial" and _const_true(kwarg(node, "replacement"))) or (
                 name == "choices" and stdlib_random) or (
                 name == "choice" and (len(node.args) >= 2 or kwarg(node, "size") is not None or kwarg(node, "shape") is not None)
@@ -1219,3 +1220,186 @@ def _uses_uniform_noise(an: Analyzer, node: ast.Call) -> bool:
 
 def _const_true(node: ast.AST | None) -> bool:
     return isinstance(node, ast.Constant) and node.value is True
+
+
+# --- the candidate set anchors are drawn from ----------------------------------------------------------
+
+# Calls that only shape or compare a mask: a construction made of these is fully seen.
+_MASK_OPS = {"bool", "clone", "float", "int", "long", "to", "squeeze", "unsqueeze", "view", "reshape", "flatten",
+             "nonzero", "argwhere", "flatnonzero", "where", "max", "min", "clamp", "clip", "logical_and", "logical_not",
+             "ones", "ones_like", "new_ones", "full", "full_like", "zeros", "zeros_like", "numel", "size", "contiguous",
+             "set", "gt", "ge", "lt", "le", "ne", "eq", "detach", "cpu", "any", "all", "expand", "expand_as", "int"}
+_ALL_TRUE = {"ones", "ones_like", "new_ones", "full", "full_like"}
+_NOISE = {"rand", "rand_like", "uniform", "random", "normal", "randn", "randn_like"}
+
+
+def _candidate_set(an: Analyzer, sampler: ast.Call) -> tuple[str, str]:
+    """What a without-replacement sampler draws from: (value, why). The value stays
+    "uniform without replacement" unless the candidate set is traced and shows a filter missing: no loss
+    mask between the sequence and the sampler, or nothing keeping anchors out of the last positions."""
+    func = an.enclosing_function(sampler)
+    mask, unfiltered = _sampled_mask(an, sampler)
+    if unfiltered:
+        return "uniform over every position (loss mask ignored)", unfiltered
+    if mask is None or func is None:
+        return "uniform without replacement", ""
+    exprs, complete = _mask_construction(an, mask, func)
+    loss = any(_is_loss_mask_name(n) for e in exprs for n in _mask_leaves(e))
+    tail = any(_excludes_tail(an, e) for e in exprs)
+    all_true = any(isinstance(n, ast.Call) and call_name(n) in _ALL_TRUE for e in exprs for n in ast.walk(e))
+    if complete and not loss and all_true:
+        return ("uniform over every position (loss mask ignored)",
+                f"the candidate mask `{ast.unparse(mask)[:40]}` is built without the loss mask")
+    if complete and loss and not tail:
+        return ("uniform without replacement, last B positions not excluded",
+                f"the candidate mask `{ast.unparse(mask)[:40]}` keeps the last positions: their blocks run off the sequence")
+    if complete:
+        return "uniform without replacement", "over the loss mask, the last positions cut off"
+    return "uniform without replacement", ""
+
+
+def _sampled_mask(an: Analyzer, sampler: ast.Call) -> tuple[ast.expr | None, str]:
+    """The boolean mask whose positions the sampler permutes, or (None, why) when the sampler permutes noise
+    that nothing masks (every position is a candidate)."""
+    name = call_name(sampler)
+    if name == "randperm" and sampler.args:
+        counted = _counted(sampler.args[0])
+        for definition in _definitions(an, counted):
+            for sub in ast.walk(definition):
+                if isinstance(sub, ast.Call) and call_name(sub) in {"nonzero", "argwhere", "flatnonzero", "where"}:
+                    inner = sub.func.value if isinstance(sub.func, ast.Attribute) and not is_module_name(sub.func.value) else (sub.args[0] if sub.args else None)
+                    if inner is not None:
+                        return inner, ""
+        return None, ""
+    if name in {"argsort", "topk"}:
+        scores = sampler.func.value if isinstance(sampler.func, ast.Attribute) and not is_module_name(sampler.func.value) else (sampler.args[0] if sampler.args else None)
+        while isinstance(scores, ast.UnaryOp):
+            scores = scores.operand
+        if not isinstance(scores, ast.Name):
+            return None, ""
+        func = an.enclosing_function(sampler)
+        for definition in _definitions(an, scores):
+            for sub in ast.walk(definition):
+                if isinstance(sub, ast.Call) and call_name(sub) == "where" and sub.args:
+                    return sub.args[0], ""
+        for call in nodes_of(an, ast.Call):
+            if call_name(call) in {"masked_fill_", "masked_fill"} and isinstance(call.func, ast.Attribute) and call.args \
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == scores.id \
+                    and an.enclosing_function(call) is func:
+                excluded = call.args[0]
+                return (excluded.operand if isinstance(excluded, ast.UnaryOp) else excluded), ""
+        definitions = _definitions(an, scores)
+        if definitions and all(isinstance(d, ast.Call) and call_name(d) in _NOISE for d in definitions):
+            return None, f"`{scores.id}` is uniform noise over every position and nothing masks it before the {name}"
+    return None, ""
+
+
+def _counted(node: ast.expr) -> ast.expr | None:
+    """`x.numel()`, `len(x)`, `x.shape[0]`, `x.size(0)` -> x."""
+    if isinstance(node, ast.Call):
+        if call_name(node) in {"numel", "size"} and isinstance(node.func, ast.Attribute):
+            return node.func.value
+        if call_name(node) == "len" and node.args:
+            return node.args[0]
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+        return node.value.value
+    return None
+
+
+def _definitions(an: Analyzer, node: ast.expr | None) -> list[ast.expr]:
+    if node is None:
+        return []
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        found = an.defs_of(node)
+        return list(found[0]) if found and found[0] else []
+    return [node]
+
+
+def _mask_construction(an: Analyzer, mask: ast.expr, func: ast.AST) -> tuple[list[ast.expr], bool]:
+    """Every expression that builds the mask inside `func`: its definitions (through names, a few deep) and
+    the stores into it (`m[:, -B:] = False`). Complete when every name resolves there (or is a parameter) and
+    every call only shapes or compares."""
+    exprs: list[ast.expr] = []
+    complete = True
+    pending = [mask]
+    seen: set[str] = set()
+    while pending and len(exprs) < 24:
+        expr = pending.pop()
+        exprs.append(expr)
+        for sub in ast.walk(expr):
+            if isinstance(sub, ast.Call):
+                if call_name(sub) in _ALL_TRUE:
+                    continue
+                if call_name(sub) not in _MASK_OPS:
+                    complete = False
+            if isinstance(sub, ast.Name) and sub.id not in seen and isinstance(sub.ctx, ast.Load) and not is_module_name(sub):
+                if _inside_shape_argument(an, sub, expr):
+                    continue
+                seen.add(sub.id)
+                found = an.defs_of(sub)
+                if found is None:
+                    complete = False
+                    continue
+                definitions, scope = found
+                # a parameter: what its callers pass (a neutral name like `valid` may be the loss mask)
+                pending += definitions[-3:] if definitions else an.parameter_arguments(sub)[:3]
+                # stores into it: m[...] = v, m.at[...].set(v) results are definitions already
+                for stmt in nodes_of(an, ast.Assign):
+                    if an.enclosing_function(stmt) is func and any(
+                            isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == sub.id for t in stmt.targets):
+                        exprs.append(stmt.targets[0])
+    return exprs, complete
+
+
+def _inside_shape_argument(an: Analyzer, name: ast.Name, root: ast.expr) -> bool:
+    """`ones_like(loss_mask)`: the argument gives a shape, not a filter."""
+    current = an.parents.get(name)
+    while current is not None and current is not root:
+        if isinstance(current, ast.Call) and call_name(current) in _ALL_TRUE:
+            return True
+        current = an.parents.get(current)
+    return isinstance(current, ast.Call) and call_name(current) in _ALL_TRUE and current is not name
+
+
+def _mask_leaves(expr: ast.expr) -> list[str]:
+    """The names a mask expression reads, leaving out what only gives a shape (`ones_like(loss_mask)`)."""
+    out: list[str] = []
+    pending = [expr]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Call) and call_name(node) in _ALL_TRUE:
+            continue
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            out.append(leaf_name(node))
+        pending.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _is_loss_mask_name(name: str) -> bool:
+    toks = set(tokens(name))
+    return bool(({"loss", "mask"} <= toks) or toks & {"labels", "label", "supervised", "trainable"} or name in {"lm", "lmask"})
+
+
+def _excludes_tail(an: Analyzer, expr: ast.expr) -> bool:
+    """A cut at the sequence's end: a store or slice from a negative start (`m[:, -B:]`), a slice or `.at[]`
+    ending at `S - x`, or a bound that is one (`n = max(S - 1, 0)`; `m[:n]`)."""
+    for sub in ast.walk(expr):
+        if isinstance(sub, ast.Slice):
+            if isinstance(sub.lower, ast.UnaryOp) and isinstance(sub.lower.op, ast.USub):
+                return True
+            for bound in (sub.lower, sub.upper):
+                if bound is not None and _is_end_minus(an, bound):
+                    return True
+    return False
+
+
+def _is_end_minus(an: Analyzer, node: ast.expr, depth: int = 0) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub):
+        return True
+    if isinstance(node, ast.Call) and call_name(node) in {"max", "min"} and depth < 3:
+        return any(_is_end_minus(an, a, depth + 1) for a in node.args)
+    if isinstance(node, ast.Name) and depth < 3:
+        return any(_is_end_minus(an, d, depth + 1) for d in _definitions(an, node))
+    return False
