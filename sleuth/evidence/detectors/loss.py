@@ -1371,6 +1371,8 @@ def _mask_leaves(expr: ast.expr) -> list[str]:
             continue
         if isinstance(node, (ast.Name, ast.Attribute)):
             out.append(leaf_name(node))
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            out.append(node.slice.value)  # batch["loss_mask"]
         pending.extend(ast.iter_child_nodes(node))
     return out
 
