@@ -237,3 +237,20 @@ def test_a_read_offset_held_in_a_name_is_read_by_value(tmp_path: Path):
     got = [v for v, _ in readings({"m.py": zero}, "dflash.target_layer_ids")]
     assert "custom (read at hidden_states[i+0])" in got
     assert verdict(tmp_path, {"m.py": zero}, "dflash.target_layer_ids").status == "mismatch"
+
+
+def test_gamma_through_a_settings_object_built_from_the_config(tmp_path: Path):
+    # the decay's gamma is a plan field set from the config; the other weighting mode passes None (unused)
+    code = ("import torch\nfrom dataclasses import dataclass\n"
+            "@dataclass\nclass Config:\n    decay: float = 4.0\n    weighting: str = 'decay'\n"
+            "@dataclass\nclass Plan:\n    gamma: float | None\n    weighting: str\n"
+            "    @classmethod\n    def build(cls, config):\n        return cls(gamma=config.decay, weighting=config.weighting)\n"
+            "def slot_weights(B, gamma):\n"
+            "    k = torch.arange(B)\n"
+            "    w = torch.ones(B) if gamma is None else torch.exp(-(k - 1).clamp(min=0) / gamma)\n"
+            "    w[0] = 0.0\n    return w\n"
+            "def step(plan, ce):\n"
+            "    gamma = plan.gamma if plan.weighting == 'decay' else None\n"
+            "    return (ce * slot_weights(8, gamma)).sum()\n")
+    assert readings({"m.py": code}, "dflash.loss_decay_gamma") == [(4.0, "default")]
+    assert verdict(tmp_path, {"m.py": code}, "dflash.loss_decay_gamma").status == "match"

@@ -87,7 +87,13 @@ def _inverted_decays(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr, ast.exp
         if sides is None:
             continue
         for slot, rate in (sides, sides[::-1]):
-            if _is_slot_index(an, slot) and not _is_slot_index(an, rate) and _in_loss_context(an, node):
+            # the rate is a setting (a name, an attribute, a constant, cfg["key"]), not another tensor expression
+            setting = isinstance(rate, (ast.Name, ast.Attribute, ast.Constant)) or (
+                isinstance(rate, ast.Subscript) and isinstance(rate.slice, ast.Constant) and isinstance(rate.slice.value, str))
+            # and the other side is a slot position: an arange, or the decay's `k - 1` (not a per-slot loss)
+            positional = _slot_start(an, slot) is not None or any(
+                isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) and const_number(n.right) is not None for n in ast.walk(slot))
+            if setting and positional and _is_slot_index(an, slot) and not _is_slot_index(an, rate) and _in_loss_context(an, node):
                 yield node, slot, rate
                 break
 
@@ -151,6 +157,25 @@ def _config_defaults(an: Analyzer, key: str) -> list[_Source]:
     return out
 
 
+def _constructed_field(an: Analyzer, key: str, depth: int) -> list[_Source]:
+    """A settings class field declared without a default (`gamma: float | None`): what its constructors pass
+    for it (`Plan(gamma=cfg.loss_decay_gamma)`, `cls(gamma=...)` in a classmethod)."""
+    out: list[_Source] = []
+    if depth > 8:
+        return out
+    for cls in nodes_of(an, ast.ClassDef):
+        if in_variant_code(an, cls) or not any(
+                isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id == key and st.value is None
+                for st in cls.body):
+            continue
+        calls = list(an.calls_named(cls.name)) + [c for c in an.calls_named("cls") if an.enclosing(c, (ast.ClassDef,)) is cls]
+        for call in calls[:4]:
+            arg = kwarg(call, key)
+            if arg is not None and not in_variant_code(an, call):
+                out += _gamma_sources(an, arg, depth + 1)
+    return out
+
+
 def _gamma_sources(an: Analyzer, node: ast.AST, depth: int = 0) -> list[_Source]:
     """Follow the decay's gamma back along its value path: assignments, `self.x`, parameters to the arguments
     their callers pass (a default counts only where some caller leaves it unset), keyword dicts handed to an
@@ -177,6 +202,13 @@ def _gamma_sources(an: Analyzer, node: ast.AST, depth: int = 0) -> list[_Source]
                         for s in _gamma_sources(an, fallback, depth + 1)]
             return out
         return [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is computed at run time")]
+    if isinstance(node, ast.IfExp):
+        # `g if weighting == "decay" else None`: each branch holds under its condition; a branch that is a
+        # bare constant is the other mode's placeholder (gamma unused there), not a value the decay divides by
+        out = _gamma_sources(an, node.body, depth + 1)
+        for source in _gamma_sources(an, node.orelse, depth + 1):
+            out.append(replace(source, kind="switch") if source.kind == "literal" else source)
+        return out
     if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
         out = []
         for value in node.values:
@@ -196,7 +228,7 @@ def _gamma_sources(an: Analyzer, node: ast.AST, depth: int = 0) -> list[_Source]
             return out
         return _parameter_sources(an, scope.node, node.id, scope.params.get(node.id), depth)
     if isinstance(node, ast.Attribute):
-        out = _config_defaults(an, node.attr) + _constructor_argument(an, node, node.attr, depth)
+        out = _config_defaults(an, node.attr) + _constructor_argument(an, node, node.attr, depth) + _constructed_field(an, node.attr, depth)
         return out or [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is a run-time setting with no default in the code")]
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
         key = node.slice.value
@@ -361,7 +393,7 @@ def detect_gamma(an: Analyzer) -> list[CodeReading]:
             continue
         written = f"exp(-(k-1) * {ast.unparse(divisor)[:30]})" if inverted else f"exp(-(k-1)/{ast.unparse(divisor)[:30]})"
         sources = _gamma_sources(an, divisor)
-        known = [s for s in sources if s.kind != "opaque"]
+        known = [s for s in sources if s.kind not in ("opaque", "switch")]
         opaque = [s for s in sources if s.kind == "opaque"]
         for source in known:
             value = source.value
@@ -376,8 +408,10 @@ def detect_gamma(an: Analyzer) -> list[CodeReading]:
                 how += f": it multiplies the exponent, so the decay's gamma is 1/{source.value}"
             if opaque:
                 how += f" (other values may reach it: {opaque[0].missing})"
+            # a literal one caller passes speaks for that call only (an eval helper, a test): weaker than a default
+            confidence = 0.85 if hard else 0.5 if source.kind == "literal" else 0.6
             readings.append(reading_at(an, "dflash.loss_decay_gamma", None if value is None else float(value),
-                                       divisor if hard else source.node, 0.85 if hard else 0.6,
+                                       divisor if hard else source.node, confidence,
                                        mode="hardcoded" if hard else "default", detail=how))
         if not known:
             why = "; ".join(dict.fromkeys(s.missing for s in opaque))[:200]
