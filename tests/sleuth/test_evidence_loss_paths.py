@@ -254,3 +254,25 @@ def test_gamma_through_a_settings_object_built_from_the_config(tmp_path: Path):
             "    return (ce * slot_weights(8, gamma)).sum()\n")
     assert readings({"m.py": code}, "dflash.loss_decay_gamma") == [(4.0, "default")]
     assert verdict(tmp_path, {"m.py": code}, "dflash.loss_decay_gamma").status == "match"
+
+
+# --- target_logits_source: a teacher cut out of the fused features ----------------------------------------
+
+def test_a_teacher_sliced_from_the_fused_features_is_an_intermediate_layer(tmp_path: Path):
+    code = ("import torch\nfrom torch import nn\n"
+            "class Drafter(nn.Module):\n"
+            "    def __init__(self, hidden, n_layers, vocab):\n"
+            "        super().__init__()\n"
+            "        self.hidden = hidden\n"
+            "        self.fuse = nn.Linear(n_layers * hidden, hidden, bias=False)\n"
+            "        self.head = nn.Linear(hidden, vocab, bias=False)\n"
+            "        self.final_norm = nn.RMSNorm(hidden)\n"
+            "    def forward(self, features, teacher_state):\n"
+            "        context = self.fuse(features)\n"
+            "        teacher_state = features[..., -self.hidden:]  # stands in for the target's last state\n"
+            "        with torch.no_grad():\n"
+            "            targets = self.head(self.final_norm(teacher_state))\n"
+            "        return context, targets\n")
+    got = readings({"m.py": code}, "dflash.target_logits_source")
+    assert ("intermediate", "hardcoded") in got
+    assert verdict(tmp_path, {"m.py": code}, "dflash.target_logits_source").status == "mismatch"
