@@ -608,6 +608,11 @@ def _reason(status: str, inv: Invariant, expected: ExpectedValue, chosen: Observ
     # The detail explains the observed value, so it sits right after it.
     observed = f"{chosen.value!r}" + (f" ({chosen.detail})" if chosen.detail else "")
     if status == "match":
+        alternative = _accepted_alternative(expected, chosen.value)
+        if alternative is not None:
+            # an accepted alternative is not the expected value: say which rule admits it
+            return (f"{where} shows {observed}, not the reference's {expected.value!r} but one the rule accepts "
+                    f"(accepted: {', '.join(repr(a) for a in expected.accept)})")
         return f"{where} shows {observed}, as the rule requires"
     return f"{where} shows {observed}; the reference has {expected.value!r}"
 
@@ -630,7 +635,8 @@ def _finding(inv: Invariant, status: str, expected: ExpectedValue, chosen: Obser
         title=inv.title,
         status=status,  # type: ignore[arg-type]
         severity=inv.severity,
-        expected=_text(expected.value),
+        expected=_text(expected.value) if status != "match" or chosen is None or _accepted_alternative(expected, chosen.value) is None
+        else f"{_text(expected.value)} (or accepted: {_text(chosen.value)})",
         observed=None if chosen is None else _text(chosen.value),
         evidence=evidence,
         confidence=confidence if status != "unknown" else 0.0,
@@ -661,6 +667,13 @@ def _code_evidence(r: CodeReading, kind: str = "code") -> Evidence:
     location = f"{r.path}:{r.line}" + (f"@{commit[:12]}" if commit else "")
     return Evidence(kind=kind, location=location, value=_text(r.value), snippet=r.snippet or None, path=r.path,
                     line=r.line, commit=commit)
+
+
+def _accepted_alternative(expected: ExpectedValue, value: object) -> object | None:
+    """The observed value when it satisfies the rule only as one of `accept` (KL where CE is the reference's)."""
+    if _is_number(value) or not expected.accept or not _differs(value, expected.value):
+        return None
+    return value if value in expected.accept else None
 
 
 def _differs(a: object, b: object) -> bool:

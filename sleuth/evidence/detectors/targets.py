@@ -435,6 +435,14 @@ def _head_origins(an: Analyzer) -> list[CodeReading]:
             via = f" (traced from `{ast.unparse(arg)[:50]}`)" if origin.steps else ""
             readings.append(reading_at(an, "dflash.target_logits_source", value, node, 0.8, mode=mode,
                                      switch=switch or an.switch_of(node), detail=detail + via))
+        fused = _fusion_input_slice(an, arg) if not layered else None
+        if fused is not None:
+            readings.append(reading_at(an, "dflash.target_logits_source", "intermediate", node, 0.75,
+                                       mode="switch" if an.switch_of(node) else "hardcoded", switch=an.switch_of(node),
+                                       detail=f"the head's input `{ast.unparse(arg)[:50]}` is `{ast.unparse(fused)[:50]}`, a "
+                                              "slice of what the drafter's fc fuses (the selected target layers), not the "
+                                              "model's output"))
+            continue
         if not layered and _feeds_target(an, node):
             names = {leaf_name(n).lower() for n in ast.walk(arg) if isinstance(n, (ast.Name, ast.Attribute))}
             if any("last" in n or "final" in n for n in names):
@@ -443,6 +451,46 @@ def _head_origins(an: Analyzer) -> list[CodeReading]:
                                          detail=f"the head's input `{ast.unparse(arg)[:50]}` is named as the last layer, "
                                                 f"but {missing}"))
     return readings
+
+
+def _fusion_input_slice(an: Analyzer, arg: ast.expr) -> ast.expr | None:
+    """The head's input, followed through its definitions in the same function, is a slice of the tensor that
+    function hands to the drafter's fusion projection (`fc(features)`): one of the selected target layers,
+    not the target's output. Returns that slice."""
+    from sleuth.evidence.detectors.fusion import detect_fc  # the fusion projection's attribute names
+
+    fc_names = set(an.memo("fc", lambda: detect_fc(an))[1])
+    func = an.enclosing_function(arg)
+    if not fc_names or func is None:
+        return None
+    fused = set()
+    for call in nodes_of(an, ast.Call):
+        if leaf_name(call.func) in fc_names and call.args and isinstance(call.args[0], ast.Name) \
+                and an.enclosing_function(call) is func:
+            fused.add(call.args[0].id)
+    if not fused:
+        return None
+    pending, seen = [arg], 0
+    while pending and seen < 12:
+        expr = pending.pop()
+        seen += 1
+        while True:  # norms, tensor methods and row picks keep what a value is
+            if isinstance(expr, ast.Call) and expr.args and set(tokens(call_name(expr))) & {"norm", "rmsnorm", "layernorm"}:
+                expr = expr.args[0]
+            elif isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and call_name(expr) in PRESERVING_METHODS:
+                expr = expr.func.value
+            else:
+                break
+        if isinstance(expr, ast.Subscript):
+            parts = expr.slice.elts if isinstance(expr.slice, ast.Tuple) else [expr.slice]
+            if isinstance(expr.value, ast.Name) and expr.value.id in fused and isinstance(parts[-1], ast.Slice):
+                return expr  # features[..., -H:]: a slice along the concatenated layers
+            pending.append(expr.value)
+        elif isinstance(expr, ast.Name):
+            found = an.defs_of(expr)
+            if found and found[0]:
+                pending += [d for d in found[0][-3:] if an.enclosing_function(d) is func]
+    return None
 
 
 def _layer_origin_value(an: Analyzer, origin: Origin) -> tuple[str | None, str, Mode, str | None]:
