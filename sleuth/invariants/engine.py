@@ -533,6 +533,18 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
             step.outcome = f"unknown: {reason}"
             return _finding(inv, "unknown", expected, chosen, corroboration, 0.0, reason, notes, run, block_evidence)
         status = "match" if verdict else "mismatch"
+        if verdict and chosen.source == "code":
+            # A static reading that agrees is a claim about the cited site only. On defects planted blind in
+            # real upstream code, most wrong all-clears came from a correct-looking site whose value had been
+            # broken one step earlier (an argument, a reassignment, a partial, a default overridden), so
+            # agreement read from code alone is reported, not claimed. A probe (or the run's config) can
+            # still make it a match; a disagreeing reading stays a mismatch.
+            where = chosen.evidence[0].location if chosen.evidence else "the code"
+            reason = (f"the code reads {_text(chosen.value)} at {where}, as the rule requires, but static reading "
+                      "did not follow that value's whole path; run with --probe to measure it")
+            step.outcome = f"unknown: static agreement from code ({chosen.value!r}), not claimed"
+            finding = _finding(inv, "unknown", expected, chosen, corroboration, 0.0, reason, notes, run, block_evidence)
+            return finding.model_copy(update={"static_agreement": True})
         confidence = round(max(0.05, min(1.0, chosen.confidence * expected.factor)), 2)
         reason = _reason(status, inv, expected, chosen)
         for cond in inv.expected.conditional_accept:
