@@ -539,9 +539,8 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
             # broken one step earlier (an argument, a reassignment, a partial, a default overridden), so
             # agreement read from code alone is reported, not claimed. A probe (or the run's config) can
             # still make it a match; a disagreeing reading stays a mismatch.
-            where = chosen.evidence[0].location if chosen.evidence else "the code"
-            reason = (f"the code reads {_text(chosen.value)} at {where}, as the rule requires, but static reading "
-                      "did not follow that value's whole path; run with --probe to measure it")
+            reason = (_reason("match", inv, expected, chosen) + "; reported, not claimed: static reading did "
+                      "not follow that value's whole path (run with --probe to measure it)")
             step.outcome = f"unknown: static agreement from code ({chosen.value!r}), not claimed"
             finding = _finding(inv, "unknown", expected, chosen, corroboration, 0.0, reason, notes, run, block_evidence)
             return finding.model_copy(update={"static_agreement": True})
@@ -647,7 +646,7 @@ def _finding(inv: Invariant, status: str, expected: ExpectedValue, chosen: Obser
         title=inv.title,
         status=status,  # type: ignore[arg-type]
         severity=inv.severity,
-        expected=_text(expected.value) if status != "match" or chosen is None or _accepted_alternative(expected, chosen.value) is None
+        expected=_text(expected.value) if status == "mismatch" or chosen is None or _accepted_alternative(expected, chosen.value) is None
         else f"{_text(expected.value)} (or accepted: {_text(chosen.value)})",
         observed=None if chosen is None else _text(chosen.value),
         evidence=evidence,

@@ -112,7 +112,7 @@ def test_slot_zero_excluded_only_in_one_weighting_branch_is_not_a_match(tmp_path
     assert verdict(tmp_path, {"m.py": code}, "dflash.anchor_slot_untrained").status == "unknown"
     # zeroing slot 0 on the common path (the loss mask) covers both branches
     common = code.replace("    loss = ce * mask", "    mask[:, 0] = 0\n    loss = ce * mask")
-    assert verdict(tmp_path, {"m.py": common}, "dflash.anchor_slot_untrained").status == "match"
+    assert verdict(tmp_path, {"m.py": common}, "dflash.anchor_slot_untrained").static_agreement
 
 
 def test_a_slot_mask_that_keeps_slot_zero_trains_it(tmp_path: Path):
@@ -124,7 +124,7 @@ def test_a_slot_mask_that_keeps_slot_zero_trains_it(tmp_path: Path):
     assert readings({"m.py": code}, "dflash.anchor_slot_untrained") == [("trained", "hardcoded")]
     assert verdict(tmp_path, {"m.py": code}, "dflash.anchor_slot_untrained").status == "mismatch"
     fixed = code.replace(">= 0", "> 0")
-    assert verdict(tmp_path, {"m.py": fixed}, "dflash.anchor_slot_untrained").status == "match"
+    assert verdict(tmp_path, {"m.py": fixed}, "dflash.anchor_slot_untrained").static_agreement
 
 
 def test_a_clamped_decay_with_nothing_zeroing_slot_zero_trains_it():
@@ -168,7 +168,7 @@ def test_an_accepted_alternative_says_so(tmp_path: Path):
             "def distill_loss(logits, targets):\n"
             "    return F.kl_div(F.log_softmax(logits, -1), F.softmax(targets, -1), reduction='batchmean')\n")
     finding = verdict(tmp_path, {"m.py": code}, "dflash.loss_kind")
-    assert finding.status == "match" and finding.observed == "kl"
+    assert finding.static_agreement and finding.observed == "kl"
     assert finding.expected == "ce (or accepted: kl)" and "accepts" in finding.reason
 
 
@@ -187,7 +187,7 @@ SAMPLER = ("import torch\n"
 
 def test_anchor_candidates_are_traced_to_the_loss_mask(tmp_path: Path):
     assert readings({"m.py": SAMPLER}, "dflash.anchor_sampling") == [("uniform without replacement", "hardcoded")]
-    assert verdict(tmp_path, {"m.py": SAMPLER}, "dflash.anchor_sampling").status == "match"
+    assert verdict(tmp_path, {"m.py": SAMPLER}, "dflash.anchor_sampling").static_agreement
 
 
 def test_anchors_from_every_position_ignore_the_loss_mask(tmp_path: Path):
@@ -253,7 +253,7 @@ def test_gamma_through_a_settings_object_built_from_the_config(tmp_path: Path):
             "    gamma = plan.gamma if plan.weighting == 'decay' else None\n"
             "    return (ce * slot_weights(8, gamma)).sum()\n")
     assert readings({"m.py": code}, "dflash.loss_decay_gamma") == [(4.0, "default")]
-    assert verdict(tmp_path, {"m.py": code}, "dflash.loss_decay_gamma").status == "match"
+    assert verdict(tmp_path, {"m.py": code}, "dflash.loss_decay_gamma").static_agreement
 
 
 # --- target_logits_source: a teacher cut out of the fused features ----------------------------------------

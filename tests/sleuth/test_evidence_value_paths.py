@@ -29,7 +29,8 @@ def status(tmp_path: Path, files: dict[str, str], invariant: str) -> tuple[str, 
         (root / name).write_text(text)
     findings = check_invariants(PLAYBOOK, config=None, config_source=None, code=root, trace=Trace())
     found = next(f for f in findings if f.id == invariant)
-    return found.status, found.reason
+    # What the reader reads: agreement from code alone is reported unknown (static_agreement), not claimed.
+    return ("match" if found.static_agreement else found.status), found.reason
 
 
 # --- the anchor's path into the comparison --------------------------------------------------------------
