@@ -74,10 +74,10 @@ def run_drafter_record(ctx: ContractContext) -> tuple[dict[str, Any] | None, str
 
 def check_rope_matches_target(ctx: ContractContext) -> Finding:
     draft, where = drafter_config(ctx.config)
-    source = ctx.config_source or "config.json"
+    draft_file = ctx.config_source or "config.json"
     if draft is None:
         draft, where = run_drafter_record(ctx)
-        source = str(ctx.run.path / "run.json") if draft is not None and ctx.run is not None else source
+        draft_file = str(ctx.run.path / "run.json") if draft is not None and ctx.run is not None else draft_file
     if draft is None:
         reason = ("neither the config nor the run records the drafter's rotary settings (run.json `drafter`, "
                   "a drafter config.json or speculators' transformer_layer_config)")
@@ -89,7 +89,7 @@ def check_rope_matches_target(ctx: ContractContext) -> Finding:
         return ctx.finding(ID, "unknown", reason=f"the target's config was not read: {why}")
     ours, theirs = rope_settings(draft), rope_settings(target_config)
     differing = [k for k in ours if ours[k] != theirs[k]]
-    location = f"{source}: {where}"
+    location = f"{draft_file}: {where}"
     evidence = [
         Evidence(kind="config", location=location, value=_describe(ours)),
         Evidence(kind="config", location=str(Path(target_dir) / "config.json"), value=_describe(theirs)),

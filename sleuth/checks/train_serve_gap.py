@@ -47,9 +47,11 @@ LABEL_SIDE = (
     "dflash.hidden_state_capture",
 )
 INPUT_SIDE = tuple(i for i in EXPLAINS_GAP if i not in LABEL_SIDE) + ("dflash.hidden_state_capture",)
-# At temperature 0 training's labels are the served tokens exactly; below this share they are not (one
-# argmax tie in a thousand slots is float noise, not a different objective).
-LABEL_AGREEMENT_FLOOR = 0.999
+# At temperature 0 training's labels are the served tokens exactly, up to argmax ties between the full
+# teacher-forced forward and serving's incremental one (float32: none measured; bf16 flips near-ties):
+# below 99% of the slots they are other labels, whatever the drafter has learned of them so far.
+LABEL_AGREEMENT_FLOOR = 0.99
+MIN_LABEL_SLOTS = 100  # fewer labelled slots say too little about a 1% rate
 # Block by block at serving's anchors, a drafter trained on serving semantics scores exactly its real
 # acceptance (same block, context and labels); only float ties in argmax can differ. A floor of 0.02
 # tokens per step keeps a stray tie from becoming a finding when every prompt agrees (se 0).
@@ -73,6 +75,7 @@ class _Measurement:
     steps_above: int | None = None  # compared verify steps where training's prefix is longer / shorter
     steps_below: int | None = None
     label_agreement: float | None = None  # training labels == served tokens, at temperature 0 only
+    label_slots: int | None = None
 
 
 def _from_fields(holder: dict[str, Any], step: Any, location: str, names: dict[str, str]) -> _Measurement | None:
@@ -87,6 +90,7 @@ def _from_fields(holder: dict[str, Any], step: Any, location: str, names: dict[s
         steps_above=above if below is not None else None,
         steps_below=below if above is not None else None,
         label_agreement=_number(holder.get(names.get("labels", ""))) if greedy else None,
+        label_slots=_count(holder.get(names.get("label_slots", ""))),
         step=step if isinstance(step, int) and not isinstance(step, bool) else None,
         tau=tau, predicted=predicted,
         tau_per_prompt=list(holder.get(names["tau_per_prompt"]) or []),
@@ -121,9 +125,10 @@ def _latest_measurement(ctx: ContractContext) -> _Measurement | None:
         for names in (
             {"tau": "tau_at_verify", "predicted": "at_verify", "tau_per_prompt": "tau_at_verify_per_prompt",
              "predicted_per_prompt": "at_verify_per_prompt", "above": "verify_steps_above",
-             "below": "verify_steps_below", "labels": "label_agreement"},
+             "below": "verify_steps_below", "labels": "label_agreement", "label_slots": "label_slots"},
             {"tau": "tau_all", "predicted": "acceptance", "tau_per_prompt": "tau_per_prompt_all",
-             "predicted_per_prompt": "acceptance_per_prompt", "labels": "label_agreement"},
+             "predicted_per_prompt": "acceptance_per_prompt", "labels": "label_agreement",
+             "label_slots": "label_slots"},
         ):
             found = _from_fields(merged, report.get("step"), where + " teacher_forced", names)
             if found is not None:
@@ -134,9 +139,11 @@ def _latest_measurement(ctx: ContractContext) -> _Measurement | None:
         found = _from_fields(row, row.get("step"), where, {
             "tau": "tf_tau_at_verify", "predicted": "tf_at_verify", "tau_per_prompt": "tf_tau_at_verify_per_prompt",
             "predicted_per_prompt": "tf_at_verify_per_prompt", "above": "tf_verify_steps_above",
-            "below": "tf_verify_steps_below", "labels": "tf_label_agreement"}) or _from_fields(row, row.get("step"), where, {
+            "below": "tf_verify_steps_below", "labels": "tf_label_agreement",
+            "label_slots": "tf_label_slots"}) or _from_fields(row, row.get("step"), where, {
             "tau": "tau", "predicted": "tf_acceptance", "tau_per_prompt": "tau_per_prompt",
-            "predicted_per_prompt": "tf_acceptance_per_prompt", "labels": "tf_label_agreement"})
+            "predicted_per_prompt": "tf_acceptance_per_prompt", "labels": "tf_label_agreement",
+            "label_slots": "tf_label_slots"})
         if found is not None:
             candidates.append(found)
             break
@@ -210,13 +217,17 @@ def check_train_serve_gap(ctx: ContractContext) -> Finding:
                      f"verify steps (one-sided sign test p {sign_p:.1e})")
     by_spread = gap > threshold
     by_sign = sign_p is not None and gap > floor and sign_p <= SIGN_TEST_P
+    # Other labels than serving's are a gap in the making: measured directly, before the drafter has
+    # learned enough of them for acceptance to show it.
+    by_labels = (m.label_agreement is not None and m.label_agreement < LABEL_AGREEMENT_FLOOR
+                 and (m.label_slots or 0) >= MIN_LABEL_SLOTS)
     broken = [f for f in ctx.findings if f.id in EXPLAINS_GAP and f.status == "mismatch"]
     unknown = [f.id for f in ctx.findings if f.id in EXPLAINS_GAP and f.status == "unknown"]
     notes = [f"invariants that can open a train-serve gap: {', '.join(EXPLAINS_GAP)}"]
     side = _side(m)
     if side is not None:
         notes.append(side[1])
-    if not (by_spread or by_sign):
+    if not (by_spread or by_sign or by_labels):
         if gap < -threshold and not m.at_verify:
             notes.append("real tau is above the teacher-forced prediction: acceptance is not independent across "
                          "slots here (long runs of correct drafts), which the product of per-slot accuracies misses")
@@ -225,22 +236,27 @@ def check_train_serve_gap(ctx: ContractContext) -> Finding:
             reason += f" and the differing steps are no more one-sided than argmax ties (p {sign_p:.2g})"
         return ctx.finding(ID, "match", expected=expected, observed=observed, evidence=evidence, confidence=0.8,
                            reason=reason, notes=notes)
-    beyond = (f"{_in_se(gap, se)}" if by_spread else
-              f"{_in_se(gap, se)} over prompts, but one-sided at the verify steps: sign test p {sign_p:.1e}")
+    if by_spread or by_sign:
+        beyond = (f"{_in_se(gap, se)}" if by_spread else
+                  f"{_in_se(gap, se)} over prompts, but one-sided at the verify steps: sign test p {sign_p:.1e}")
+        shortfall = f"real tau falls short of what training measures by {gap:.2f} ({beyond})"
+    else:
+        shortfall = (f"training scores against other labels than serving verifies: they equal the served tokens "
+                     f"at {m.label_agreement:.1%} of {m.label_slots} labelled slots (greedy eval; serving's labels "
+                     f"give 100%); real tau is short by only {gap:+.2f} so far (within noise: the drafter has not "
+                     f"learned much of those labels yet), a gap that opens as it does")
     # Broken invariants on the side the measurement points at explain the gap; the others are listed after.
     fitting = [f for f in broken if side is None or f.id in side[0]]
     others = [f for f in broken if f not in fitting]
     if fitting:
         explanation = ", ".join(f.id for f in fitting)
-        reason = (f"real tau falls short of what training measures by {gap:.2f} ({beyond}); explained by "
-                  f"the broken invariant(s) this diagnosis found: {explanation}")
+        reason = f"{shortfall}; explained by the broken invariant(s) this diagnosis found: {explanation}"
         if others:
             reason += f" (also broken, on the other side of the measurement: {', '.join(f.id for f in others)})"
         evidence += [e for f in fitting for e in f.evidence[:1]]
     else:
         explanation = None
-        reason = (f"real tau falls short of what training measures by {gap:.2f} ({beyond}) and no finding of "
-                  f"this diagnosis explains it")
+        reason = f"{shortfall}, and no finding of this diagnosis explains it"
         if others:
             reason += (f" (broken, but not where the measurement points: {', '.join(f.id for f in others)})")
         reason += f"; {PROBE_HINT}"
@@ -261,7 +277,7 @@ def _side(m: _Measurement) -> tuple[tuple[str, ...], str] | None:
                             f"serving's labels would give 100%): training scores against other labels, so the "
                             f"gap lies in what a slot is scored against ({', '.join(LABEL_SIDE)})")
     return INPUT_SIDE, (f"training's labels equal the served tokens at {share} of the slots: the labels are "
-                        f"serving's, so a gap lies in what the drafter is given ({', '.join(INPUT_SIDE)})")
+                        f"serving's, so a gap would lie in what the drafter is given ({', '.join(INPUT_SIDE)})")
 
 
 def _in_se(gap: float, se: float) -> str:

@@ -77,6 +77,7 @@ class TeacherForcedReport(BaseModel):
         "greedy output, i.e. what serving verifies against, so training's labels give 1.0; less means training "
         "scores against other labels (logits source, shift), whatever the drafter sees.",
     )
+    label_slots: int = Field(0, description="Labelled slots `label_agreement` counts over.")
     logits_source: str = Field(description="The training target the slots were scored against.")
     context_includes_anchor: bool
 
@@ -179,4 +180,5 @@ def teacher_forced_acceptance(
         verify_steps_above=sum(1 for p, r in matched if p > r),
         verify_steps_below=sum(1 for p, r in matched if p < r),
         label_agreement=labels_equal / labels_scored if labels_scored else None,
+        label_slots=labels_scored,
     )

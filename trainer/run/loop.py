@@ -688,6 +688,7 @@ def eval_row_fields(report: dict[str, Any]) -> dict[str, Any]:
             row["tf_verify_steps_below"] = teacher_forced["verify_steps_below"]
         if teacher_forced.get("label_agreement") is not None:
             row["tf_label_agreement"] = round(teacher_forced["label_agreement"], 4)
+            row["tf_label_slots"] = teacher_forced["label_slots"]
     return row
 
 
