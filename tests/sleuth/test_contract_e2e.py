@@ -59,3 +59,33 @@ def test_a_trainer_run_records_its_rope_and_it_matches_the_target(diagnoses):
         rope = diagnoses[preset]["dflash.rope_matches_target"]
         assert rope["status"] == "match", rope.get("reason")
         assert rope["evidence"][0]["location"].endswith("run.json: drafter")
+
+
+@pytest.mark.slow
+def test_a_run_on_a_partial_rotary_target_records_a_drafter_that_rotates_all_dims(tmp_path):
+    """The trainer's drafter takes the target's theta but rotates every dimension (trainer/model/drafter.py
+    `full_attention_rope`); on a GPT-NeoX target that rotates a quarter, sleuth names the difference."""
+    import random
+
+    from contract_fixtures import WORDS, save_tokenizer
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    target = tmp_path / "neox"
+    tokenizer = save_tokenizer(target)
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=128, eos_token_id=0, pad_token_id=1,
+                           bos_token_id=2, tie_word_embeddings=False, rotary_pct=0.25)
+    GPTNeoXForCausalLM(config).save_pretrained(target)
+    rng = random.Random(0)
+    data = tmp_path / "data.txt"
+    data.write_text("\n\n".join(" ".join(rng.choice(WORDS[:10]) for _ in range(rng.randint(10, 40))) for _ in range(40)))
+    sets = {"target": target, "data": data, "seq_len": 32, "batch_size": 2, "block_size": 4, "max_anchors": 4,
+            "draft_layers": 1, "eval_every": "null", "eval_prompts": 1, "eval_max_new_tokens": 4, "warmup_steps": 0}
+    trained = cli("trainer", "run", "neox", "--steps", "1", "--runs-dir", str(tmp_path / "runs"), "-q",
+                  *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
+    assert trained.returncode == 0, trained.stderr
+    diagnosed = cli("sleuth", "diagnose", "--run", "neox", "--runs-dir", str(tmp_path / "runs"), "--offline",
+                    "--no-probe", "--format", "json")
+    rope = {f["id"]: f for f in json.loads(diagnosed.stdout)["findings"]}["dflash.rope_matches_target"]
+    assert rope["status"] == "mismatch", rope.get("reason")
+    assert "partial_rotary_factor 1.0 (target 0.25)" in rope["observed"]
