@@ -8,6 +8,14 @@ the teacher-forced acceptance when it serves; real tau falling short of it beyon
 means the training semantics differ from serving somewhere (SpecForge #533: 98% in training, 10% in
 vLLM; z-lab #41: accuracy 0.99, acceptance 0.12). The finding names the invariants that can open such a
 gap and which of them this diagnosis found broken.
+
+Noise, block by block: with serving semantics the training objective's prefix at a verify step IS the real
+acceptance, so the two differ only where an argmax ties, either way. Besides the per-prompt spread, a
+one-sided sign test over the differing steps (eval.json `teacher_forced.verify_steps_above` / `_below`)
+tells a training objective that scores more than serving accepts from ties. At temperature 0 the decoded
+tokens are what serving verifies against, so `label_agreement` (training labels = decoded tokens) below 99%
+measures directly that training scores against other labels, and says which side of the contract (labels
+or the drafter's inputs) the explanation is on.
 """
 
 from __future__ import annotations
@@ -197,7 +205,8 @@ def check_train_serve_gap(ctx: ContractContext) -> Finding:
     evidence = [Evidence(kind="metrics", location=m.location, value=f"tau {m.tau:.3f}, teacher-forced {m.predicted:.3f}")]
     observed = f"real tau {m.tau:.2f} vs teacher-forced acceptance {m.predicted:.2f} {at} (gap {gap:+.2f}"
     observed += f", noise se {se:.3f} over {paired} prompts)" if se is not None else ", no per-prompt values)"
-    expected = "real tau within noise of the teacher-forced acceptance on the same eval sequences"
+    expected = ("real tau within noise of the teacher-forced acceptance on the same eval sequences, and (greedy "
+                "eval) training's labels the served tokens")
     if se is None:
         return ctx.finding(ID, "unknown", expected=expected, observed=observed, evidence=evidence,
                            reason=f"fewer than 2 prompts carry both per-prompt values ({paired}): no noise estimate")
@@ -215,6 +224,8 @@ def check_train_serve_gap(ctx: ContractContext) -> Finding:
         sign_p = sign_test_p(m.steps_above, m.steps_below)
         observed += (f"; training's prefix is longer at {m.steps_above} and shorter at {m.steps_below} of the "
                      f"verify steps (one-sided sign test p {sign_p:.1e})")
+    if m.label_agreement is not None and m.label_slots is not None:
+        observed += f"; training's labels are the served tokens at {m.label_agreement:.1%} of {m.label_slots} slots"
     by_spread = gap > threshold
     by_sign = sign_p is not None and gap > floor and sign_p <= SIGN_TEST_P
     # Other labels than serving's are a gap in the making: measured directly, before the drafter has
@@ -269,7 +280,7 @@ def check_train_serve_gap(ctx: ContractContext) -> Finding:
 
 def _side(m: _Measurement) -> tuple[tuple[str, ...], str] | None:
     """Which invariants the label agreement implicates, and the note that says why (None: not measured)."""
-    if m.label_agreement is None:
+    if m.label_agreement is None or (m.label_slots or 0) < MIN_LABEL_SLOTS:
         return None
     share = f"{m.label_agreement:.1%}"
     if m.label_agreement < LABEL_AGREEMENT_FLOOR:
