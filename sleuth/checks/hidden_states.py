@@ -92,7 +92,8 @@ def _hs_files(directory: Path) -> list[Path]:
 def find_layout(cache: Path, config: dict[str, Any] | None) -> tuple[CacheLayout | None, str]:
     """The layout of `cache`, or (None, why not)."""
     manifest = read_json(cache / "manifest.json")
-    if manifest is not None and "format" not in manifest and isinstance(manifest.get("layers"), list):
+    if (manifest is not None and manifest.get("format") != MANIFEST_FORMAT and isinstance(manifest.get("layers"), list)
+            and any(cache.glob("shard-*.safetensors"))):
         return _trainer_layout(cache, manifest)
     if manifest is not None and manifest.get("format") == MANIFEST_FORMAT:
         ids = int_list(manifest.get("layer_ids"))
