@@ -35,6 +35,8 @@ FIXED_IDS = [1, 5]  # z-lab's rule for k=2 on 8 layers: round(1 + i*(8-4)/1)
 V5_SELECTED = [1, 2, 3, 4, 5]
 V5_FC_IDS = [1, 2, 3, 4]  # fc over the first 4 of the 5 selected layers (the v5 bug)
 BLOCK = 4
+DRAFT_VOCAB = 40  # of the target's 106 rows
+EVAL_ARGS = ("--prompts", "3", "--max-new-tokens", "24", "--device", "cpu", "--json")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,6 +87,8 @@ def runs(tmp_path_factory) -> Path:
     train(RunDir(runs_dir / "fixed"), build_config(extra=common), preset=None, device="cpu", progress=False)
     v5 = build_config(preset="v5", extra={**common, "target_layer_ids": V5_SELECTED})
     train(RunDir(runs_dir / "v5"), v5, preset="v5", device="cpu", progress=False)
+    vocab = build_config(extra={**common, "draft_vocab_size": DRAFT_VOCAB})
+    train(RunDir(runs_dir / "vocab"), vocab, preset=None, device="cpu", progress=False)
     return runs_dir
 
 
@@ -364,3 +368,73 @@ def test_export_command_user_errors_are_one_line_exit_2(runs, tmp_path, case, me
         assert (out / "config.json").read_text() == "{}"
     elif case != "missing run":
         assert not out.exists() or not any(out.iterdir())
+
+
+# --- a draft-vocabulary run -----------------------------------------------------------------------------------
+
+
+def test_draft_vocabulary_export_carries_speculators_maps_and_the_reduced_head(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.data.draft_vocab import load_vocab
+
+    result = export_run(runs / "vocab", tmp_path / "s", "speculators")
+    ids = load_vocab(runs / "vocab" / "draft_vocab.safetensors")
+    config = result.config
+    assert config["draft_vocab_size"] == DRAFT_VOCAB < config["transformer_layer_config"]["vocab_size"] == 106
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str((runs.parent / "target").resolve())
+    weights = load_file(result.path / "model.safetensors")
+    assert weights["d2t"].dtype == torch.long and weights["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(DRAFT_VOCAB) + weights["d2t"], ids)  # speculators: target id = i + d2t[i]
+    assert weights["t2d"].shape == (106,) and torch.equal(weights["t2d"].nonzero()[:, 0], ids)
+    head = AutoModelForCausalLM.from_pretrained(runs.parent / "target").lm_head.weight
+    assert torch.equal(weights["lm_head.weight"], head[ids].detach())  # the rows the drafter trained through
+    assert "embed_tokens.weight" not in weights  # a plain table: speculators reloads it from the verifier
+
+    with pytest.raises(ExportError, match="d2t") as info:
+        export_run(runs / "vocab", tmp_path / "z", "zlab")
+    assert "\n" not in str(info.value) and "--format speculators" in str(info.value)
+
+
+def eval_numbers(*args: str) -> dict:
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    result = CliRunner().invoke(app, ["eval", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_draft_vocabulary_export_evaluated_equals_the_runs_own_eval(runs, tmp_path):
+    """tau in the target vocabulary, exactly the run's own: same drafts among the same target ids."""
+    exported = export_run(runs / "vocab", tmp_path / "s", "speculators").path
+    own = eval_numbers(str(runs / "vocab"), *EVAL_ARGS)
+    foreign = eval_numbers(str(exported), "--target", str(runs.parent / "target"), *EVAL_ARGS)
+    assert foreign["layout"] == "speculators"
+    for key in ("tau", "acceptance_histogram", "per_position_acceptance", "output_tokens", "verify_steps"):
+        assert foreign[key] == own[key], key
+    assert foreign["lossless"] is True and own["verify_steps"] > 0
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("foreign head", "not the target's lm_head"), ("one map", "needs both maps"), ("no maps", "no d2t / t2d maps"),
+])
+def test_foreign_eval_refuses_a_draft_vocabulary_it_cannot_serve_faithfully(runs, tmp_path, damage, message):
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    exported = export_run(runs / "vocab", tmp_path / "s", "speculators").path
+    weights = load_file(exported / "model.safetensors")
+    if damage == "foreign head":
+        weights["lm_head.weight"] = weights["lm_head.weight"] + 0.01
+    elif damage == "one map":
+        del weights["t2d"]
+    else:
+        del weights["t2d"], weights["d2t"]
+    save_file(weights, str(exported / "model.safetensors"))
+    result = CliRunner().invoke(app, ["eval", str(exported), "--target", str(runs.parent / "target"), *EVAL_ARGS])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
