@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import string
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.trainer.tiny_targets import HIDDEN, char_tokenizer, save_tiny_qwen3
 from trainer.export import (
     DFlashDrafterForExport,
     DrafterSpec,
@@ -29,7 +29,6 @@ from trainer.export import (
 )
 
 TARGET_LAYERS = 8
-HIDDEN = 32
 ROPE_THETA = 1e6  # not the default 10000: a config that loses it changes the reloaded drafter's output
 FIXED_IDS = [1, 5]  # z-lab's rule for k=2 on 8 layers: round(1 + i*(8-4)/1)
 V5_SELECTED = [1, 2, 3, 4, 5]
@@ -48,37 +47,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def char_tokenizer():
-    """A character-level tokenizer with no mask token: the run's mask token is then the first unused row."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<eos>": 1, "<pad>": 2, **{c: i + 3 for i, c in enumerate(string.printable)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """<root>/target (tiny Qwen3) and two finished two-step runs: runs/fixed and runs/v5."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from trainer.config import build_config
     from trainer.run.loop import train
     from trainer.run.rundir import RunDir
 
     root = tmp_path_factory.mktemp("export")
-    tokenizer = char_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer) + 3, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
+    save_tiny_qwen3(root / "target", char_tokenizer(), layers=TARGET_LAYERS, rope_theta=ROPE_THETA)
     common = dict(
         target=str(root / "target"), steps=2, batch_size=2, seq_len=48, draft_layers=2, block_size=BLOCK,
         max_anchors=4, eval_every=None, eval_prompts=1, eval_max_new_tokens=8, warmup_steps=0, checkpoint_every=2,
