@@ -121,3 +121,17 @@ def test_speculators_loads_our_export_and_drafts_the_same_logits(family, draft_v
         # d2t maps draft index i to target id i + d2t[i]: the same ids our drafter proposes among
         assert torch.equal(torch.arange(draft_vocab_size) + model.d2t, ours.draft_token_ids)
         assert torch.equal(model.t2d.nonzero()[:, 0], ours.draft_token_ids)
+        # A checkpoint written by speculators itself (from the loaded export) measures in `trainer eval DIR
+        # --target` what the run measures: tau in the target vocabulary, identical at temperature 0.
+        from trainer.eval.foreign import evaluate_drafters
+
+        saved = tmp_path / "saved-by-speculators"
+        model.save_pretrained(saved)
+        theirs, own = evaluate_drafters(
+            [saved, run_dir], str(tmp_path / "target"), prompts=2, max_new_tokens=12, block_size=None,
+            temperature=0.0, data="embedded", seed=0, device="cpu",
+        )
+        assert (theirs["layout"], own["layout"]) == ("speculators", "run")
+        for key in ("tau", "acceptance_histogram", "per_position_acceptance", "output_tokens", "verify_steps"):
+            assert theirs[key] == own[key], key
+        assert theirs["lossless"] is True and own["verify_steps"] > 0

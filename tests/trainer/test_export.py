@@ -392,6 +392,10 @@ def test_draft_vocabulary_export_evaluated_equals_the_runs_own_eval(runs, tmp_pa
     for key in ("tau", "acceptance_histogram", "per_position_acceptance", "output_tokens", "verify_steps"):
         assert foreign[key] == own[key], key
     assert foreign["lossless"] is True and own["verify_steps"] > 0
+    # side by side, the run itself also drafts in its vocabulary (as `trainer eval RUN` does)
+    both = eval_numbers(str(exported), "--against", str(runs / "vocab"), "--target", str(runs.parent / "target"),
+                        *EVAL_ARGS)["drafters"]
+    assert [d["layout"] for d in both] == ["speculators", "run"] and both[1]["tau"] == own["tau"] == both[0]["tau"]
 
 
 @pytest.mark.parametrize("damage,message", [

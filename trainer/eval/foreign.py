@@ -314,7 +314,9 @@ def _our_run_drafter(directory: Path, target: Any, device: torch.device) -> tupl
             f"{loaded.target.hidden_size}; --target has {target.num_layers} layers of width {target.hidden_size}"
         )
     # mask None: the loop takes the drafter's own, exactly as `trainer eval RUN` and the run's eval.json do.
-    return (loaded.drafter, list(loaded.feature_layer_ids), loaded.config.block_size, None,
+    # A draft-vocabulary run drafts among its vocabulary's target ids, as `trainer eval RUN` does.
+    drafter = loaded.drafter if loaded.draft_token_ids is None else loaded.proposer()
+    return (drafter, list(loaded.feature_layer_ids), loaded.config.block_size, None,
             f"{directory.name}@{loaded.step}", "run")
 
 
