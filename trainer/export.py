@@ -349,7 +349,7 @@ def target_compatibility(target_config: Any, target_dir: Path | None = None) -> 
       `embed_tokens` with the verifier's raw table found by name and reads `lm_head` by name, falling back
       to that table (speculators 0.9.0 model.py, _load_verifier_weights). Wrong when the embedding module
       does more than a lookup (Gemma's sqrt(H) scaling) or the names resolve to other tensors (GPT-2's
-      transformer.wte, GPT-NeoX's embed_out). The export then carries the tables (see the module docstring);
+      transformer.wte, GPT-NeoX's gpt_neox.embed_in). The export then carries the tables (see the module docstring);
     * z-lab note: z-lab's dflash_generate embeds with `target.model.embed_tokens` and drafts with
       `target.lm_head`; a model without those attributes cannot run that loop (the export itself is fine).
     The model is built on the meta device from the config alone (no weights, no memory); the weight names

@@ -4,7 +4,7 @@ and for draft-vocabulary runs.
 
 speculators reloads embed_tokens and lm_head from the verifier named in the config, by name and as a plain
 table. Where that cannot reproduce what the drafter saw (Gemma's embeddings scaled by sqrt(H) inside the
-embedding module; GPT-2's transformer.wte and GPT-NeoX's embed_out, which speculators does not find), the
+embedding module; GPT-2's transformer.wte and GPT-NeoX's gpt_neox.embed_in, which speculators does not find), the
 export carries the effective tables and names no verifier path, so speculators keeps them: the same test
 covers those families. A draft-vocabulary run exports d2t / t2d and the reduced lm_head, which speculators
 keeps from the checkpoint; its logits are over the draft vocabulary, and d2t maps them to the same target ids.

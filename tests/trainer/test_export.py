@@ -419,3 +419,24 @@ def test_foreign_eval_refuses_a_draft_vocabulary_it_cannot_serve_faithfully(runs
     result = CliRunner().invoke(app, ["eval", str(exported), "--target", str(runs.parent / "target"), *EVAL_ARGS])
     assert result.exit_code == 2 and message in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+# --- which targets speculators can reload tables for (config only, meta device) -------------------------------
+
+
+def test_target_compatibility_follows_speculators_lookup_rules():
+    from transformers import Gemma2Config, GPT2Config, GPTNeoXConfig, LlamaConfig, PhiConfig
+
+    from trainer.export import target_compatibility
+
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    for tied in (False, True):  # tied: speculators' fallback to the embedding table is the lm_head itself
+        assert target_compatibility(LlamaConfig(**small, intermediate_size=64, tie_word_embeddings=tied)) == (None, None, None)
+    refusal, tables, _ = target_compatibility(Gemma2Config(**small, intermediate_size=64, head_dim=8))
+    assert refusal is None and "ScaledWordEmbedding" in tables
+    _, tables, zlab = target_compatibility(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64))
+    assert "transformer.wte" in tables and "finds nothing" in tables and "transformer.wte" in zlab
+    _, tables, zlab = target_compatibility(GPTNeoXConfig(**small, intermediate_size=64))
+    assert "gpt_neox.embed_in" in tables and "gpt_neox.embed_in" in zlab
+    refusal, _, _ = target_compatibility(PhiConfig(**small, intermediate_size=64))  # Phi-2's lm_head has a bias
+    assert "bias" in refusal and "\n" not in refusal
