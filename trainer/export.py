@@ -415,16 +415,16 @@ def _weight_keys(target_dir: Path | None) -> set[str]:
         return set()
 
 
-def _target_tables(spec: DrafterSpec, run_config: TrainConfig, vocab_ids: torch.Tensor | None,
+def _target_tables(spec: DrafterSpec, dtype: torch.dtype, vocab_ids: torch.Tensor | None,
                    embeddings: bool) -> dict[str, torch.Tensor]:
     """The tensors a speculators export carries from the target: `embed_tokens.weight` (the target's
     embedding module applied to every id: what the drafter's block tokens went through, scale included)
     when `embeddings`, and `lm_head.weight` (the rows of the draft vocabulary, if any), computed in the
-    run's dtype as training computed them."""
+    dtype the run trained in (its checkpoint's), as training computed them."""
     from trainer.target.frozen import FrozenTarget, TargetError
 
     try:
-        target = FrozenTarget.load(spec.target_path, torch.device("cpu"), DTYPES[run_config.dtype])
+        target = FrozenTarget.load(spec.target_path, torch.device("cpu"), dtype)
     except TargetError as exc:
         raise ExportError(f"cannot load the target's embeddings and lm_head: {exc}") from None
     tables: dict[str, torch.Tensor] = {}
@@ -506,7 +506,8 @@ def export_run(
         config = speculators_config(spec, out_dtype, verifier)
         written_ids = config["aux_hidden_state_layer_ids"]
         if spec.speculators_tables is not None or vocab_ids is not None:
-            weights = {**weights, **_target_tables(spec, run_config, vocab_ids, spec.speculators_tables is not None)}
+            carry_embeddings = spec.speculators_tables is not None
+            weights = {**weights, **_target_tables(spec, weights["fc.weight"].dtype, vocab_ids, carry_embeddings)}
         if spec.speculators_tables is not None:
             notes.append(f"the export carries the target's embeddings and lm_head and names no verifier path: "
                          f"{spec.speculators_tables}")
