@@ -18,6 +18,7 @@ family's time), the eval one prompt of 8 tokens, enough for losslessness and ver
 from __future__ import annotations
 
 import json
+
 import pytest
 import torch
 
@@ -32,8 +33,8 @@ from tests.trainer.tiny_targets import (
 )
 
 BLOCK = 4
-# Held-out documents of the embedded corpus, seq_len 48: the fidelity row is at least 48 tokens and the
-# held-out document at least window + 16 = 24, three times the sliding window.
+# The small corpus's 5 held-out documents (63-181 tokens), seq_len 48: the fidelity row is at least 48 tokens
+# and the held-out document at least window + 16 = 24, three times the sliding window.
 RUN = dict(
     steps=2, batch_size=2, seq_len=48, draft_layers=2, block_size=BLOCK, max_anchors=4,
     eval_every=None, eval_prompts=1, eval_max_new_tokens=8, warmup_steps=0, checkpoint_every=2, log_every=1,
