@@ -2,9 +2,21 @@
 
 Both layouts are a directory with `config.json` and `model.safetensors` holding the trained drafter body
 under our own weight names (fc.weight [H, k*H], hidden_norm, layers.{i}.*, norm), which are the names
-both z-lab's `DFlashDraftModel` and speculators' `DFlashDraftModel` use. Neither holds token embeddings
-or an lm_head: the drafter borrows the target's at inference (z-lab reads them from the target model,
-speculators reloads them from `speculators_config.verifier.name_or_path` in `from_pretrained`).
+both z-lab's `DFlashDraftModel` and speculators' `DFlashDraftModel` use. Usually neither holds token
+embeddings or an lm_head: the drafter borrows the target's at inference (z-lab reads them from the target
+model, speculators reloads them from `speculators_config.verifier.name_or_path` in `from_pretrained`).
+
+Two cases add tensors to the speculators layout (speculators 0.9.0, models/dflash/core.py and model.py):
+  * a target whose embeddings speculators cannot reload as the drafter saw them: speculators always
+    overwrites `embed_tokens` with the verifier's raw table, found by name (`_resolve_key`), and takes
+    `lm_head` from the verifier (falling back to that table when it finds no lm_head). Gemma scales the
+    table by sqrt(H) inside its embedding module; GPT-2 / GPT-NeoX name the tables so speculators does
+    not find them. The export then carries the effective tables itself (`embed_tokens.weight` = the target's
+    embedding module applied to every id, `lm_head.weight`) and names no verifier path
+    (`verifier.name_or_path: null`), the one case in which speculators keeps a checkpoint's tables;
+  * a draft vocabulary: `draft_vocab_size` < the target's, `d2t` / `t2d` maps and the reduced
+    `lm_head.weight` (the target's rows of the draft vocabulary), which speculators keeps from the
+    checkpoint and vLLM needs.
 
 The two layouts number target layers differently (../shared/DFLASH.md, `dflash.target_layer_ids`):
   * z-lab: id i is the output of decoder layer i, HF `hidden_states[i + 1]` (ours too);
@@ -15,15 +27,15 @@ silently (vLLM PR #40727, speculators #705), so the conversion lives in one pair
 Only the layers that feed fc are exported: a run whose fc reads a subset of its selected layers (the v5
 bug) is exported with exactly those ids, so the ids and fc.weight's width always agree.
 
-Exporting needs the run's config, its latest checkpoint and the target's config and tokenizer, never the
-target's weights, so a drafter of a large target exports in seconds.
+Exporting needs the run's config, its latest checkpoint and the target's config and tokenizer; the target's
+weights only for the two cases above (its embedding table and lm_head, loaded once on the CPU).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +45,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
 import trainer
 from trainer.config import ConfigError, TrainConfig, resolve_for_target
+from trainer.data.draft_vocab import VOCAB_FILE, load_vocab, vocab_maps
 from trainer.model.drafter import DFlashDrafter, draft_config_from_target
 from trainer.run.checkpoint import (
     DRAFTER_FILE,
@@ -98,8 +111,14 @@ class DrafterSpec:
     mask_token_id: int
     target_path: str  # the verifier, for the speculators layout
     target_architectures: list[str]
-    # Why speculators cannot serve this drafter on its target (None: it can); see speculators_refusal.
+    # Why speculators cannot serve this drafter on its target (None: it can); see speculators_compatibility.
     speculators_refusal: str | None = None
+    # Why speculators cannot reload the target's embeddings / lm_head as the drafter saw them (None: it can);
+    # the speculators export then carries those tables and names no verifier path to reload them from.
+    speculators_tables: str | None = None
+    # Why z-lab's own decoding loop cannot reach this target's embeddings / lm_head (None: it can); a note.
+    zlab_note: str | None = None
+    draft_vocab_size: int | None = None  # a reduced draft vocabulary (the run's `draft_vocab_size`)
 
 
 @dataclass
@@ -112,6 +131,7 @@ class ExportResult:
     target_layer_ids: list[int]  # as written: z-lab ids for zlab, vLLM ids for speculators
     tensors: int
     other_files: list[str]  # entries of `out` this export did not write (kept as they were)
+    notes: list[str] = field(default_factory=list)  # one line each, for stderr: what a server must know
 
 
 def zlab_config(spec: DrafterSpec, dtype: torch.dtype) -> dict[str, Any]:
@@ -144,6 +164,11 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
     vllm_ids = zlab_to_vllm_layer_ids(spec.target_layer_ids)
     if spec.speculators_refusal is not None:
         raise ExportError(f"{spec.speculators_refusal}; export with --format zlab instead")
+    if spec.speculators_tables is not None and verifier is not None:
+        raise ExportError(
+            f"--verifier {verifier}: this export carries the target's embeddings and lm_head itself "
+            f"({spec.speculators_tables}), and speculators would overwrite them from any verifier it names"
+        )
     if spec.num_target_layers in vllm_ids:
         # vLLM captures auxiliary hidden states at the input of decoder layers; the last layer's output is
         # only the (normed) final state, which speculators treats separately and drops from this list.
@@ -174,18 +199,21 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
             ],
             "default_proposal_method": "greedy",
             "verifier": {
-                "name_or_path": verifier or spec.target_path,
+                # null: speculators keeps the checkpoint's embed_tokens / lm_head instead of reloading them
+                "name_or_path": None if spec.speculators_tables is not None else verifier or spec.target_path,
                 "architectures": list(spec.target_architectures),
             },
         },
         "transformer_layer_config": draft,
-        "draft_vocab_size": spec.draft_config.vocab_size,
+        # < vocab_size: a draft vocabulary, whose d2t / t2d maps and reduced lm_head are in the weights
+        "draft_vocab_size": spec.draft_vocab_size or spec.draft_config.vocab_size,
         "block_size": spec.block_size,
         "target_hidden_size": None,  # the drafter works at the target's width
         "aux_hidden_state_layer_ids": vllm_ids,
         # Not read by speculators (it keeps unknown keys): the target's depth makes the directory
         # self-describing, so a checker can tell which selection rule produced the ids.
         "num_target_layers": spec.num_target_layers,
+        **({"verifier_tables_in_checkpoint": spec.speculators_tables} if spec.speculators_tables else {}),
         "mask_token_id": spec.mask_token_id,
         "sliding_window_non_causal": False,
         "sample_from_anchor": False,
@@ -287,24 +315,45 @@ def drafter_spec_for_run(run: RunDir) -> tuple[DrafterSpec, TrainConfig]:
         mask_token_id=_mask_token_id(config, target_dir, int(text_config.vocab_size)),
         target_path=str(target_dir.resolve()),
         target_architectures=list(getattr(target_config, "architectures", None) or []),
-        speculators_refusal=speculators_refusal(target_config),
+        draft_vocab_size=config.draft_vocab_size,
     )
+    spec.speculators_refusal, spec.speculators_tables, spec.zlab_note = target_compatibility(target_config, target_dir)
     return spec, config
 
 
-# The weight names speculators 0.9.0 looks the verifier's embeddings up by (exact or as a suffix):
-# src/speculators/utils/loading.py, _WEIGHT_ALIASES and _resolve_key.
-SPECULATORS_EMBEDDING_NAMES = ("embed_tokens", "tok_embeddings", "llm.embed", "backbone.embeddings")
+# How speculators 0.9.0 finds a verifier's tensors by name (src/speculators/utils/loading.py, _WEIGHT_ALIASES
+# and _resolve_key: exact name, else the shortest key ending with it, else the aliases the same way).
+SPECULATORS_WEIGHT_ALIASES = {
+    "embed_tokens.weight": ("tok_embeddings.weight", "llm.embed.weight", "backbone.embeddings.weight"),
+    "lm_head.weight": ("output.weight", "llm.unembed.weight"),
+}
 
 
-def speculators_refusal(target_config: Any) -> str | None:
-    """Why speculators' DFlashDraftModel cannot give this drafter its training inputs, or None.
+def speculators_resolve_key(name: str, keys: set[str]) -> str | None:
+    """The verifier tensor speculators loads for `name` ("embed_tokens.weight" / "lm_head.weight"), or None."""
+    for candidate in (name, *SPECULATORS_WEIGHT_ALIASES.get(name, ())):
+        if candidate in keys:
+            return candidate
+        matches = [k for k in keys if k.endswith(candidate)]
+        if matches:
+            return min(matches, key=len)
+    return None
 
-    speculators reloads embed_tokens from the verifier's weight files as a plain nn.Embedding table
-    (model.py, _load_verifier_weights). That fails when the verifier names the table otherwise (GPT-2's
-    transformer.wte), and silently changes the drafter's inputs when the target's embedding module does
-    more than a lookup (Gemma's sqrt(H) scaling). The model is built on the meta device from the config
-    alone (no weights, no memory), so this works for any size.
+
+def target_compatibility(target_config: Any, target_dir: Path | None = None) -> tuple[str | None, str | None, str | None]:
+    """(speculators refusal, speculators tables, z-lab note) for a target; each None when nothing is wrong.
+
+    * refusal: speculators' DFlashDraftModel cannot compute the drafter's logits at all (its lm_head is a
+      bias-free Linear);
+    * tables: speculators cannot reload the embeddings / lm_head as the drafter saw them. It overwrites
+      `embed_tokens` with the verifier's raw table found by name and reads `lm_head` by name, falling back
+      to that table (speculators 0.9.0 model.py, _load_verifier_weights). Wrong when the embedding module
+      does more than a lookup (Gemma's sqrt(H) scaling) or the names resolve to other tensors (GPT-2's
+      transformer.wte, GPT-NeoX's gpt_neox.embed_in). The export then carries the tables (see the module docstring);
+    * z-lab note: z-lab's dflash_generate embeds with `target.model.embed_tokens` and drafts with
+      `target.lm_head`; a model without those attributes cannot run that loop (the export itself is fine).
+    The model is built on the meta device from the config alone (no weights, no memory); the weight names
+    are read from the target's safetensors headers when there are any.
     """
     from transformers import AutoModelForCausalLM
 
@@ -312,22 +361,80 @@ def speculators_refusal(target_config: Any) -> str | None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(target_config)
     except Exception:  # an architecture transformers cannot build here: nothing known against it
-        return None
-    embeddings = model.get_input_embeddings()
+        return None, None, None
     architecture = type(model).__name__
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or not isinstance(head, torch.nn.Linear):
+        return (f"{architecture} has no Linear lm_head (get_output_embeddings() is {type(head).__name__}), and "
+                "speculators' DFlashDraftModel drafts through one"), None, None
+    if head.bias is not None:
+        return (f"{architecture}'s lm_head has a bias, and speculators' DFlashDraftModel's lm_head is a Linear "
+                "without one"), None, None
+    names = {id(module): name for name, module in model.named_modules()}
+    embed_key, head_key = f"{names.get(id(embeddings), '')}.weight", f"{names.get(id(head), '')}.weight"
+    keys = _weight_keys(target_dir) or set(model.state_dict())
+    tied = head.weight is embeddings.weight
+    tables = None
     if type(embeddings) is not torch.nn.Embedding:
-        return (
-            f"{architecture} embeds tokens through {type(embeddings).__name__} (scaled), which the drafter "
-            "trained on, but speculators' DFlashDraftModel reloads the verifier's embeddings as a plain table, "
-            "so the served drafter would see other inputs"
-        )
-    name = next((n for n, module in model.named_modules() if module is embeddings), "")
-    if not name.endswith(SPECULATORS_EMBEDDING_NAMES):
-        return (
-            f"{architecture} keeps its token embeddings as {name}.weight, and speculators' DFlashDraftModel "
-            f"finds a verifier's embeddings only by the names {', '.join(SPECULATORS_EMBEDDING_NAMES)}"
-        )
-    return None
+        tables = (f"{architecture} embeds tokens through {type(embeddings).__name__}, which scales the table, and "
+                  "speculators reloads the verifier's raw table")
+    else:
+        found_embed = speculators_resolve_key("embed_tokens.weight", keys)
+        found_head = speculators_resolve_key("lm_head.weight", keys) or found_embed
+        if found_embed != embed_key:
+            tables = (f"speculators looks the verifier's embeddings up as embed_tokens.weight and finds "
+                      f"{found_embed or 'nothing'} in {architecture}, whose table is {embed_key}")
+        elif found_head != (embed_key if tied and head_key not in keys else head_key):
+            tables = (f"speculators looks the verifier's lm_head up as lm_head.weight and takes {found_head} in "
+                      f"{architecture}, whose lm_head is {head_key}")
+    zlab_embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    zlab_note = None
+    if zlab_embed is not embeddings or getattr(model, "lm_head", None) is not head:
+        zlab_note = (f"z-lab's dflash_generate calls target.model.embed_tokens and target.lm_head, which "
+                     f"{architecture} names {embed_key.removesuffix('.weight')} and {head_key.removesuffix('.weight')}: "
+                     "serve this export with `trainer eval --target` or a server that maps them")
+    return None, tables, zlab_note
+
+
+def _weight_keys(target_dir: Path | None) -> set[str]:
+    """Tensor names in the target's safetensors files (headers only), empty when it has none."""
+    if target_dir is None:
+        return set()
+    index = target_dir / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return set(json.loads(index.read_text())["weight_map"])
+        from safetensors import safe_open
+
+        keys: set[str] = set()
+        for path in target_dir.glob("*.safetensors"):
+            with safe_open(str(path), framework="pt") as handle:
+                keys.update(handle.keys())
+        return keys
+    except (OSError, KeyError, ValueError):
+        return set()
+
+
+def _target_tables(spec: DrafterSpec, dtype: torch.dtype, vocab_ids: torch.Tensor | None,
+                   embeddings: bool) -> dict[str, torch.Tensor]:
+    """The tensors a speculators export carries from the target: `embed_tokens.weight` (the target's
+    embedding module applied to every id: what the drafter's block tokens went through, scale included)
+    when `embeddings`, and `lm_head.weight` (the rows of the draft vocabulary, if any), computed in the
+    dtype the run trained in (its checkpoint's), as training computed them."""
+    from trainer.target.frozen import FrozenTarget, TargetError
+
+    try:
+        target = FrozenTarget.load(spec.target_path, torch.device("cpu"), dtype)
+    except TargetError as exc:
+        raise ExportError(f"cannot load the target's embeddings and lm_head: {exc}") from None
+    tables: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        if embeddings:
+            rows = target.model.get_input_embeddings().weight.shape[0]
+            tables["embed_tokens.weight"] = target.embed(torch.arange(rows))  # [V, H]
+        head = target.lm_head.weight  # [V, H]
+        tables["lm_head.weight"] = head if vocab_ids is None else head[vocab_ids]  # [V or Vd, H]
+    return {name: t.detach().clone() for name, t in tables.items()}
 
 
 def _checked_weights(spec: DrafterSpec, weights_file: Path, run: RunDir) -> dict[str, torch.Tensor]:
@@ -380,22 +487,36 @@ def export_run(
     if checkpoint is None:
         raise ExportError(f"run {run.name!r} has no checkpoint yet ({run.checkpoints_dir})")
     spec, run_config = drafter_spec_for_run(run)
-    if run_config.draft_vocab_size:
-        # The drafter is only half of such an export: its head is the target's lm_head restricted to the
-        # draft vocabulary, with d2t/t2d beside it, and that layout is not written yet.
-        raise ExportError(f"run {run.name!r} trains a draft vocabulary of {run_config.draft_vocab_size} tokens; "
-                          "exporting it (reduced lm_head + d2t/t2d) is not implemented yet")
+    vocab_ids = _draft_vocabulary(run, run_config)
+    if vocab_ids is not None and export_format == "zlab":
+        raise ExportError(
+            f"run {run.name!r} trains a draft vocabulary of {run_config.draft_vocab_size} tokens, and z-lab's "
+            "DFlashDraftModel drafts through the target's whole lm_head with no draft-to-target map (d2t); "
+            "export with --format speculators"
+        )
     weights = _checked_weights(spec, checkpoint.path / DRAFTER_FILE, run)
     out_dtype = DTYPES[dtype] if dtype != "auto" else weights["fc.weight"].dtype
+    notes: list[str] = []
     if export_format == "zlab":
         config = zlab_config(spec, out_dtype)
         written_ids = config["dflash_config"]["target_layer_ids"]
+        if spec.zlab_note:
+            notes.append(spec.zlab_note)
     else:
         config = speculators_config(spec, out_dtype, verifier)
         written_ids = config["aux_hidden_state_layer_ids"]
+        if spec.speculators_tables is not None or vocab_ids is not None:
+            carry_embeddings = spec.speculators_tables is not None
+            weights = {**weights, **_target_tables(spec, weights["fc.weight"].dtype, vocab_ids, carry_embeddings)}
+        if spec.speculators_tables is not None:
+            notes.append(f"the export carries the target's embeddings and lm_head and names no verifier path: "
+                         f"{spec.speculators_tables}")
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.to(out_dtype).contiguous() for name, t in weights.items()}
+    if vocab_ids is not None and export_format == "speculators":
+        # speculators' buffers: d2t[i] = target id - i (long), t2d[v] = v is drafted (bool); never cast
+        tensors["d2t"], tensors["t2d"] = vocab_maps(vocab_ids, spec.draft_config.vocab_size)
     metadata = {
         "format": "pt",  # transformers' from_pretrained expects it
         "layout": export_format,
@@ -412,8 +533,21 @@ def export_run(
     _publish(staging, out / CONFIG_FILE)
     return ExportResult(
         path=out, format=export_format, run=run.name, step=checkpoint.step, config=config,
-        target_layer_ids=list(written_ids), tensors=len(tensors), other_files=other_files,
+        target_layer_ids=list(written_ids), tensors=len(tensors), other_files=other_files, notes=notes,
     )
+
+
+def _draft_vocabulary(run: RunDir, run_config: TrainConfig) -> torch.Tensor | None:
+    """The run's draft vocabulary (sorted target ids), None for a full-vocabulary run."""
+    if not run_config.draft_vocab_size:
+        return None
+    from safetensors import SafetensorError
+
+    path = run.path / VOCAB_FILE
+    try:
+        return load_vocab(path)
+    except (OSError, KeyError, SafetensorError) as exc:
+        raise ExportError(f"run {run.name!r} has a draft vocabulary but {path} is unreadable: {exc}") from None
 
 
 def _publish(staging: Path, final: Path) -> None:

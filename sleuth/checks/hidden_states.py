@@ -18,6 +18,13 @@ Cache layouts understood (`sleuth diagnose --hidden-states DIR`):
   "layer_ids": [...], "convention": "zlab" | "hf", "target": optional path}` and `DIR/*.safetensors` with
   `input_ids` [T] and `hidden_states` [T, k, H]. `zlab`: id i = output of decoder layer i; `hf`: id i =
   HF `hidden_states[i]` (0 = the embeddings). Every stored state is the raw residual stream (no final norm).
+* the trainer's offline cache (`trainer hidden-states generate`, run-directory README "Offline hidden
+  states"): `DIR/manifest.json` with `layers` (z-lab ids) and `target.path`, and `DIR/shard-NNNNN.safetensors`
+  holding packed rows: `input_ids`, `position_ids` [n, S] (positions restart at 0 at every document) and
+  `layer.<i>` [n, S, H] = HF `hidden_states[i + 1]` exactly as transformers returns it, i.e. raw for every
+  layer but the last, which transformers hands out through the final norm. Read through the manifest and
+  the tensor names only. Each sampled document is recomputed alone (its positions from 0), as the trainer's
+  packed forward must reproduce it.
 """
 
 from __future__ import annotations
@@ -37,14 +44,41 @@ SAMPLE_TOKENS = 256
 TOLERANCE = 2e-2
 
 
+TRAINER_FORMAT = "trainer hidden-states"
+
+
 @dataclass
 class CacheLayout:
-    kind: str  # "speculators" | MANIFEST_FORMAT
+    kind: str  # "speculators" | MANIFEST_FORMAT | TRAINER_FORMAT
     files: list[Path]
     token_key: str
-    hf_indices: list[int] | None  # per stored entry: HF hidden_states index (0 = embeddings), raw (pre-norm)
+    hf_indices: list[int] | None  # per stored entry: HF hidden_states index (0 = embeddings)
     source: str  # where the layer ids came from
     target: str | None = None
+    # "raw": the residual stream (pre-norm); "hf": as transformers' output_hidden_states returns it (the
+    # last index through the final norm, every other one raw).
+    state: str = "raw"
+    entry_names: list[str] | None = None  # how the finding names each stored entry (default "entry k")
+
+
+@dataclass
+class Sample:
+    location: str
+    ids: list[int]
+    states: Any  # [T, n, H] float32
+
+
+def _trainer_layout(cache: Path, manifest: dict[str, Any]) -> tuple[CacheLayout | None, str]:
+    """The trainer's cache, read through its manifest (`layers`, `target.path`) and tensor names."""
+    layers = int_list(manifest.get("layers"))
+    if not layers:
+        return None, f"{cache / 'manifest.json'}: `layers` lists no layer ids"
+    files = sorted(p for p in cache.glob("shard-*.safetensors") if p.is_file())
+    target = manifest.get("target")
+    target_path = target.get("path") if isinstance(target, dict) and isinstance(target.get("path"), str) else None
+    return CacheLayout(TRAINER_FORMAT, files, "input_ids", [i + 1 for i in layers],
+                       f"manifest.json layers {layers} (z-lab ids: layer i = HF hidden_states[i+1])", target_path,
+                       state="hf", entry_names=[f"layer.{i}" for i in layers]), ""
 
 
 def _hs_files(directory: Path) -> list[Path]:
@@ -58,6 +92,9 @@ def _hs_files(directory: Path) -> list[Path]:
 def find_layout(cache: Path, config: dict[str, Any] | None) -> tuple[CacheLayout | None, str]:
     """The layout of `cache`, or (None, why not)."""
     manifest = read_json(cache / "manifest.json")
+    if (manifest is not None and manifest.get("format") != MANIFEST_FORMAT and isinstance(manifest.get("layers"), list)
+            and any(cache.glob("shard-*.safetensors"))):
+        return _trainer_layout(cache, manifest)
     if manifest is not None and manifest.get("format") == MANIFEST_FORMAT:
         ids = int_list(manifest.get("layer_ids"))
         convention = manifest.get("convention")
@@ -94,10 +131,10 @@ def _final_norm(model: Any) -> Any:
     return None
 
 
-def recompute_states(target_dir: Path, token_ids: list[list[int]]) -> tuple[list[list[Any]], list[list[Any]]]:
-    """Per sequence: the raw residual stream at every HF index 0..L (L = the last decoder layer's output
-    before the final norm), and the same through the final norm (empty where the model has none).
-    Imports torch/transformers here only."""
+def recompute_states(target_dir: Path, token_ids: list[list[int]]) -> dict[str, list[list[Any]]]:
+    """Per sequence, {kind: states at every HF index 0..L}: "raw" the residual stream (L = the last decoder
+    layer's output before the final norm), "normed" the same through the final norm (empty where the model
+    has none), "hf" what transformers' output_hidden_states returns. Imports torch/transformers here only."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -114,6 +151,7 @@ def recompute_states(target_dir: Path, token_ids: list[list[int]]) -> tuple[list
     hooks = [layer.register_forward_hook(keep) for layer in layers] if layers is not None else []
     states: list[list[Any]] = []
     normed: list[list[Any]] = []
+    returned: list[list[Any]] = []
     try:
         with torch.no_grad():
             for ids in token_ids:
@@ -123,10 +161,11 @@ def recompute_states(target_dir: Path, token_ids: list[list[int]]) -> tuple[list
                 states.append(raw)
                 norm = _final_norm(model)
                 normed.append([norm(state) for state in raw] if norm is not None else [])
+                returned.append([h[0] for h in out.hidden_states])
     finally:
         for hook in hooks:
             hook.remove()
-    return states, normed
+    return {"raw": states, "normed": normed, "hf": returned}
 
 
 def _relative_error(a: Any, b: Any) -> float:
@@ -138,13 +177,70 @@ def _name(index: int) -> str:
         f"decoder layer {index - 1}'s output (HF hidden_states[{index}])"
 
 
+def _is_normed(kind: str, index: int, num_layers: int) -> bool:
+    return kind == "normed" or (kind == "hf" and index == num_layers)
+
+
+def _describe(kind: str, index: int, num_layers: int) -> str:
+    if kind == "normed":
+        return f"final_norm({_name(index)})"
+    if kind == "hf" and index == num_layers:
+        return (f"final_norm({_name(index)}), which is HF hidden_states[{index}] as transformers returns it")
+    return _name(index)
+
+
+def _read_samples(layout: CacheLayout) -> tuple[list[Sample], str]:
+    """Up to SAMPLE_FILES sequences of up to SAMPLE_TOKENS tokens with their stored states, or ([], why)."""
+    from safetensors import safe_open
+
+    samples: list[Sample] = []
+    for path in layout.files[:SAMPLE_FILES]:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                if layout.kind == TRAINER_FORMAT:
+                    samples += _packed_row_samples(path, handle, layout)
+                    continue
+                ids = handle.get_tensor(layout.token_key)[:SAMPLE_TOKENS].tolist()
+                states = handle.get_tensor("hidden_states")[:SAMPLE_TOKENS].float()  # [T, n, H]
+        except Exception as exc:  # a torn or foreign file: say which and why
+            return [], f"{path}: cannot read token ids and hidden states ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        if states.ndim != 3 or states.shape[0] != len(ids):
+            return [], f"{path}: hidden_states {tuple(states.shape)} is not [T, n, H] for {len(ids)} tokens"
+        samples.append(Sample(str(path), ids, states))
+    return samples, ""
+
+
+def _packed_row_samples(path: Path, handle: Any, layout: CacheLayout) -> list[Sample]:
+    """The documents of a shard's first row, each alone: positions restart at 0 at every document; a run of
+    single-token "documents" at position 0 is the row's padding, skipped with any one-token document."""
+    import torch
+
+    ids = handle.get_slice("input_ids")[0:1][0]  # [S]
+    positions = handle.get_slice("position_ids")[0:1][0]  # [S]
+    stored = torch.stack([handle.get_slice(name)[0:1][0].float() for name in layout.entry_names or []], dim=1)  # [S, n, H]
+    starts = [i for i in range(len(positions)) if int(positions[i]) == 0] + [len(positions)]
+    samples: list[Sample] = []
+    budget = SAMPLE_TOKENS
+    for start, end in zip(starts, starts[1:]):
+        if end - start < 2 or budget <= 0:
+            continue
+        end = min(end, start + budget)
+        budget -= end - start
+        samples.append(Sample(f"{path} row 0 tokens {start}..{end - 1}", ids[start:end].tolist(), stored[start:end]))
+    return samples
+
+
 def check_hidden_state_capture(ctx: ContractContext) -> Finding:
-    if ctx.hidden_states is None:
-        return ctx.finding(ID, "unknown", reason="no offline hidden-state cache given (--hidden-states DIR); "
-                           "a run that computes them online, as ours does, has nothing to check here")
-    cache = ctx.hidden_states
+    cache, given_as = ctx.hidden_states, "--hidden-states"
+    recorded = (ctx.run.config or {}).get("hidden_states") if ctx.run is not None else None
+    if cache is None and isinstance(recorded, str) and recorded:
+        # A run trained from an offline cache names it in config.json (`hidden_states: DIR`).
+        cache, given_as = Path(recorded).expanduser(), "config.json hidden_states"
+    if cache is None:
+        return ctx.finding(ID, "unknown", reason="no offline hidden-state cache given (--hidden-states DIR) or "
+                           "recorded (config.json hidden_states); a run that computes them online has nothing to check here")
     if not cache.is_dir():
-        return ctx.finding(ID, "unknown", reason=f"--hidden-states {cache} is not a directory")
+        return ctx.finding(ID, "unknown", reason=f"{given_as} {cache} is not a directory")
     layout, why = find_layout(cache, ctx.config)
     if layout is None:
         return ctx.finding(ID, "unknown", reason=why)
@@ -153,31 +249,18 @@ def check_hidden_state_capture(ctx: ContractContext) -> Finding:
         target_dir, target_source = Path(layout.target).expanduser(), "manifest.json target"
     if target_dir is None:
         return ctx.finding(ID, "unknown", reason=f"the target to recompute with is unknown: {target_source}")
-    try:
-        from safetensors import safe_open
-    except ImportError:  # pragma: no cover - safetensors is a dependency
-        return ctx.finding(ID, "unknown", reason="safetensors is not installed")
-    samples: list[tuple[Path, list[int], Any]] = []
-    for path in layout.files[:SAMPLE_FILES]:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                ids = handle.get_tensor(layout.token_key)[:SAMPLE_TOKENS].tolist()
-                states = handle.get_tensor("hidden_states")[:SAMPLE_TOKENS].float()  # [T, n, H]
-        except Exception as exc:  # a torn or foreign file: say which and why
-            return ctx.finding(ID, "unknown", reason=f"{path}: cannot read token ids and hidden_states ({exc})")
-        if states.ndim != 3 or states.shape[0] != len(ids):
-            return ctx.finding(ID, "unknown", reason=f"{path}: hidden_states {tuple(states.shape)} is not [T, n, H] "
-                               f"for {len(ids)} tokens")
-        samples.append((path, ids, states))
+    samples, why = _read_samples(layout)
+    if why:
+        return ctx.finding(ID, "unknown", reason=why)
     if not samples:
         return ctx.finding(ID, "unknown", reason=f"{cache}: no hidden-state files")
-    entries = samples[0][2].shape[1]
+    entries = samples[0].states.shape[1]
     indices = layout.hf_indices
     try:
-        recomputed, recomputed_normed = recompute_states(target_dir, [ids for _, ids, _ in samples])
+        recomputed = recompute_states(target_dir, [sample.ids for sample in samples])
     except Exception as exc:  # an unloadable target is reported, not raised
         return ctx.finding(ID, "unknown", reason=f"cannot recompute with the target {target_dir}: {str(exc).splitlines()[0]}")
-    num_layers = len(recomputed[0]) - 1
+    num_layers = len(recomputed["raw"][0]) - 1
     if layout.kind == "speculators":
         if indices is None:
             return ctx.finding(ID, "unknown", reason="speculators cache: the layer ids are not known (diagnose the "
@@ -192,32 +275,41 @@ def check_hidden_state_capture(ctx: ContractContext) -> Finding:
                            observed=f"{layout.source} resolves to HF indices {indices}", confidence=0.9,
                            reason="a layer id lies outside the target's layers")
 
+    names = layout.entry_names or [f"entry {k}" for k in range(entries)]
     wrong: list[str] = []
     worst = 0.0
     for entry, expected_index in enumerate(indices):
         errors: dict[tuple[str, int], float] = {}
-        for (_, _, states), raw, normed in zip(samples, recomputed, recomputed_normed):
-            stored = states[:, entry]  # [T, H]
-            for kind, candidates in (("raw", raw), ("normed", normed)):
-                for j, state in enumerate(candidates):
+        for k, sample in enumerate(samples):
+            stored = sample.states[:, entry]  # [T, H]
+            for kind in ("raw", "normed", "hf"):
+                for j, state in enumerate(recomputed[kind][k]):
                     errors[(kind, j)] = max(errors.get((kind, j), 0.0), _relative_error(stored, state))
-        error = errors[("raw", expected_index)]
+        error = errors[(layout.state, expected_index)]
         worst = max(worst, error)
         if error <= TOLERANCE:
             continue
         (kind, index), best = min(errors.items(), key=lambda item: item[1])
+        expected_text = _describe(layout.state, expected_index, num_layers)
         if best > TOLERANCE:
-            wrong.append(f"entry {entry} (expected {_name(expected_index)}) matches no layer of the target "
+            wrong.append(f"{names[entry]} (expected {expected_text}) matches no layer of the target "
                          f"(relative error {error:.3f}; closest: {kind} HF index {index}, {best:.3f})")
-        elif kind == "normed":
-            wrong.append(f"entry {entry} holds final_norm({_name(index)}): a final norm applied where the raw "
+            continue
+        normed, expected_normed = _is_normed(kind, index, num_layers), _is_normed(layout.state, expected_index, num_layers)
+        if index == expected_index and normed:
+            wrong.append(f"{names[entry]} holds final_norm({_name(index)}): a final norm applied where the raw "
                          f"residual stream belongs")
+        elif index == expected_index:
+            wrong.append(f"{names[entry]} holds the raw {_name(index)} where {expected_text} belongs")
         else:
-            wrong.append(f"entry {entry} holds {_name(index)} instead of {_name(expected_index)}: off by "
-                         f"{index - expected_index:+d} layer")
-    evidence = [Evidence(kind="checkpoint", location=str(p), value=f"{len(ids)} tokens x {states.shape[1]} states")
-                for p, ids, states in samples]
-    expected = f"entries = {', '.join(_name(i) for i in indices)} ({layout.source})"
+            norm_note = "" if normed == expected_normed else (
+                " (and through the final norm)" if normed else " (and without the final norm)")
+            wrong.append(f"{names[entry]} holds {_name(index)} instead of {_name(expected_index)}: off by "
+                         f"{index - expected_index:+d} layer{norm_note}")
+    evidence = [Evidence(kind="checkpoint", location=sample.location,
+                         value=f"{len(sample.ids)} tokens x {sample.states.shape[1]} states") for sample in samples]
+    expected = (f"{', '.join(f'{n} = {_describe(layout.state, i, num_layers)}' for n, i in zip(names, indices))} "
+                f"({layout.source})")
     if wrong:
         return ctx.finding(
             ID, "mismatch", expected=expected, observed="; ".join(wrong), evidence=evidence, confidence=0.95,
@@ -228,6 +320,6 @@ def check_hidden_state_capture(ctx: ContractContext) -> Finding:
         )
     return ctx.finding(
         ID, "match", expected=expected, observed=f"every entry equals its recomputed layer (max relative error "
-        f"{worst:.2e} over {sum(len(ids) for _, ids, _ in samples)} tokens)", evidence=evidence, confidence=0.9,
+        f"{worst:.2e} over {sum(len(sample.ids) for sample in samples)} tokens)", evidence=evidence, confidence=0.9,
         reason=f"recomputed {len(samples)} sample(s) with {target_dir} ({target_source})",
     )

@@ -6,7 +6,9 @@ scaling type and factors, the rotated fraction `partial_rotary_factor`, head dim
 #738: `partial_rotary_factor` ignored in training gave good validation and poor served acceptance.
 
 Read from both configs: the drafter's (ours and z-lab's: the top-level config of the exported directory;
-speculators': `transformer_layer_config`) against the target's / verifier's config.json. Both the
+speculators': `transformer_layer_config`; a training run directory: run.json `drafter`, the rotary settings
+the run trained with, the rotated width read off the module's frequencies) against the target's /
+verifier's config.json. Both the
 transformers 4 layout (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`, possibly per layer type)
 are understood.
 """
@@ -60,11 +62,25 @@ def drafter_config(config: dict[str, Any] | None) -> tuple[dict[str, Any] | None
     return None, ""
 
 
+def run_drafter_record(ctx: ContractContext) -> tuple[dict[str, Any] | None, str]:
+    """run.json `drafter` of a training run directory (run-directory contract), and where it sits."""
+    if ctx.run is None or not isinstance(ctx.run.run_json, dict):
+        return None, ""
+    record = ctx.run.run_json.get("drafter")
+    if isinstance(record, dict) and any(k in record for k in ("rope_parameters", "rope_theta", "head_dim")):
+        return record, "drafter"
+    return None, ""
+
+
 def check_rope_matches_target(ctx: ContractContext) -> Finding:
     draft, where = drafter_config(ctx.config)
+    draft_file = ctx.config_source or "config.json"
     if draft is None:
-        reason = ("the config holds no drafter model config (a training run's config.json does not record the "
-                  "drafter's rotary settings: diagnose the directory `trainer export` writes)")
+        draft, where = run_drafter_record(ctx)
+        draft_file = str(ctx.run.path / "run.json") if draft is not None and ctx.run is not None else draft_file
+    if draft is None:
+        reason = ("neither the config nor the run records the drafter's rotary settings (run.json `drafter`, "
+                  "a drafter config.json or speculators' transformer_layer_config)")
         return ctx.finding(ID, "unknown", reason=reason)
     target_dir, source = ctx.resolve_target_dir()
     target_config = read_json(target_dir / "config.json") if target_dir is not None else None
@@ -73,7 +89,7 @@ def check_rope_matches_target(ctx: ContractContext) -> Finding:
         return ctx.finding(ID, "unknown", reason=f"the target's config was not read: {why}")
     ours, theirs = rope_settings(draft), rope_settings(target_config)
     differing = [k for k in ours if ours[k] != theirs[k]]
-    location = f"{ctx.config_source or 'config.json'}: {where}"
+    location = f"{draft_file}: {where}"
     evidence = [
         Evidence(kind="config", location=location, value=_describe(ours)),
         Evidence(kind="config", location=str(Path(target_dir) / "config.json"), value=_describe(theirs)),

@@ -964,6 +964,32 @@ def mentions_window(an: Analyzer, node: ast.AST, switch: str) -> bool:
     return False
 
 
+# Other speculative-decoding algorithms that live beside DFlash in a repository (EAGLE, Domino, DSpark,
+# DFlash2...): their code follows their own rules, so it never counts as DFlash evidence.
+VARIANT_PATTERN = re.compile(r"eagle|medusa|domino|dspark|dflash2|mtp|hydra|xpress", re.I)
+# In paths, "hydra" is far more often the config library than Hydra heads: only scopes (class HydraHead) count.
+VARIANT_PATH_PATTERN = re.compile(r"eagle|medusa|domino|dspark|dflash2|mtp|xpress", re.I)
+
+
+def in_variant_file(path: str) -> bool:
+    """A file of another algorithm: judged below the analysed root (the root's own name is the user's choice)."""
+    parts = Path(path).parts
+    return bool(VARIANT_PATH_PATTERN.search("/".join(parts[1:] if len(parts) > 1 else parts)))
+
+
+def in_variant_code(an: Analyzer, node: ast.AST) -> bool:
+    """Whether `node` sits in another algorithm's code: its file, or an enclosing class / function named
+    for it (a DFlash value path never runs through there)."""
+    if in_variant_file(an.unit(node).path):
+        return True
+    current = an.parents.get(node)
+    while current is not None:
+        if isinstance(current, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and VARIANT_PATTERN.search(current.name):
+            return True
+        current = an.parents.get(current)
+    return False
+
+
 def in_draft_class(an: Analyzer, node: ast.AST) -> bool:
     current = an.parents.get(node)
     while current is not None:

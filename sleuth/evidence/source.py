@@ -13,7 +13,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sleuth.evidence.ast_index import Analyzer, CodeReading, SourceError, Unit, load_units, parse_texts
+from sleuth.evidence.ast_index import (
+    VARIANT_PATTERN,
+    Analyzer,
+    CodeReading,
+    SourceError,
+    Unit,
+    in_variant_file,
+    load_units,
+    parse_texts,
+)
 from sleuth.evidence.registry import code_detectors
 
 __all__ = ["CodeReading", "SourceError", "SourceFacts", "Unit", "analyse_path", "analyse_texts", "analyse_units"]
@@ -42,19 +51,9 @@ def analyse_units(units: list[Unit], errors: list[SourceError] | None = None) ->
     return SourceFacts(readings, errors, [u.path for u in units if u.path not in skipped])
 
 
-# Other speculative-decoding algorithms that live beside DFlash in a repository (EAGLE, Domino, DSpark...):
-# their code follows their own rules, so it never counts as DFlash evidence.
-VARIANT_PATTERN = re.compile(r"eagle|medusa|domino|dspark|mtp|hydra|xpress", re.I)
-
-
-# In paths, "hydra" is far more often the config library than Hydra heads: only scopes (class HydraHead) count.
-VARIANT_PATH_PATTERN = re.compile(r"eagle|medusa|domino|dspark|mtp|xpress", re.I)
-
-
-def _in_variant_file(path: str) -> bool:
-    """A file of another algorithm: judged below the analysed root (the root's own name is the user's choice)."""
-    parts = Path(path).parts
-    return bool(VARIANT_PATH_PATTERN.search("/".join(parts[1:] if len(parts) > 1 else parts)))
+# Other algorithms' code (EAGLE, Domino, DSpark, DFlash2...) never counts as DFlash evidence: the patterns
+# live in the analysis kit (sleuth/evidence/ast_index.py), where value paths skip that code too.
+_in_variant_file = in_variant_file
 
 
 def _dedupe(readings: list[CodeReading]) -> list[CodeReading]:

@@ -533,6 +533,17 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
             step.outcome = f"unknown: {reason}"
             return _finding(inv, "unknown", expected, chosen, corroboration, 0.0, reason, notes, run, block_evidence)
         status = "match" if verdict else "mismatch"
+        if verdict and chosen.source == "code":
+            # A static reading that agrees is a claim about the cited site only. On defects planted blind in
+            # real upstream code, most wrong all-clears came from a correct-looking site whose value had been
+            # broken one step earlier (an argument, a reassignment, a partial, a default overridden), so
+            # agreement read from code alone is reported, not claimed. A probe (or the run's config) can
+            # still make it a match; a disagreeing reading stays a mismatch.
+            reason = (_reason("match", inv, expected, chosen) + "; reported, not claimed: static reading did "
+                      "not follow that value's whole path (run with --probe to measure it)")
+            step.outcome = f"unknown: static agreement from code ({chosen.value!r}), not claimed"
+            finding = _finding(inv, "unknown", expected, chosen, corroboration, 0.0, reason, notes, run, block_evidence)
+            return finding.model_copy(update={"static_agreement": True})
         confidence = round(max(0.05, min(1.0, chosen.confidence * expected.factor)), 2)
         reason = _reason(status, inv, expected, chosen)
         for cond in inv.expected.conditional_accept:
@@ -608,6 +619,11 @@ def _reason(status: str, inv: Invariant, expected: ExpectedValue, chosen: Observ
     # The detail explains the observed value, so it sits right after it.
     observed = f"{chosen.value!r}" + (f" ({chosen.detail})" if chosen.detail else "")
     if status == "match":
+        alternative = _accepted_alternative(expected, chosen.value)
+        if alternative is not None:
+            # an accepted alternative is not the expected value: say which rule admits it
+            return (f"{where} shows {observed}, not the reference's {expected.value!r} but one the rule accepts "
+                    f"(accepted: {', '.join(repr(a) for a in expected.accept)})")
         return f"{where} shows {observed}, as the rule requires"
     return f"{where} shows {observed}; the reference has {expected.value!r}"
 
@@ -630,7 +646,8 @@ def _finding(inv: Invariant, status: str, expected: ExpectedValue, chosen: Obser
         title=inv.title,
         status=status,  # type: ignore[arg-type]
         severity=inv.severity,
-        expected=_text(expected.value),
+        expected=_text(expected.value) if status == "mismatch" or chosen is None or _accepted_alternative(expected, chosen.value) is None
+        else f"{_text(expected.value)} (or accepted: {_text(chosen.value)})",
         observed=None if chosen is None else _text(chosen.value),
         evidence=evidence,
         confidence=confidence if status != "unknown" else 0.0,
@@ -661,6 +678,13 @@ def _code_evidence(r: CodeReading, kind: str = "code") -> Evidence:
     location = f"{r.path}:{r.line}" + (f"@{commit[:12]}" if commit else "")
     return Evidence(kind=kind, location=location, value=_text(r.value), snippet=r.snippet or None, path=r.path,
                     line=r.line, commit=commit)
+
+
+def _accepted_alternative(expected: ExpectedValue, value: object) -> object | None:
+    """The observed value when it satisfies the rule only as one of `accept` (KL where CE is the reference's)."""
+    if _is_number(value) or not expected.accept or not _differs(value, expected.value):
+        return None
+    return value if value in expected.accept else None
 
 
 def _differs(a: object, b: object) -> bool:

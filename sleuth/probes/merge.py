@@ -66,10 +66,11 @@ def merge_one(finding: Finding, verdict: Verdict) -> Finding:
         notes.append(f"probe {verdict.experiment} agrees: {verdict.observed or verdict.status}")
         update["confidence"] = max(finding.confidence, PROBE_CONFIDENCE)
     else:
-        static = finding.status + (f" ({finding.observed})" if finding.observed else "")
+        static = ("agreement, not claimed" if finding.static_agreement else finding.status) + (
+            f" ({finding.observed})" if finding.observed else "")
         notes.append(f"probe decided: the static reading said {static}; the experiment measured "
                      f"{verdict.observed or verdict.status}")
-        update.update(status=verdict.status, observed=verdict.observed or finding.observed,
+        update.update(status=verdict.status, observed=verdict.observed or finding.observed, static_agreement=False,
                       confidence=PROBE_CONFIDENCE,
                       reason=f"probe {verdict.experiment}: {verdict.measurement}" if verdict.measurement else None)
         if verdict.expected and not finding.expected:

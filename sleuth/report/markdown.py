@@ -82,7 +82,8 @@ def _regression(regression: Regression) -> list[str]:
 
 def _finding(rank: int, finding: Finding) -> list[str]:
     out = [
-        f"### {rank}. {STATUS_MARK.get(finding.status, finding.status)}: {finding.title}",
+        f"### {rank}. {STATUS_MARK.get(finding.status, finding.status)}"
+        f"{' (static agreement, not claimed)' if finding.static_agreement else ''}: {finding.title}",
         "",
         f"`{finding.id}`, severity **{finding.severity}**, confidence {finding.confidence:.2f}",
         "",

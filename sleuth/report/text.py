@@ -48,8 +48,11 @@ def print_text(report: Report, console: Console, files: dict[str, Path] | None =
     if unknown:
         # Unknowns are listed by id only; the report gives each one's reason.
         line = Text(f"unknown ({len(unknown)}): ", style=_STYLE["unknown"])
-        line.append(", ".join(f.id.removeprefix("dflash.") for f in unknown))
+        line.append(", ".join(f.id.removeprefix("dflash.") + ("*" if f.static_agreement else "") for f in unknown))
         console.print(line)
+        if any(f.static_agreement for f in unknown):
+            console.print("  * the code reads as the rule requires at the cited site, but its whole path was not "
+                          "traced: not claimed (--probe measures it)")
     if files:
         # A path is copied, never read as prose: it must not be wrapped at the terminal's width.
         console.print(Text("report: ", style="bold") + Text(str(files.get("report.md", ""))), soft_wrap=True)

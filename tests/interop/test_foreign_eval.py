@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import string
 from pathlib import Path
 
 import pytest
 import torch
 
-HIDDEN = 32
+from tests.trainer.tiny_targets import char_tokenizer, save_tiny_qwen3
+
 TARGET_LAYERS = 8
 EVAL_ARGS = ("--prompts", "3", "--max-new-tokens", "24", "--device", "cpu", "--json")
 
@@ -27,36 +27,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def char_tokenizer():
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<eos>": 1, "<pad>": 2, **{c: i + 3 for i, c in enumerate(string.printable)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict[str, Path]:
     """A tiny Qwen3 target, two short runs on it, and the first run exported in both layouts."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from trainer.config import build_config
     from trainer.export import export_run
     from trainer.run.loop import train
     from trainer.run.rundir import RunDir
 
     root = tmp_path_factory.mktemp("foreign")
-    tokenizer = char_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer) + 3, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
+    save_tiny_qwen3(root / "target", char_tokenizer(), layers=TARGET_LAYERS)
     common = dict(target=str(root / "target"), steps=4, batch_size=2, seq_len=48, draft_layers=2, block_size=4,
                   max_anchors=4, eval_every=None, warmup_steps=0, checkpoint_every=4, lr=3e-3)
     runs = root / "runs"

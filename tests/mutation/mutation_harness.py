@@ -96,7 +96,10 @@ class Score:
 def diagnose(root: Path, config: dict | None) -> dict[str, tuple[str, list[tuple[str, int]]]]:
     findings = check_invariants(load_playbook("dflash"), reference=None, config=config,
                                 config_source="config.json" if config else None, checkpoint=None, code=root, trace=Trace())
-    return {f.id: (f.status, [(e.path, e.line) for e in f.evidence if e.kind == "code" and e.path and e.line])
+    # What the static reader reads: agreement that the engine reports as unknown (not claimed) still counts
+    # as "match" here, so a planted defect read as agreement is a silent false match of the reader.
+    return {f.id: ("match" if f.static_agreement else f.status,
+                   [(e.path, e.line) for e in f.evidence if e.kind == "code" and e.path and e.line])
             for f in findings}
 
 

@@ -108,3 +108,17 @@ def test_expectations_come_from_the_playbook():
     expected = expectations_from_playbook(load_playbook("dflash"))
     assert expected.gamma == 4.0 and expected.gamma_by_block_size == {16: 7.0}
     assert set(expected.loss_kinds) == {"ce", "kl"}
+
+
+def test_a_probe_match_turns_static_agreement_into_a_claim():
+    agreement = finding("unknown").model_copy(update={"static_agreement": True, "confidence": 0.0})
+    merged, changed = apply_probes([agreement], ProbeOutcome("code", [verdict("match", "final")]), Trace())
+    assert changed == ["dflash.target_logits_source"]
+    assert merged[0].status == "match" and not merged[0].static_agreement and merged[0].confidence == 0.95
+    assert any("the static reading said agreement, not claimed (final)" in n for n in merged[0].notes)
+
+
+def test_an_unknown_probe_leaves_static_agreement_unclaimed():
+    agreement = finding("unknown").model_copy(update={"static_agreement": True, "confidence": 0.0})
+    merged, _ = apply_probes([agreement], ProbeOutcome("code", [verdict("unknown", reason="no gradient")]), Trace())
+    assert merged[0].status == "unknown" and merged[0].static_agreement

@@ -49,12 +49,14 @@ def save_target(path: Path, *, layers: int = 4, partial_rotary_factor: float | N
 
 def write_run(path: Path, *, target: Path | None = None, config: dict[str, Any] | None = None,
               data: dict[str, Any] | None = None, eval_report: dict[str, Any] | None = None,
-              metrics: list[dict[str, Any]] | None = None) -> Path:
+              metrics: list[dict[str, Any]] | None = None, drafter: dict[str, Any] | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     run = {"format_version": 1, "name": path.name, "status": "completed", "steps_done": 40,
            "created": "2026-11-30T12:00:00+00:00",
            "target": {"path": str(target) if target else None, "fingerprint": "t", "num_layers": 4},
            "data": {"source": "embedded", "fingerprint": "d", **(data or {})}}
+    if drafter is not None:
+        run["drafter"] = drafter
     (path / "run.json").write_text(json.dumps(run))
     (path / "config.json").write_text(json.dumps({"block_size": 8, "mask_token_id": None, **(config or {})}))
     (path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in metrics or []))

@@ -1,7 +1,7 @@
 """The contract invariants' valid and invalid fixtures (tests/fixtures/invariants/<id>/, JSON specs), run
 through their checks in sleuth.checks: valid -> match, invalid -> mismatch (with `expect` in what it says).
 
-Spec keys (all optional): "config" (the run's config.json), "run" (run.json fields), "eval" (eval.json),
+Spec keys (all optional): "config" (the run's config.json), "run" (run.json `data` and `drafter`), "eval" (eval.json),
 "findings" ({id: status} of the other checks), "target" ({config overrides}: a tiny Qwen3 target is saved),
 "export_layer_config" (a speculators export whose layer config is the target's plus these keys),
 "export" ({"format", "layer_ids", "rename", "aux_hidden_state_layer_ids"}: an exported directory),
@@ -82,7 +82,7 @@ def build_context(spec: dict, tmp_path: Path, target: Path) -> ContractContext:
         hidden_states = hidden_state_cache(tmp_path / "cache", target, hs["stored"])
         config["aux_hidden_state_layer_ids"] = hs["aux_hidden_state_layer_ids"]
     run_dir = write_run(tmp_path / "run", target=target_dir, config=config, data=spec.get("run", {}).get("data"),
-                        eval_report=spec.get("eval"))
+                        eval_report=spec.get("eval"), drafter=spec.get("run", {}).get("drafter"))
     info = read_run(run_dir)
     return ContractContext(run=info, config=info.config, config_source=str(info.config_path), target_dir=target_dir,
                            hidden_states=hidden_states, findings=findings, rules=rules)

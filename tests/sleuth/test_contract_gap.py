@@ -5,7 +5,7 @@ from __future__ import annotations
 from contract_fixtures import write_run
 
 from sleuth.checks import ContractContext
-from sleuth.checks.train_serve_gap import check_train_serve_gap, paired_standard_error
+from sleuth.checks.train_serve_gap import SIGN_TEST_P, check_train_serve_gap, paired_standard_error, sign_test_p
 from sleuth.findings import Evidence, Finding
 from sleuth.runs import read_run
 
@@ -88,3 +88,66 @@ def test_the_block_by_block_comparison_wins_and_has_no_systematic_slack(tmp_path
     report["teacher_forced"].update(at_verify=1.98, at_verify_per_prompt=[3.98, 1.38, 1.39, 1.17])
     result = gap(write_run(tmp_path / "v5", eval_report=report), [finding("dflash.target_logits_source", "mismatch")])
     assert result.status == "mismatch" and result.notes[0] == "explanation found: dflash.target_logits_source"
+
+
+def block_by_block(at: list[float], real: list[float], above: int, below: int, labels: float | None = 1.0,
+                   label_slots: int = 400, temperature: float = 0.0) -> dict:
+    """eval.json as `trainer eval` writes it: the block-by-block comparison with its step counts and labels."""
+    report = eval_report(real, at)
+    report["temperature"] = temperature
+    report["teacher_forced"].update(
+        at_verify=sum(at) / len(at), tau_at_verify=sum(real) / len(real), at_verify_per_prompt=at,
+        tau_at_verify_per_prompt=real, verify_steps_above=above, verify_steps_below=below,
+        label_agreement=labels, label_slots=label_slots)
+    return report
+
+
+# v5 at 40 steps on the embedded target, as measured (eval.json, 8 prompts): one repetitive prompt carries
+# most of the gap, so the spread over prompts is wide, but every differing verify step lies on one side.
+V5_AT = [1.2083, 1.425, 1.4074, 1.1176, 1.4048, 8.0, 1.5526, 1.3571]
+V5_REAL = [1.1875, 1.425, 1.2593, 1.1176, 1.381, 1.0, 1.5, 1.3571]
+
+
+def test_one_sided_differing_steps_are_a_gap_even_when_the_prompt_spread_is_wide(tmp_path):
+    report = block_by_block(V5_AT, V5_REAL, above=63, below=0)
+    result = gap(write_run(tmp_path / "v5", eval_report=report), [finding("dflash.target_logits_source", "mismatch")])
+    assert result.status == "mismatch"
+    assert "longer at 63 and shorter at 0 of the verify steps" in result.observed
+    assert "one-sided at the verify steps: sign test p" in result.reason
+    # the same per-prompt numbers with steps differing both ways, as argmax ties do: no evidence of a gap
+    report = block_by_block(V5_AT, V5_REAL, above=33, below=30)
+    assert gap(write_run(tmp_path / "ties", eval_report=report)).status == "match"
+
+
+def test_sign_test_p():
+    assert sign_test_p(0, 0) == 1.0
+    assert sign_test_p(3, 0) == 1 / 8
+    assert abs(sign_test_p(1, 1) - 0.75) < 1e-12
+    assert sign_test_p(12, 0) < SIGN_TEST_P < sign_test_p(9, 0)
+
+
+def test_labels_other_than_the_served_tokens_are_a_gap_in_the_making(tmp_path):
+    # A drafter that has learned little yet: the acceptance gap is within noise, but 17% of the slots are
+    # scored against other tokens than serving verifies. The labels side explains it, not the input side.
+    at, real = [1.625, 1.3889, 1.0, 1.1364], [1.5625, 1.3889, 1.0, 1.1364]
+    report = block_by_block(at, real, above=1, below=0, labels=0.825, label_slots=784)
+    result = gap(write_run(tmp_path / "v5", eval_report=report),
+                 [finding("dflash.target_logits_source", "mismatch"), finding("dflash.context_excludes_anchor", "mismatch")])
+    assert result.status == "mismatch"
+    assert "equal the served tokens at 82.5% of 784 labelled slots" in result.reason
+    assert result.notes[0] == "explanation found: dflash.target_logits_source"
+    assert "also broken, on the other side of the measurement: dflash.context_excludes_anchor" in result.reason
+    # the same labels at temperature 1 (sampled tokens are not the target's argmax): not a label measurement
+    report = block_by_block(at, real, above=1, below=0, labels=0.825, label_slots=784, temperature=1.0)
+    assert gap(write_run(tmp_path / "sampled", eval_report=report)).status == "match"
+    # too few slots to speak of a 1% rate
+    report = block_by_block(at, real, above=1, below=0, labels=0.9, label_slots=20)
+    assert gap(write_run(tmp_path / "few", eval_report=report)).status == "match"
+
+
+def test_serving_labels_and_no_gap_match_and_point_at_the_input_side(tmp_path):
+    report = block_by_block([2.1667, 1.5625, 1.3158, 1.087], [2.1667, 1.5625, 1.3158, 1.087], above=0, below=0)
+    result = gap(write_run(tmp_path / "v3", eval_report=report))
+    assert result.status == "match"
+    assert any("labels equal the served tokens at 100.0%" in n and "dflash.context_excludes_anchor" in n
+               for n in result.notes)

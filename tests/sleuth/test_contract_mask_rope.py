@@ -98,6 +98,26 @@ def test_rope_settings_read_both_transformers_layouts():
     assert rope_settings(per_layer_type)["rope_theta"] == 1e6
 
 
-def test_a_training_run_without_a_drafter_config_is_unknown(tmp_path, target):
+def test_a_training_run_without_a_drafter_record_is_unknown(tmp_path, target):
     finding = check_rope_matches_target(context_for(write_run(tmp_path / "v", target=target)))
-    assert finding.status == "unknown" and "trainer export" in finding.reason
+    assert finding.status == "unknown" and "run.json `drafter`" in finding.reason
+
+
+def drafter_record(theta: float = 1e6, partial: float = 1.0, head_dim: int = 8) -> dict:
+    """run.json `drafter` as the trainer writes it (README, run-directory contract)."""
+    return {"rope_parameters": {"rope_theta": theta, "rope_type": "default", "partial_rotary_factor": partial},
+            "head_dim": head_dim, "rotary_dim": int(head_dim * partial), "num_attention_heads": 2, "hidden_size": 16}
+
+
+def test_a_training_runs_recorded_rope_is_compared_with_its_target(tmp_path, target):
+    theta = json.loads((target / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    same = check_rope_matches_target(context_for(write_run(tmp_path / "same", target=target,
+                                                           drafter=drafter_record(theta))))
+    assert same.status == "match", same.observed
+    assert same.evidence[0].location.endswith("run.json: drafter")
+    other_theta = check_rope_matches_target(context_for(write_run(tmp_path / "theta", target=target,
+                                                                  drafter=drafter_record(theta / 100))))
+    assert other_theta.status == "mismatch" and f"rope_theta {theta / 100!r} (target {float(theta)!r})" in other_theta.observed
+    half = check_rope_matches_target(context_for(write_run(tmp_path / "half", target=target,
+                                                           drafter=drafter_record(theta, partial=0.5))))
+    assert half.status == "mismatch" and "partial_rotary_factor 0.5 (target 1.0)" in half.observed

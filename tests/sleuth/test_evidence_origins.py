@@ -95,7 +95,7 @@ def train(drafter, batch, opt):
 def test_one_freeze_site_does_not_prove_both_embed_and_head_frozen(tmp_path: Path) -> None:
     both = finding(tmp_path / "both", {"d.py": FREEZES.format(embed_freeze="self.tok_emb.weight.requires_grad_(False)")},
                    "dflash.frozen_embed_head")
-    assert both.status == "match"
+    assert both.static_agreement
     one = finding(tmp_path / "one", {"d.py": FREEZES.format(embed_freeze="pass")}, "dflash.frozen_embed_head")
     assert one.status == "mismatch" and one.observed == "trained"
     assert any(e.line == 8 for e in one.evidence if e.kind == "code")  # the unfrozen holder's own line
@@ -103,7 +103,7 @@ def test_one_freeze_site_does_not_prove_both_embed_and_head_frozen(tmp_path: Pat
 
 def test_a_freeze_through_a_loop_variable_or_a_name_prefix_counts(tmp_path: Path) -> None:
     loop = FREEZES.format(embed_freeze="for t in (self.tok_emb,):\n            t.weight.requires_grad = False")
-    assert finding(tmp_path / "loop", {"d.py": loop}, "dflash.frozen_embed_head").status == "match"
+    assert finding(tmp_path / "loop", {"d.py": loop}, "dflash.frozen_embed_head").static_agreement
     prefixed = FREEZES.format(embed_freeze="pass") + '''
 FROZEN = ("tok_emb.",)
 
@@ -112,7 +112,7 @@ def freeze(drafter):
         if name.startswith(FROZEN):
             p.requires_grad_(False)
 '''
-    assert finding(tmp_path / "prefix", {"d.py": prefixed}, "dflash.frozen_embed_head").status == "match"
+    assert finding(tmp_path / "prefix", {"d.py": prefixed}, "dflash.frozen_embed_head").static_agreement
 
 
 HELPERS = '''
@@ -141,8 +141,8 @@ class Builder:
 
 def test_an_offset_on_a_helper_argument_composes_with_the_helper(tmp_path: Path) -> None:
     right = HELPERS.format(pos_offset="", mask_offset="")
-    assert finding(tmp_path / "ok", {"b.py": right}, "dflash.block_position_ids").status == "match"
-    assert finding(tmp_path / "ok2", {"b.py": right}, "dflash.context_excludes_anchor").status == "match"
+    assert finding(tmp_path / "ok", {"b.py": right}, "dflash.block_position_ids").static_agreement
+    assert finding(tmp_path / "ok2", {"b.py": right}, "dflash.context_excludes_anchor").static_agreement
     shifted = HELPERS.format(pos_offset=" + 1", mask_offset=" + 1")
     positions = finding(tmp_path / "bad", {"b.py": shifted}, "dflash.block_position_ids")
     assert positions.status == "mismatch" and positions.observed == "anchor+j+1"
@@ -198,6 +198,6 @@ def step(verifier, ids, cfg):
     return gather_features(out.hidden_states, layer_ids)
 '''
     right = finding(tmp_path / "ok", {"f.py": code.format(offset=" + 1")}, "dflash.target_layer_ids")
-    assert right.status == "match"
+    assert right.static_agreement
     wrong = finding(tmp_path / "bad", {"f.py": code.format(offset="")}, "dflash.target_layer_ids")
     assert wrong.status == "mismatch" and "hidden_states[i+0]" in (wrong.observed or "")

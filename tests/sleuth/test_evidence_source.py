@@ -33,7 +33,7 @@ def test_unparseable_file_is_reported_and_others_still_analysed(tmp_path: Path):
     assert [r.value for r in facts.readings["dflash.context_excludes_anchor"]] == ["kv < anchor"]
     findings = {f.id: f for f in check_invariants(load_playbook(), reference=None, config=None, config_source=None,
                                                    checkpoint=None, code=tmp_path, trace=Trace())}
-    assert findings["dflash.context_excludes_anchor"].status == "match"
+    assert findings["dflash.context_excludes_anchor"].static_agreement
     unknown = findings["dflash.target_shift"]
     assert unknown.status == "unknown" and "broken.py" in unknown.reason
 
@@ -82,8 +82,12 @@ def test_fc_multiplier_resolved_through_call_site_and_slices():
 
 def test_gamma_defaults_from_fields_params_and_get():
     dataclass_code = ("from dataclasses import dataclass\nimport torch\n@dataclass\nclass Cfg:\n    decay_gamma: float = 7.0\n"
-                      "def w(k, decay_gamma):\n    return torch.exp(-(k - 1) / decay_gamma)\n")
+                      "def w(k, decay_gamma):\n    return torch.exp(-(k - 1) / decay_gamma)\n"
+                      "def step(k, cfg: Cfg):\n    return w(k, cfg.decay_gamma)\n")
     assert (7.0, "default") in values({"m.py": dataclass_code}, "dflash.loss_decay_gamma")
+    # a field that merely shares the parameter's name is not on the decay's value path
+    unrelated = dataclass_code.rsplit("def step", 1)[0]
+    assert values({"m.py": unrelated}, "dflash.loss_decay_gamma") == [(None, "switch")]
     get_code = ("import torch\ndef w(k, **kw):\n    gamma = kw.get('gamma', 4.0)\n    return torch.exp(-(k - 1) / gamma)\n")
     assert values({"m.py": get_code}, "dflash.loss_decay_gamma")[0][0] == 4.0
 

@@ -171,12 +171,18 @@ def test_evaluate_reports_teacher_forced_next_to_tau_and_a_leaky_context_scores_
     tf = honest.teacher_forced
     assert tf.verify_steps_compared > 0
     assert tf.at_verify_per_prompt == tf.tau_at_verify_per_prompt and tf.at_verify == tf.tau_at_verify
+    assert tf.verify_steps_above == tf.verify_steps_below == 0
+    # At T=0 the decoded tokens are the target's argmax: serving's labels are the training labels, every slot.
+    assert tf.label_agreement == 1.0 and tf.label_slots > 0
     assert honest.prompt_lengths == [4, 3] and honest.stop_token_ids == []
     leaky = evaluate(drafter, target, [[5, 1, 4, 6], [1, 2, 3]],
                      teacher_forcing=TrainingSemantics(FEATURES, 1, True, 4, MASK_ID), **common)
     assert leaky.tau == honest.tau  # serving does not change with the training semantics
     assert leaky.teacher_forced.logits_source == "1" and leaky.teacher_forced.context_includes_anchor
     assert leaky.teacher_forced.position_acc != honest.teacher_forced.position_acc
+    # layer 1's logits are not the model's output: those labels are not the served tokens everywhere
+    assert leaky.teacher_forced.label_agreement < 1.0
+    assert leaky.teacher_forced.label_slots == honest.teacher_forced.label_slots
 
 
 # --- a real run records everything sleuth reads ---------------------------------------------------------
@@ -203,11 +209,17 @@ def test_a_run_records_teacher_forced_acceptance_the_mask_count_and_the_renderin
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     eval_row = [r for r in rows if "tau" in r][-1]
     assert {"tau", "tau_per_prompt", "tf_acceptance", "tf_acceptance_per_prompt", "tf_at_verify",
-            "tf_tau_at_verify", "tf_at_verify_per_prompt", "tf_tau_at_verify_per_prompt"} <= set(eval_row)
+            "tf_tau_at_verify", "tf_at_verify_per_prompt", "tf_tau_at_verify_per_prompt", "tf_verify_steps_above",
+            "tf_verify_steps_below", "tf_label_agreement", "tf_label_slots"} <= set(eval_row)
     assert len(eval_row["tau_per_prompt"]) == len(eval_row["tf_acceptance_per_prompt"]) == 2
     report = json.loads((run_dir / "eval.json").read_text())
     assert report["teacher_forced"]["acceptance"] >= 1.0 and report["tau_by_prompt_length"]
     assert report["prompts"] == {"chat_template_sha256": None, "chat_template_kwargs": {}}  # embedded text data
+    # The drafter's rotary settings as its module applies them (sleuth's dflash.rope_matches_target).
+    drafter = json.loads((run_dir / "run.json").read_text())["drafter"]
+    target_config = json.loads((Path(json.loads((run_dir / "run.json").read_text())["target"]["path"]) / "config.json").read_text())
+    assert drafter["rotary_dim"] == drafter["head_dim"] and drafter["rope_parameters"]["partial_rotary_factor"] == 1.0
+    assert drafter["rope_parameters"]["rope_theta"] == target_config["rope_parameters"]["rope_theta"]
     assert report["stop_token_ids"]  # eos and <|im_end|> at least
     data = json.loads((run_dir / "run.json").read_text())["data"]
     assert data["mask_token_count"] == 0 and data["chat_template_sha256"] is None

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import string
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.trainer.tiny_targets import HIDDEN, char_tokenizer, save_tiny_qwen3
 from trainer.export import (
     DFlashDrafterForExport,
     DrafterSpec,
@@ -29,12 +29,13 @@ from trainer.export import (
 )
 
 TARGET_LAYERS = 8
-HIDDEN = 32
 ROPE_THETA = 1e6  # not the default 10000: a config that loses it changes the reloaded drafter's output
 FIXED_IDS = [1, 5]  # z-lab's rule for k=2 on 8 layers: round(1 + i*(8-4)/1)
 V5_SELECTED = [1, 2, 3, 4, 5]
 V5_FC_IDS = [1, 2, 3, 4]  # fc over the first 4 of the 5 selected layers (the v5 bug)
 BLOCK = 4
+DRAFT_VOCAB = 40  # of the target's 106 rows
+EVAL_ARGS = ("--prompts", "3", "--max-new-tokens", "24", "--device", "cpu", "--json")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,37 +47,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def char_tokenizer():
-    """A character-level tokenizer with no mask token: the run's mask token is then the first unused row."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<eos>": 1, "<pad>": 2, **{c: i + 3 for i, c in enumerate(string.printable)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """<root>/target (tiny Qwen3) and two finished two-step runs: runs/fixed and runs/v5."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from trainer.config import build_config
     from trainer.run.loop import train
     from trainer.run.rundir import RunDir
 
     root = tmp_path_factory.mktemp("export")
-    tokenizer = char_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer) + 3, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
+    save_tiny_qwen3(root / "target", char_tokenizer(), layers=TARGET_LAYERS, rope_theta=ROPE_THETA)
     common = dict(
         target=str(root / "target"), steps=2, batch_size=2, seq_len=48, draft_layers=2, block_size=BLOCK,
         max_anchors=4, eval_every=None, eval_prompts=1, eval_max_new_tokens=8, warmup_steps=0, checkpoint_every=2,
@@ -85,6 +64,8 @@ def runs(tmp_path_factory) -> Path:
     train(RunDir(runs_dir / "fixed"), build_config(extra=common), preset=None, device="cpu", progress=False)
     v5 = build_config(preset="v5", extra={**common, "target_layer_ids": V5_SELECTED})
     train(RunDir(runs_dir / "v5"), v5, preset="v5", device="cpu", progress=False)
+    vocab = build_config(extra={**common, "draft_vocab_size": DRAFT_VOCAB})
+    train(RunDir(runs_dir / "vocab"), vocab, preset=None, device="cpu", progress=False)
     return runs_dir
 
 
@@ -364,3 +345,98 @@ def test_export_command_user_errors_are_one_line_exit_2(runs, tmp_path, case, me
         assert (out / "config.json").read_text() == "{}"
     elif case != "missing run":
         assert not out.exists() or not any(out.iterdir())
+
+
+# --- a draft-vocabulary run -----------------------------------------------------------------------------------
+
+
+def test_draft_vocabulary_export_carries_speculators_maps_and_the_reduced_head(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.data.draft_vocab import load_vocab
+
+    result = export_run(runs / "vocab", tmp_path / "s", "speculators")
+    ids = load_vocab(runs / "vocab" / "draft_vocab.safetensors")
+    config = result.config
+    assert config["draft_vocab_size"] == DRAFT_VOCAB < config["transformer_layer_config"]["vocab_size"] == 106
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str((runs.parent / "target").resolve())
+    weights = load_file(result.path / "model.safetensors")
+    assert weights["d2t"].dtype == torch.long and weights["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(DRAFT_VOCAB) + weights["d2t"], ids)  # speculators: target id = i + d2t[i]
+    assert weights["t2d"].shape == (106,) and torch.equal(weights["t2d"].nonzero()[:, 0], ids)
+    head = AutoModelForCausalLM.from_pretrained(runs.parent / "target").lm_head.weight
+    assert torch.equal(weights["lm_head.weight"], head[ids].detach())  # the rows the drafter trained through
+    assert "embed_tokens.weight" not in weights  # a plain table: speculators reloads it from the verifier
+
+    with pytest.raises(ExportError, match="d2t") as info:
+        export_run(runs / "vocab", tmp_path / "z", "zlab")
+    assert "\n" not in str(info.value) and "--format speculators" in str(info.value)
+
+
+def eval_numbers(*args: str) -> dict:
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    result = CliRunner().invoke(app, ["eval", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_draft_vocabulary_export_evaluated_equals_the_runs_own_eval(runs, tmp_path):
+    """tau in the target vocabulary, exactly the run's own: same drafts among the same target ids."""
+    exported = export_run(runs / "vocab", tmp_path / "s", "speculators").path
+    own = eval_numbers(str(runs / "vocab"), *EVAL_ARGS)
+    foreign = eval_numbers(str(exported), "--target", str(runs.parent / "target"), *EVAL_ARGS)
+    assert foreign["layout"] == "speculators"
+    for key in ("tau", "acceptance_histogram", "per_position_acceptance", "output_tokens", "verify_steps"):
+        assert foreign[key] == own[key], key
+    assert foreign["lossless"] is True and own["verify_steps"] > 0
+    # side by side, the run itself also drafts in its vocabulary (as `trainer eval RUN` does)
+    both = eval_numbers(str(exported), "--against", str(runs / "vocab"), "--target", str(runs.parent / "target"),
+                        *EVAL_ARGS)["drafters"]
+    assert [d["layout"] for d in both] == ["speculators", "run"] and both[1]["tau"] == own["tau"] == both[0]["tau"]
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("foreign head", "not the target's lm_head"), ("one map", "needs both maps"), ("no maps", "no d2t / t2d maps"),
+])
+def test_foreign_eval_refuses_a_draft_vocabulary_it_cannot_serve_faithfully(runs, tmp_path, damage, message):
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    exported = export_run(runs / "vocab", tmp_path / "s", "speculators").path
+    weights = load_file(exported / "model.safetensors")
+    if damage == "foreign head":
+        weights["lm_head.weight"] = weights["lm_head.weight"] + 0.01
+    elif damage == "one map":
+        del weights["t2d"]
+    else:
+        del weights["t2d"], weights["d2t"]
+    save_file(weights, str(exported / "model.safetensors"))
+    result = CliRunner().invoke(app, ["eval", str(exported), "--target", str(runs.parent / "target"), *EVAL_ARGS])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+# --- which targets speculators can reload tables for (config only, meta device) -------------------------------
+
+
+def test_target_compatibility_follows_speculators_lookup_rules():
+    from transformers import Gemma2Config, GPT2Config, GPTNeoXConfig, LlamaConfig, PhiConfig
+
+    from trainer.export import target_compatibility
+
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    for tied in (False, True):  # tied: speculators' fallback to the embedding table is the lm_head itself
+        assert target_compatibility(LlamaConfig(**small, intermediate_size=64, tie_word_embeddings=tied)) == (None, None, None)
+    refusal, tables, _ = target_compatibility(Gemma2Config(**small, intermediate_size=64, head_dim=8))
+    assert refusal is None and "ScaledWordEmbedding" in tables
+    _, tables, zlab = target_compatibility(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64))
+    assert "transformer.wte" in tables and "finds nothing" in tables and "transformer.wte" in zlab
+    _, tables, zlab = target_compatibility(GPTNeoXConfig(**small, intermediate_size=64))
+    assert "gpt_neox.embed_in" in tables and "gpt_neox.embed_in" in zlab
+    refusal, _, _ = target_compatibility(PhiConfig(**small, intermediate_size=64))  # Phi-2's lm_head has a bias
+    assert "bias" in refusal and "\n" not in refusal

@@ -1,8 +1,12 @@
-"""Tiny causal LMs of many Hugging Face families, saved with save_pretrained for use as targets.
+"""Tiny causal LMs for tests, saved with save_pretrained and used as targets: one builder module for every test.
 
-Every family gets the same small dimensions (hidden 32, 4 layers, 2 heads) and, where it has one, a
-sliding window of SLIDING_WINDOW tokens: far shorter than the documents the tests pack, so a packed
-forward that drops the window shows up as a difference against the model's own forward.
+- `save_family_target`: many Hugging Face families with the same small dimensions (hidden 32, 4 layers,
+  2 heads) and, where the family has one, a sliding window of SLIDING_WINDOW tokens: far shorter than the
+  documents the tests pack, so a packed forward that drops the window shows up against the model's own.
+- `char_tokenizer` + `save_tiny_qwen3`: a character-level tokenizer without a mask token and a tiny Qwen3
+  (hidden 32, 8 layers by default) on it, the target of the export and foreign-eval tests.
+- `save_small_corpus`: the first documents of the embedded corpus as a `.txt` data file: a run that needs
+  a few packed rows then tokenizes and packs a hundred documents instead of 3200 (most of a tiny run's cost).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import string
 
 import torch
 
@@ -117,3 +123,43 @@ def save_family_target(family: str, directory: Path, tokenizer: Any, seed: int =
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def char_tokenizer() -> Any:
+    """Every printable character is a token (3 + 100 ids), with unk/eos/pad and no mask token: a run's mask
+    token is then the first unused embedding row."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, "<pad>": 2, **{c: i + 3 for i, c in enumerate(string.printable)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
+
+
+def save_tiny_qwen3(directory: Path, tokenizer: Any, *, layers: int = 8, rope_theta: float | None = None,
+                    seed: int = 0) -> Path:
+    """A random tiny Qwen3 (hidden 32, 4 heads of 8, 3 rows past the tokenizer) and `tokenizer` in `directory`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    rope = {} if rope_theta is None else {"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}}
+    config = Qwen3Config(
+        vocab_size=len(tokenizer) + 3, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **rope,
+    )
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_small_corpus(path: Path, documents: int = 100) -> Path:
+    """The first `documents` training documents of the embedded corpus, one per blank-line-separated block
+    (every 20th is then held out: 5 held-out documents for eval prompts and the fidelity check)."""
+    from trainer.data.corpus import embedded_documents
+
+    # a blank line inside a document would split it: keep each one a single block
+    texts = [doc.replace("\n\n", "\n") for doc in embedded_documents("train")[:documents]]
+    path.write_text("\n\n".join(texts) + "\n")
+    return path

@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from trainer.commands.options import flag
 from trainer.errors import UsageError, user_errors
@@ -52,7 +53,8 @@ def export_command(
         typer.Option(
             "--verifier",
             help="speculators only: the target as the server will name it (hub id or path); default: the run's "
-            "target directory. speculators loads the embeddings and lm_head from it.",
+            "target directory. speculators loads the embeddings and lm_head from it (not for targets whose "
+            "tables the export carries itself: Gemma, GPT-2, GPT-NeoX).",
         ),
     ] = None,
 ) -> None:
@@ -71,6 +73,8 @@ def export_command(
         others = ", ".join(result.other_files)
         stderr.print(f"[yellow]note:[/] {out} also holds files the export did not write: {others}",
                      highlight=False, soft_wrap=True)
+    for note in result.notes:
+        stderr.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     ids_key = "target_layer_ids (z-lab)" if result.format == "zlab" else "aux_hidden_state_layer_ids (vLLM)"
     stderr.print(
         f"exported run {result.run} step {result.step} ({result.format} layout): {result.tensors} tensors, "

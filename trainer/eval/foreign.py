@@ -20,6 +20,8 @@ embeddings and lm_head are the target's):
 
 The drafter is rebuilt as our `DFlashDrafter` (the parity suite shows it computes what speculators'
 `DFlashDraftModel` computes with the same weights) and decoded with the same speculative loop as our runs.
+A speculators drafter with a reduced draft vocabulary (`d2t` / `t2d`, `draft_vocab_size` < the target's)
+drafts among those target ids, placed as vLLM's d2t mapping places them, so tau is in the target vocabulary.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class ForeignDrafter:
     block_size: int
     mask_token_id: int | None
     verifier: str | None
+    draft_token_ids: torch.Tensor | None = None  # a draft vocabulary: target id of each draft index (d2t)
+    draft_head: torch.Tensor | None = None  # its lm_head.weight [Vd, H] when the checkpoint holds one
 
 
 def is_foreign_drafter_dir(path: Path) -> bool:
@@ -129,12 +133,19 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
         )
     drafter = DFlashDrafter(draft_config, num_features=len(zlab_ids), block_size=block,
                             mask_token_id=mask if isinstance(mask, int) else -1)
-    _load_weights(drafter, directory / WEIGHTS_FILE)
+    draft_token_ids, draft_head = _load_weights(drafter, directory / WEIGHTS_FILE)
+    declared = config.get("draft_vocab_size") if layout == "speculators" else None
+    if isinstance(declared, int) and declared < draft_config.vocab_size and draft_token_ids is None:
+        raise ForeignDrafterError(f"{directory}: draft_vocab_size {declared} < vocab_size {draft_config.vocab_size} "
+                                  "but the weights hold no d2t / t2d maps")
+    if draft_token_ids is not None and isinstance(declared, int) and declared != draft_token_ids.numel():
+        raise ForeignDrafterError(f"{directory}: draft_vocab_size {declared} but d2t maps {draft_token_ids.numel()} tokens")
     drafter.to(device=device, dtype=dtype).eval()
     return ForeignDrafter(
         name=_display_name(path, directory), layout=layout, weights=directory / WEIGHTS_FILE, drafter=drafter,
         feature_layer_ids=zlab_ids, block_size=block, mask_token_id=mask if isinstance(mask, int) else None,
-        verifier=verifier if isinstance(verifier, str) else None,
+        verifier=verifier if isinstance(verifier, str) else None, draft_token_ids=draft_token_ids,
+        draft_head=draft_head,
     )
 
 
@@ -181,21 +192,26 @@ def _display_name(path: Path, directory: Path) -> str:
     return f"{path.name}/{directory.name}" + (f" -> {resolved}" if resolved != directory.name else "")
 
 
-def _load_weights(drafter: Any, weights: Path) -> None:
+def _load_weights(drafter: Any, weights: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Loads the drafter body; returns the draft vocabulary's target ids and its lm_head (None, None: full)."""
     try:
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as exc:
         raise ForeignDrafterError(f"{weights} cannot be read: {exc}") from None
-    _load_tensors(drafter, tensors, weights)
+    return _load_tensors(drafter, tensors, weights)
 
 
-def _load_tensors(drafter: Any, tensors: dict[str, torch.Tensor], weights: Path) -> None:
-    if "d2t" in tensors or "t2d" in tensors:
-        d2t = tensors.get("d2t")
-        if d2t is not None and d2t.numel() and bool(d2t.any()):
-            raise ForeignDrafterError(
-                f"{weights}: a reduced draft vocabulary (d2t/t2d maps) is not supported; train with the full vocabulary"
-            )
+def _load_tensors(drafter: Any, tensors: dict[str, torch.Tensor],
+                  weights: Path) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The drafter body from tensors already read (a safetensors file, a SpecForge training state); returns
+    the draft vocabulary's target ids and its lm_head (None, None: the full vocabulary)."""
+    draft_token_ids = _draft_token_ids(tensors, weights)
+    draft_head = None
+    if draft_token_ids is not None and "lm_head.weight" in tensors:
+        draft_head = tensors["lm_head.weight"]
+        if draft_head.shape[0] != draft_token_ids.numel():
+            raise ForeignDrafterError(f"{weights}: lm_head.weight has {draft_head.shape[0]} rows for a draft "
+                                      f"vocabulary of {draft_token_ids.numel()} tokens")
     expected = drafter.state_dict()
     body = {k: v for k, v in tensors.items() if k not in _IGNORED_TENSORS and k not in ("d2t", "t2d")}
     missing = sorted(set(expected) - set(body))
@@ -209,6 +225,24 @@ def _load_tensors(drafter: Any, tensors: dict[str, torch.Tensor], weights: Path)
                 f"{weights}: {name} has shape {list(tensor.shape)}, the config implies {list(expected[name].shape)}"
             )
     drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in body.items()})
+    return draft_token_ids, draft_head
+
+
+def _draft_token_ids(tensors: dict[str, torch.Tensor], weights: Path) -> torch.Tensor | None:
+    """speculators' maps -> the target id of each draft index (d2t[i] = target id - i; t2d marks the same ids).
+    Maps as long as the vocabulary are identities (speculators ignores them too): None."""
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if d2t is None and t2d is None:
+        return None
+    if d2t is None or t2d is None:
+        raise ForeignDrafterError(f"{weights}: has {'d2t' if t2d is None else 't2d'} without "
+                                  f"{'t2d' if t2d is None else 'd2t'}; a draft vocabulary needs both maps")
+    if d2t.numel() == t2d.numel():
+        return None
+    ids = torch.arange(d2t.numel()) + d2t.long()
+    if not torch.equal(t2d.bool().nonzero()[:, 0], ids):
+        raise ForeignDrafterError(f"{weights}: d2t and t2d name different target ids")
+    return ids
 
 
 def _int_list(value: Any, directory: Path, key: str) -> list[int]:
@@ -394,7 +428,29 @@ def _drafter_for(directory: Path, target: Any, device: torch.device) -> tuple[An
     # A drafter that recorded no mask token drafts with the target's (the tokenizer's mask token).
     mask = foreign.mask_token_id if foreign.mask_token_id is not None else target.mask_token_id
     foreign.drafter.mask_token_id = mask
-    return foreign.drafter, foreign.feature_layer_ids, foreign.block_size, mask, foreign.name, foreign.layout
+    drafter: Any = foreign.drafter
+    if foreign.draft_token_ids is not None:
+        drafter = _draft_vocabulary_proposer(foreign, target)
+    return drafter, foreign.feature_layer_ids, foreign.block_size, mask, foreign.name, foreign.layout
+
+
+def _draft_vocabulary_proposer(foreign: ForeignDrafter, target: Any) -> Any:
+    """The drafter proposing among its draft vocabulary's target ids through the target's lm_head rows,
+    which must be the head the checkpoint holds (speculators freezes it to those rows)."""
+    from trainer.eval.speculative import DFlashProposer
+
+    ids = foreign.draft_token_ids
+    assert ids is not None
+    if int(ids.max()) >= target.vocab_size:
+        raise ForeignDrafterError(f"{foreign.weights}: the draft vocabulary names token {int(ids.max())}, past the "
+                                  f"target's vocabulary of {target.vocab_size}")
+    if foreign.draft_head is not None:
+        rows = target.lm_head.weight.detach()[ids.to(target.lm_head.weight.device)].cpu()
+        head = foreign.draft_head
+        if head.shape != rows.shape or not torch.equal(head, rows.to(head.dtype)):
+            raise ForeignDrafterError(f"{foreign.weights}: lm_head.weight is not the target's lm_head on the draft "
+                                      "vocabulary (a trained or foreign head is not supported)")
+    return DFlashProposer(foreign.drafter, target, ids)
 
 
 def _our_run_drafter(directory: Path, target: Any, device: torch.device) -> tuple[Any, list[int], int, int | None, str, str]:
@@ -407,7 +463,9 @@ def _our_run_drafter(directory: Path, target: Any, device: torch.device) -> tupl
             f"{loaded.target.hidden_size}; --target has {target.num_layers} layers of width {target.hidden_size}"
         )
     # mask None: the loop takes the drafter's own, exactly as `trainer eval RUN` and the run's eval.json do.
-    return (loaded.drafter, list(loaded.feature_layer_ids), loaded.config.block_size, None,
+    # A draft-vocabulary run drafts among its vocabulary's target ids, as `trainer eval RUN` does.
+    drafter = loaded.drafter if loaded.draft_token_ids is None else loaded.proposer()
+    return (drafter, list(loaded.feature_layer_ids), loaded.config.block_size, None,
             f"{directory.name}@{loaded.step}", "run")
 
 

@@ -65,6 +65,19 @@ class TeacherForcedReport(BaseModel):
     at_verify_per_prompt: list[float | None] = Field(default_factory=list)
     tau_at_verify_per_prompt: list[float | None] = Field(default_factory=list)
     verify_steps_compared: int = 0
+    verify_steps_above: int = Field(
+        0, description="Compared verify steps where the training objective's correct prefix is longer than the "
+        "real acceptance. With serving semantics a step differs only on a float tie in an argmax, which goes "
+        "either way; training semantics that score something serving does not reward push the steps above.",
+    )
+    verify_steps_below: int = Field(0, description="Compared verify steps where it is shorter.")
+    label_agreement: float | None = Field(
+        None, description="Fraction of labelled slots (every generated position's block) whose training target "
+        "argmax is the decoded token at that position. At temperature 0 the decoded tokens are the target's "
+        "greedy output, i.e. what serving verifies against, so training's labels give 1.0; less means training "
+        "scores against other labels (logits source, shift), whatever the drafter sees.",
+    )
+    label_slots: int = Field(0, description="Labelled slots `label_agreement` counts over.")
     logits_source: str = Field(description="The training target the slots were scored against.")
     context_includes_anchor: bool
 
@@ -95,6 +108,7 @@ def teacher_forced_acceptance(
     at_verify: list[float | None] = []
     tau_at_verify: list[float | None] = []
     matched: list[tuple[float, float]] = []
+    labels_equal, labels_scored = 0, 0
     for index, (prompt, new_tokens) in enumerate(sequences):
         ids = list(prompt) + list(new_tokens)
         n, S = len(prompt), len(ids)
@@ -125,6 +139,11 @@ def teacher_forced_acceptance(
         label_valid = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, None) > 0  # [1, A, B]
         block_targets = gather_block_logits(target_logits, anchors, B)  # [1, A, B, V]
         counts = block_metrics(draft_logits, block_targets, label_valid)["counts"]
+        # Slot j of the block at p is labelled with the target's prediction at p+j-1, i.e. token p+j.
+        decoded = input_ids.gather(1, (block_positions.clamp(max=S - 1)).reshape(1, A * B)).reshape(1, A, B)
+        same = (block_targets.argmax(-1) == decoded) & label_valid  # [1, A, B]
+        labels_equal += int(same.sum())
+        labels_scored += int(label_valid.sum())
         if acceptance_lengths is not None:
             correct = (draft_logits.argmax(-1) == block_targets.argmax(-1))[0, :, 1:]  # [A, B-1]
             prefix = correct.long().cumprod(dim=-1).sum(dim=-1).tolist()  # [A] correct slots before the first miss
@@ -158,4 +177,8 @@ def teacher_forced_acceptance(
         at_verify_per_prompt=at_verify if acceptance_lengths is not None else [],
         tau_at_verify_per_prompt=tau_at_verify if acceptance_lengths is not None else [],
         verify_steps_compared=len(matched),
+        verify_steps_above=sum(1 for p, r in matched if p > r),
+        verify_steps_below=sum(1 for p, r in matched if p < r),
+        label_agreement=labels_equal / labels_scored if labels_scored else None,
+        label_slots=labels_scored,
     )

@@ -259,6 +259,7 @@ def _train(
                            "only one document at a time (per_document): use target_parallelism 'none'")
 
     drafter = build_drafter(config, target, plan)
+    rotary = drafter_rotary_record(drafter)  # before sharding: what the drafter's rotary embedding really does
     start_step = 0
     if checkpoint is not None:
         # Checkpoints hold full tensors, so they resume under any world size and either parallelism.
@@ -296,7 +297,7 @@ def _train(
         }
         _write_run_header(
             run, config, preset, target, packed.fingerprint, resume, start_step, torch_device, dist, created, fidelity,
-            data_record,
+            data_record, rotary,
         )
     if dist.is_main and target_sharded:
         run.update_info(target_sharding=target_shard_record(target, dist.world_size))
@@ -472,6 +473,7 @@ def _write_run_header(
     created: str,
     fidelity: FidelityRecord | None,
     data_record: dict[str, Any] | None = None,
+    drafter_rotary: dict[str, Any] | None = None,
 ) -> None:
     if resume:
         run.truncate_metrics(start_step)  # rows after the checkpoint are recomputed, never duplicated
@@ -481,7 +483,8 @@ def _write_run_header(
         info = {key: value for key, value in run.read_info().items() if key not in ("error", "stopped")}
         run.write_info({**info, "status": "running", "resumed_at": now_iso(), "steps_done": start_step,
                         "world_size": dist.world_size,
-                        "target_fidelity": fidelity.to_json() if fidelity else info.get("target_fidelity")})
+                        "target_fidelity": fidelity.to_json() if fidelity else info.get("target_fidelity"),
+                        "drafter": {**(info.get("drafter") or {}), **(drafter_rotary or {})}})
     else:
         run.path.mkdir(parents=True, exist_ok=True)
         atomic_write_json(run.config_path, config.model_dump(mode="json"))
@@ -503,10 +506,29 @@ def _write_run_header(
                 },
                 "data": {"source": config.data, "fingerprint": data_fingerprint, **(data_record or {})},
                 "target_fidelity": fidelity.to_json() if fidelity else None,
+                "drafter": drafter_rotary or {},
             }
         )
     run.write_code_fingerprint(keep_existing=resume)
     run.write_environment(str(device))
+
+
+def drafter_rotary_record(drafter: DFlashDrafter) -> dict[str, Any]:
+    """run.json `drafter`: the rotary settings the drafter trains with, for sleuth's
+    `dflash.rope_matches_target` (sleuth reads run directories, not this code). The rotated width is read
+    off the rotary embedding's frequencies, so it says what the module does, whatever its config claims."""
+    config = drafter.config
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    rotary_dim = 2 * int(drafter.rotary_emb.inv_freq.numel())
+    rope = {key: value for key, value in dict(getattr(config, "rope_parameters", None) or {}).items()
+            if key != "partial_rotary_factor"}
+    return {
+        "rope_parameters": {**rope, "partial_rotary_factor": rotary_dim / head_dim},
+        "head_dim": head_dim,
+        "rotary_dim": rotary_dim,
+        "num_attention_heads": int(config.num_attention_heads),
+        "hidden_size": int(config.hidden_size),
+    }
 
 
 def absolute_inputs(config: TrainConfig) -> dict[str, str]:
@@ -686,6 +708,12 @@ def eval_row_fields(report: dict[str, Any]) -> dict[str, Any]:
                 row[f"tf_{key}_per_prompt"] = [
                     None if a is None else round(a, 4) for a in teacher_forced[f"{key}_per_prompt"]
                 ]
+            # How many compared steps differ, and in which direction: the noise model of the comparison.
+            row["tf_verify_steps_above"] = teacher_forced["verify_steps_above"]
+            row["tf_verify_steps_below"] = teacher_forced["verify_steps_below"]
+        if teacher_forced.get("label_agreement") is not None:
+            row["tf_label_agreement"] = round(teacher_forced["label_agreement"], 4)
+            row["tf_label_slots"] = teacher_forced["label_slots"]
     return row
 
 

@@ -20,7 +20,9 @@ from sleuth.evidence.ast_index import (
     kwarg,
     leaf_name,
     tokens,
+    is_module_name,
 )
+from sleuth.evidence.origins import is_noop_module, module_definitions, reaching_definitions
 from sleuth.evidence.registry import detector
 
 
@@ -167,12 +169,31 @@ def _layer_list_lengths(an: Analyzer) -> set[int]:
 
 @detector("dflash.fc_input_layers")
 def detect_fc_input_layers(an: Analyzer) -> list[CodeReading]:
-    return an.memo("fc", lambda: detect_fc(an))[0]
+    return every_site_counts(an.memo("fc", lambda: detect_fc(an))[0], good={"all"})
 
 
 @detector("dflash.fc_norm")
 def detect_fc_norm_after_fc(an: Analyzer) -> list[CodeReading]:
-    return detect_fc_norm(an, an.memo("fc", lambda: detect_fc(an))[1])
+    return every_site_counts(detect_fc_norm(an, an.memo("fc", lambda: detect_fc(an))[1]), good={"normed"})
+
+
+def every_site_counts(readings: list[CodeReading], good: set[str]) -> list[CodeReading]:
+    """Each definition of the fusion path is a site of its own (a torch model next to an MLX port, a training
+    model next to an export copy): a correct one elsewhere never vouches for a broken one. A hard-coded
+    disagreeing reading in another scope is raised to the strongest agreeing reading's confidence, so the
+    verdict is the broken site's, with the agreeing ones named in the notes."""
+    agreeing = [r for r in readings if r.value in good and r.mode == "hardcoded"]
+    if not agreeing:
+        return readings
+    top = max(r.confidence for r in agreeing)
+    for r in readings:
+        if r.mode != "hardcoded" or r.value in good or str(r.value).endswith("?") or str(r.value).startswith("count:"):
+            continue
+        others = [a for a in agreeing if (a.path, a.scope) != (r.path, r.scope)]
+        if others and r.confidence < top:
+            r.confidence = top
+            r.detail += f"; {others[0].path}:{others[0].line} agrees with the rule, but every definition in the tree must"
+    return readings
 
 
 def detect_fc(an: Analyzer) -> tuple[list[CodeReading], list[str]]:
@@ -299,12 +320,13 @@ def detect_fc_norm(an: Analyzer, fc_names: list[str]) -> list[CodeReading]:
 def _fc_norm_at(an: Analyzer, node: ast.AST) -> list[CodeReading]:
     readings = []
     parent = an.parents.get(node)
-    normed = False
+    norm_call: ast.Call | None = None
     if isinstance(parent, ast.Call) and _is_norm_call(parent):
-        normed = True
+        norm_call = parent
     elif isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute) and parent.func.value is node:
         grand = an.parents.get(parent)
-        normed = isinstance(grand, ast.Call) and _is_norm_call(grand)
+        if isinstance(grand, ast.Call) and _is_norm_call(grand):
+            norm_call = grand
     elif isinstance(parent, ast.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0], ast.Name):
         var = parent.targets[0].id
         func = an.enclosing_function(node)
@@ -314,17 +336,86 @@ def _fc_norm_at(an: Analyzer, node: ast.AST) -> list[CodeReading]:
                 if isinstance(other, ast.Call) and _is_norm_call(other) and other.lineno >= node.lineno and any(
                     isinstance(a, ast.Name) and a.id == var for a in other.args
                 ):
-                    normed = True
+                    norm_call = norm_call or other
                 if isinstance(other, ast.Return) and isinstance(other.value, ast.Name) and other.value.id == var:
                     returned = True
-        if returned and not normed:
+        if returned and norm_call is None:
             return readings  # the caller may norm it: not evidence either way
+        if norm_call is not None and func is not None and _normed_value_unused(an, func, var, norm_call):
+            readings.append(reading_at(an, "dflash.fc_norm", "raw", node, 0.7,
+                                       detail=f"`{ast.unparse(norm_call)[:50]}` is computed, but `{var}` (the fc output "
+                                       "before the norm) is what the code goes on to use"))
+            return readings
     else:
         return readings
-    value = "normed" if normed else "raw"
-    detail = "fc output goes through a norm" if normed else "fc output is used without a norm"
-    readings.append(reading_at(an, "dflash.fc_norm", value, node, 0.75 if normed else 0.6, detail=detail))
+    if norm_call is None:
+        readings.append(reading_at(an, "dflash.fc_norm", "raw", node, 0.6, detail="fc output is used without a norm"))
+        return readings
+    # the norm is what the called module IS, not what it is called: `self.hidden_norm = nn.Identity()` is no norm
+    kind, what = _norm_module_kind(an, norm_call)
+    if kind == "noop":
+        readings.append(reading_at(an, "dflash.fc_norm", "raw", node, 0.75,
+                                   detail=f"fc output goes through `{ast.unparse(norm_call.func)}`, which is {what}: no norm"))
+    elif kind == "switch":
+        readings.append(reading_at(an, "dflash.fc_norm", "normed?", node, 0.5, mode="switch", switch=what,
+                                   detail=f"`{ast.unparse(norm_call.func)}` is a norm or a pass-through depending on {what}"))
+    elif kind == "norm":
+        readings.append(reading_at(an, "dflash.fc_norm", "normed", node, 0.75, detail=f"fc output goes through a norm ({what})"))
+    else:
+        readings.append(reading_at(an, "dflash.fc_norm", "normed?", node, 0.5,
+                                   detail=f"fc output goes through `{ast.unparse(norm_call.func)}`, {what}"))
     return readings
+
+
+def _normed_value_unused(an: Analyzer, func: ast.AST, var: str, norm_call: ast.Call) -> bool:
+    """The norm's result is bound to another name that nothing reads, while the raw fc output is read after it."""
+    parent = an.parents.get(norm_call)
+    if not (isinstance(parent, ast.Assign) and len(parent.targets) == 1 and isinstance(parent.targets[0], ast.Name)):
+        return False
+    normed = parent.targets[0].id
+    if normed == var:
+        return False
+    later = [n for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+             and n.lineno > norm_call.lineno]
+    return not any(n.id == normed for n in later) and any(n.id == var for n in later)
+
+
+def _norm_module_kind(an: Analyzer, call: ast.Call) -> tuple[str, str]:
+    """('norm' | 'noop' | 'switch' | 'unresolved', what) for the module a norm-named call invokes."""
+    callee = call.func
+    if isinstance(callee, ast.Attribute) and is_module_name(callee.value) or (
+            isinstance(callee, ast.Attribute) and isinstance(callee.value, ast.Attribute) and is_module_name(callee.value.value)):
+        return "norm", f"`{ast.unparse(callee)}`"  # F.rms_norm / torch.nn.functional.layer_norm
+    if isinstance(callee, ast.Name) and callee.id in an.functions:
+        return "norm", f"local function `{callee.id}`"
+    definitions = module_definitions(an, callee)
+    if definitions is None:
+        if isinstance(callee, ast.Attribute) and isinstance(callee.value, ast.Name) and callee.value.id == "self":
+            return "unresolved", f"whose module `{ast.unparse(callee)}` is not assigned in the analysed code"
+        return "norm", f"`{ast.unparse(callee)}`"  # a library norm called by its own name (rms_norm(x, w))
+    kinds: set[str] = set()
+    switch = None
+    for definition in definitions:
+        options = [definition.body, definition.orelse] if isinstance(definition, ast.IfExp) else [definition]
+        if isinstance(definition, ast.IfExp):
+            switch = ast.unparse(definition.test)
+        elif len(definitions) > 1:
+            switch = an.switch_of(definition) or switch
+        for option in options:
+            if is_noop_module(option):
+                kinds.add("noop")
+            elif isinstance(option, ast.Call) and _is_norm_call(option):
+                kinds.add("norm")
+            else:
+                kinds.add("other")
+    described = ", ".join(ast.unparse(d)[:50] for d in definitions[:2])
+    if kinds == {"norm"}:
+        return "norm", described
+    if kinds == {"noop"}:
+        return "noop", described
+    if "noop" in kinds and "norm" in kinds:
+        return "switch", switch or f"several definitions ({described})"
+    return "unresolved", f"whose module is `{described}` (not a recognised norm)"
 
 
 def _is_norm_call(node: ast.Call) -> bool:
@@ -339,14 +430,22 @@ def _is_norm_call(node: ast.Call) -> bool:
 # --- KV injection -------------------------------------------------------------------------------------
 
 
-def _is_context(an: Analyzer, node: ast.AST) -> bool:
+def _is_context(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
     names = [leaf_name(n) for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))]
-    return any(set(tokens(n)) & CONTEXT_TOKENS for n in names)
+    if any(set(tokens(n)) & CONTEXT_TOKENS for n in names):
+        return True
+    # a local name says nothing: what it was computed from does (`v_c = self.v_proj(ctx)`)
+    if isinstance(node, ast.Name) and depth < 3:
+        reached = reaching_definitions(an, node)
+        if reached and len(reached[0]) == 1 and not reached[1]:
+            return _is_context(an, reached[0][0], depth + 1)
+    return False
 
 
 @detector("dflash.kv_injection")
 def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
     readings = []
+    by_function: dict[int, list[tuple[ast.AST, tuple[str | None, str | None]]]] = {}
     for node in nodes_of(an, ast.Call):
         if call_name(node) not in {"cat", "concat", "concatenate"} or not node.args:
             continue
@@ -354,6 +453,13 @@ def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
         if not isinstance(seq, (ast.List, ast.Tuple)) or len(seq.elts) != 2:
             continue
         first, second = seq.elts
+        sources = (_traced_projection_source(an, first), _traced_projection_source(an, second))
+        if None not in sources and sources[0] == sources[1] and _function_has_context(an, node):
+            # both halves projected from one input: the "context" K/V are the block's own (no context at all)
+            readings.append(reading_at(an, "dflash.kv_injection", "context K/V from the block's own states", node, 0.85,
+                                       detail=f"both halves of the concatenation project `{sources[0]}`: the context part "
+                                       "does not come from the target features"))
+            continue
         a_ctx, b_ctx = _is_context(an, first), _is_context(an, second)
         if a_ctx == b_ctx and not a_ctx:
             # names say nothing (c, x): the block is the source the queries are projected from
@@ -386,6 +492,21 @@ def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
         readings.append(reading_at(an, "dflash.kv_injection", value, node, 0.75,
                                  detail="every layer projects the context with its own K/V projections, "
                                  + ("context before the block" if a_ctx else "block before the context")))
+        if projected:
+            kinds = (_projection_kind(an, first), _projection_kind(an, second))
+            by_function.setdefault(id(an.enclosing_function(node)), []).append((node, kinds))
+            if None not in kinds and kinds[0] != kinds[1]:
+                ctx_kind, blk_kind = kinds if a_ctx else kinds[::-1]
+                readings.append(reading_at(an, "dflash.kv_injection", f"context {ctx_kind} with the block's {blk_kind} projection",
+                                           node, 0.85, detail=f"one concatenation joins a {kinds[0]} projection with a "
+                                           f"{kinds[1]} projection: context and block must go through the same projection"))
+    # the K concatenation and the V concatenation of one attention: one must be keys, the other values
+    for group in by_function.values():
+        kinds_seen = [k for _node, k in group if None not in k and k[0] == k[1]]
+        if len(kinds_seen) >= 2 and len({k[0] for k in kinds_seen}) == 1:
+            node = group[-1][0]
+            readings.append(reading_at(an, "dflash.kv_injection", f"K and V both through the {kinds_seen[0][0]} projection",
+                                       node, 0.85, detail="the keys and the values are both built with the same projection"))
     # input injection: the fused context is added to the block's hidden states instead of serving as K/V
     if not readings:
         for node in nodes_of(an, ast.BinOp):
@@ -397,6 +518,57 @@ def detect_kv_injection(an: Analyzer) -> list[CodeReading]:
                     readings.append(reading_at(an, "dflash.kv_injection", "added to hidden states", node, 0.55,
                                              detail="the fused context is added to the block's hidden states, not injected as K/V"))
     return readings
+
+
+def _function_has_context(an: Analyzer, node: ast.AST) -> bool:
+    """The function around `node` takes or reads the drafter's context (target features) somewhere."""
+    func = an.enclosing_function(node)
+    if func is None:
+        return False
+    return any(set(tokens(n.arg if isinstance(n, ast.arg) else n.id)) & CONTEXT_TOKENS
+               for n in ast.walk(func) if isinstance(n, (ast.arg, ast.Name)))
+
+
+def _traced_projection_source(an: Analyzer, node: ast.AST, depth: int = 0) -> str | None:
+    """The input text X of the projection that produced `node` (through local names), or None."""
+    direct = _projection_source(an, node)
+    if direct is not None:
+        return direct
+    if isinstance(node, ast.Name) and depth < 3:
+        reached = reaching_definitions(an, node)
+        if reached and len(reached[0]) == 1 and not reached[1]:
+            return _traced_projection_source(an, reached[0][0], depth + 1)
+    return None
+
+
+def _projection_kind(an: Analyzer, node: ast.AST, depth: int = 0) -> str | None:
+    """'key' or 'value': which projection produced `node` (k_proj(x) / x @ W_v), through shape-preserving
+    methods and single local assignments; None when that is not read (a fused kv_proj, an opaque call)."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and call_name(node) in PRESERVING_METHODS \
+            and not _is_kv_projection_name(call_name(node)):
+        node = node.func.value
+    name = None
+    if isinstance(node, ast.Call) and _is_kv_projection_name(call_name(node)):
+        name = call_name(node)
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult) and _kv_weight(node.right):
+        right = node.right
+        name = right.slice.value if isinstance(right, ast.Subscript) else leaf_name(right)
+    elif isinstance(node, ast.Call) and _weight_projection_source(node) is not None:
+        weight = [a for a in node.args if not (isinstance(a, ast.Constant) and isinstance(a.value, str))][1]
+        name = weight.slice.value if isinstance(weight, ast.Subscript) else leaf_name(weight)
+    elif isinstance(node, ast.Name) and depth < 3:
+        found = an.defs_of(node)
+        if found and len(found[0]) == 1:
+            return _projection_kind(an, found[0][0], depth + 1)
+        return None
+    if not isinstance(name, str):
+        return None
+    toks = set(tokens(name)) | {name.lower()}
+    is_key = bool(toks & {"k", "key", "wk", "to_k", "k_proj", "key_proj", "k_weight"}) or name.lower().endswith("k_proj")
+    is_value = bool(toks & {"v", "value", "wv", "to_v", "v_proj", "value_proj", "v_weight"}) or name.lower().endswith("v_proj")
+    if is_key == is_value:
+        return None
+    return "key" if is_key else "value"
 
 
 def _is_kv_projection_name(name: str) -> bool:

@@ -8,6 +8,7 @@ import math
 from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
+    call_name,
     const_number,
     nodes_of,
     reading_at,
@@ -188,15 +189,21 @@ def _read_sites(an: Analyzer, rule_functions: set[str]) -> list[CodeReading]:
             continue
         index = node.slice
         offset = 0
-        if isinstance(index, ast.BinOp) and isinstance(index.op, (ast.Add, ast.Sub)) and const_number(index.right) is not None:
-            offset = int(const_number(index.right)) * (1 if isinstance(index.op, ast.Add) else -1)
-            index = index.left
+        if isinstance(index, ast.BinOp) and isinstance(index.op, (ast.Add, ast.Sub)):
+            # the offset by value, also through a name (`offset = 1; hs[i + offset]`) or written first (`1 + i`)
+            sides = [(index.left, index.right)] + ([(index.right, index.left)] if isinstance(index.op, ast.Add) else [])
+            for ids_side, offset_side in sides:
+                value = an.literal(offset_side)
+                if isinstance(ids_side, ast.Name) and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    offset = int(value) * (1 if isinstance(index.op, ast.Add) else -1)
+                    index = ids_side
+                    break
         if not isinstance(index, ast.Name):
             continue
         found = an.defs_of(index)
         loops = [d for d in (found[0] if found else []) if isinstance(d, ast.Subscript) and isinstance(d.slice, ast.Constant)
                  and d.slice.value == 0 and hasattr(d, "lineno")]
-        if not loops or not any(produced_by(an, d.value, rule_functions) for d in loops):
+        if not loops or not any(_ids_from_rule(an, d.value, rule_functions) for d in loops):
             continue
         if offset == 1:
             continue
@@ -205,3 +212,39 @@ def _read_sites(an: Analyzer, rule_functions: set[str]) -> list[CodeReading]:
                                           "id i is HF hidden_states[i+1] (index 0 is the embeddings): "
                                           f"every feature is {abs(offset - 1)} layer(s) off"))
     return readings
+
+
+def _ids_from_rule(an: Analyzer, node: ast.AST, rule_functions: set[str], depth: int = 0) -> bool:
+    """Whether a layer-id list comes from the selection rule: `produced_by`, plus what origins does not follow
+    for ids: a settings lookup that falls back to the rule (`cfg.get("target_layer_ids", rule(L, k))`), and
+    `model.ids` read from outside the class that sets `self.ids` (the one class in the code that does)."""
+    if depth > 6:
+        return False
+    if produced_by(an, node, rule_functions):
+        return True
+    if isinstance(node, ast.Call) and call_name(node) in {"get", "pop", "getattr"} and len(node.args) >= 2:
+        return _ids_from_rule(an, node.args[-1], rule_functions, depth + 1)
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        found = an.defs_of(node)
+        if found and found[0]:
+            return any(_ids_from_rule(an, d, rule_functions, depth + 1) for d in found[0][-3:])
+        if found and isinstance(node, ast.Name):
+            return any(_ids_from_rule(an, a, rule_functions, depth + 1) for a in an.parameter_arguments(node)[:3])
+        if isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            holders = _self_attribute_definitions(an, node.attr)
+            if len(holders) == 1:
+                return any(_ids_from_rule(an, d, rule_functions, depth + 1) for d in holders[0][-3:])
+    return False
+
+
+def _self_attribute_definitions(an: Analyzer, attr: str) -> list[list[ast.expr]]:
+    """Per class: the values assigned to `self.<attr>` in its methods."""
+    out: dict[int, list[ast.expr]] = {}
+    for node in nodes_of(an, ast.Assign):
+        for target in node.targets:
+            if isinstance(target, ast.Attribute) and target.attr == attr and isinstance(target.value, ast.Name) \
+                    and target.value.id == "self":
+                cls = an.enclosing(node, (ast.ClassDef,))
+                if cls is not None:
+                    out.setdefault(id(cls), []).append(node.value)
+    return list(out.values())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 from sleuth.evidence.ast_index import (
     ANCHOR_TOKENS,
@@ -13,7 +14,12 @@ from sleuth.evidence.ast_index import (
     LOGITS_TOKENS,
     WEIGHTISH_TOKENS,
     MISSING,
+    Mode,
+    VARIANT,
     in_draft_class,
+    VARIANT_PATTERN,
+    in_variant_code,
+    in_variant_file,
     is_module_name,
     reading_at,
     nodes_of,
@@ -25,6 +31,7 @@ from sleuth.evidence.ast_index import (
     name_tags,
     tokens,
 )
+from sleuth.evidence.origins import keyed_values
 from sleuth.evidence.registry import detector
 
 
@@ -58,29 +65,359 @@ def _decay_exponentials(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr, ast.
         yield node, numerator, divisor
 
 
+def _inverted_decays(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr, ast.expr]]:
+    """exp(-X * G) over the slot index X: a decay written with a rate, whose gamma is 1/G (call, X, G)."""
+    for node in nodes_of(an, ast.Call):
+        if call_name(node) != "exp":
+            continue
+        if node.args:
+            arg = node.args[0]
+        elif isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value):
+            arg = node.func.value
+        else:
+            continue
+        sides: tuple[ast.expr, ast.expr] | None = None
+        if isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub) and isinstance(arg.operand, ast.BinOp) \
+                and isinstance(arg.operand.op, ast.Mult):
+            sides = (arg.operand.left, arg.operand.right)
+        elif isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mult):
+            for negated, other in ((arg.left, arg.right), (arg.right, arg.left)):
+                if isinstance(negated, ast.UnaryOp) and isinstance(negated.op, ast.USub):
+                    sides = (negated.operand, other)
+        if sides is None:
+            continue
+        for slot, rate in (sides, sides[::-1]):
+            # the rate is a setting (a name, an attribute, a constant, cfg["key"]), not another tensor expression
+            setting = isinstance(rate, (ast.Name, ast.Attribute, ast.Constant)) or (
+                isinstance(rate, ast.Subscript) and isinstance(rate.slice, ast.Constant) and isinstance(rate.slice.value, str))
+            # and the other side is a slot position: an arange, or the decay's `k - 1` (not a per-slot loss)
+            positional = _slot_start(an, slot) is not None or any(
+                isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) and const_number(n.right) is not None for n in ast.walk(slot))
+            if setting and positional and _is_slot_index(an, slot) and not _is_slot_index(an, rate) and _in_loss_context(an, node):
+                yield node, slot, rate
+                break
+
+
+@dataclass
+class _Source:
+    """Where a value on the decay's path ends: a literal, a default (parameter, settings field, `.get`
+    fallback), or an opaque value (`missing` says why)."""
+    value: object
+    node: ast.AST
+    how: str
+    kind: str  # literal | default | opaque
+    missing: str = ""
+
+
+def _call_bindings(an: Analyzer, func: ast.AST, param: str) -> list[tuple[ast.Call, ast.expr | None | object]]:
+    """Each DFlash-path call of `func` (also `partial(func, ...)`) with what it passes for `param`: the
+    argument, None (omitted: the default applies) or MISSING (unknown: `**kwargs`, `*args`, or a partial
+    that leaves it to its own caller)."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return []
+    positional = [a.arg for a in func.args.posonlyargs + func.args.args]
+    callee = func.name
+    if callee == "__init__":
+        cls = an.parents.get(func)
+        callee = cls.name if isinstance(cls, ast.ClassDef) else ""
+    if positional and positional[0] in {"self", "cls"}:
+        positional = positional[1:]
+    index = positional.index(param) if param in positional else None
+
+    def bound(args: list[ast.expr], keywords: list[ast.keyword], omitted: object) -> object:
+        for kw in keywords:
+            if kw.arg == param:
+                return kw.value
+        starred = any(isinstance(a, ast.Starred) for a in args) or any(kw.arg is None for kw in keywords)
+        if index is not None and index < len(args) and not any(isinstance(a, ast.Starred) for a in args[: index + 1]):
+            return args[index]
+        return MISSING if starred else omitted
+
+    out: list[tuple[ast.Call, object]] = []
+    for call in an.calls_named(callee):
+        if in_variant_code(an, call) or an.enclosing_function(call) is func:
+            continue
+        out.append((call, bound(call.args, call.keywords, None)))
+    for call in an.calls_named("partial"):
+        if call.args and leaf_name(call.args[0]) == callee and not in_variant_code(an, call):
+            out.append((call, bound(call.args[1:], call.keywords, MISSING)))
+    return out
+
+
+def _config_defaults(an: Analyzer, key: str) -> list[_Source]:
+    """A settings value read by its key (`args.key`, `cfg["key"]`, `kwargs.get("key")`): the defaults of
+    settings fields declared with exactly that name, and values stored under that key in literal dicts."""
+    out: list[_Source] = []
+    for value_node, _unit, stmt in an.field_defaults.get(key, []):
+        if in_variant_code(an, stmt):
+            continue
+        value = an.literal(value_node)
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            out.append(_Source(value, stmt, f"settings field `{key}`", "default"))
+    return out
+
+
+def _constructed_field(an: Analyzer, key: str, depth: int) -> list[_Source]:
+    """A settings class field declared without a default (`gamma: float | None`): what its constructors pass
+    for it (`Plan(gamma=cfg.loss_decay_gamma)`, `cls(gamma=...)` in a classmethod)."""
+    out: list[_Source] = []
+    if depth > 8:
+        return out
+    for cls in nodes_of(an, ast.ClassDef):
+        if in_variant_code(an, cls) or not any(
+                isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id == key and st.value is None
+                for st in cls.body):
+            continue
+        calls = list(an.calls_named(cls.name)) + [c for c in an.calls_named("cls") if an.enclosing(c, (ast.ClassDef,)) is cls]
+        for call in calls[:4]:
+            arg = kwarg(call, key)
+            if arg is not None and not in_variant_code(an, call):
+                out += _gamma_sources(an, arg, depth + 1)
+    return out
+
+
+def _gamma_sources(an: Analyzer, node: ast.AST, depth: int = 0) -> list[_Source]:
+    """Follow the decay's gamma back along its value path: assignments, `self.x`, parameters to the arguments
+    their callers pass (a default counts only where some caller leaves it unset), keyword dicts handed to an
+    entry point, settings fields read by their exact key. Names never stand in for the path."""
+    if depth > 10:
+        return [_Source(MISSING, node, "", "opaque", "the trail is too long to follow")]
+    number = const_number(node)
+    if number is not None:
+        return [_Source(float(number), node, ast.unparse(node), "literal")]
+    if isinstance(node, ast.Constant) and node.value is None:
+        return [_Source(None, node, "None", "literal")]
+    if isinstance(node, ast.Call):
+        name = call_name(node)
+        if name in {"float", "int"} and len(node.args) == 1:
+            return _gamma_sources(an, node.args[0], depth + 1)
+        if name in {"get", "pop", "getattr", "setdefault"} and len(node.args) >= 2:
+            key_node = node.args[1] if name == "getattr" else node.args[0]
+            fallback = node.args[2] if name == "getattr" and len(node.args) >= 3 else node.args[-1] if name != "getattr" else None
+            out: list[_Source] = []
+            if isinstance(key_node, ast.Constant) and isinstance(key_node.value, str):
+                out += _config_defaults(an, key_node.value)
+            if fallback is not None:
+                out += [_Source(s.value, s.node, f"`{ast.unparse(node)[:60]}` fallback", "default", s.missing) if s.kind == "literal" else s
+                        for s in _gamma_sources(an, fallback, depth + 1)]
+            return out
+        return [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is computed at run time")]
+    if isinstance(node, ast.IfExp):
+        # `g if weighting == "decay" else None`: each branch holds under its condition; a branch that is a
+        # bare constant is the other mode's placeholder (gamma unused there), not a value the decay divides by
+        out = _gamma_sources(an, node.body, depth + 1)
+        for source in _gamma_sources(an, node.orelse, depth + 1):
+            out.append(replace(source, kind="switch") if source.kind == "literal" else source)
+        return out
+    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+        out = []
+        for value in node.values:
+            out += _gamma_sources(an, value, depth + 1)
+        return out
+    if isinstance(node, ast.Name) or (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+        found = an.defs_of(node)
+        if found is None:
+            if isinstance(node, ast.Attribute):
+                return _config_defaults(an, node.attr) or [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)}` is never assigned in the analysed code")]
+            return [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)}` is not defined in the analysed code")]
+        definitions, scope = found
+        if definitions:
+            out = []
+            for definition in definitions[-3:]:
+                out += _gamma_sources(an, definition, depth + 1)
+            return out
+        return _parameter_sources(an, scope.node, node.id, scope.params.get(node.id), depth)
+    if isinstance(node, ast.Attribute):
+        out = _config_defaults(an, node.attr) + _constructor_argument(an, node, node.attr, depth) + _constructed_field(an, node.attr, depth)
+        return out or [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is a run-time setting with no default in the code")]
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        key = node.slice.value
+        out = _config_defaults(an, key) + _constructor_argument(an, node, key, depth)
+        for value in [v for v in keyed_values(an, key) if not in_variant_code(an, v)][:3]:
+            out += _gamma_sources(an, value, depth + 1)
+        return out or [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is a run-time setting with no default in the code")]
+    return [_Source(MISSING, node, "", "opaque", f"`{ast.unparse(node)[:60]}` is computed at run time")]
+
+
+def _constructor_argument(an: Analyzer, node: ast.AST, key: str, depth: int) -> list[_Source]:
+    """`self.hparams.key` / `self.settings["key"]` inside a class whose constructor takes `key`: the class keeps
+    its constructor arguments under their names (Lightning's save_hyperparameters, `self.cfg = locals()`)."""
+    base = node.value
+    while isinstance(base, (ast.Attribute, ast.Subscript)):
+        base = base.value
+    cls = an.enclosing(node, (ast.ClassDef,))
+    if not (isinstance(base, ast.Name) and base.id == "self" and isinstance(cls, ast.ClassDef)):
+        return []
+    for stmt in cls.body:
+        if isinstance(stmt, ast.FunctionDef) and stmt.name == "__init__":
+            scope = an.scope(stmt.body[0]) if stmt.body else None
+            if scope is not None and key in scope.params:
+                return _parameter_sources(an, stmt, key, scope.params[key], depth + 1)
+    return []
+
+
+def _parameter_sources(an: Analyzer, func: ast.AST | None, param: str, default: ast.expr | None, depth: int) -> list[_Source]:
+    name = getattr(func, "name", "?")
+    sites = _call_bindings(an, func, param) if func is not None else []
+    passed = [arg for _call, arg in sites if isinstance(arg, ast.expr)]
+    out: list[_Source] = []
+    for arg in passed[:4]:
+        out += _gamma_sources(an, arg, depth + 1)
+    # A default is what runs only where a caller leaves the parameter unset (or nothing calls the function).
+    if default is not None and (not sites or any(not isinstance(arg, ast.expr) for _call, arg in sites)):
+        value = an.literal(default)
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            out.append(_Source(None if value is None else float(value), default, f"default of `{name}({param}=...)`", "default"))
+    if not passed:
+        # an entry point called with a keyword dict: `{"gamma": g}` splatted into `forward(**kwargs)`
+        for value in [v for v in keyed_values(an, param) if not in_variant_code(an, v)][:3]:
+            out += _gamma_sources(an, value, depth + 1)
+    if not out:
+        why = "nothing in the analysed code calls it" if not sites else "its callers pass it at run time"
+        out.append(_Source(MISSING, func or an.units[0].tree, "", "opaque", f"parameter `{param}` of `{name}` has no default and {why}"))
+    return out
+
+
+def _references(an: Analyzer, name: str) -> list[ast.AST]:
+    """Loads of a function's name (`f`, `obj.f`) anywhere: calls, `partial(f, ...)`, a registry entry."""
+    index = an.memo("name-loads", lambda: _index_name_loads(an))
+    return index.get(name, [])
+
+
+def _index_name_loads(an: Analyzer) -> dict[str, list[ast.AST]]:
+    index: dict[str, list[ast.AST]] = {}
+    for node in an.by_type.get(ast.Name, []):
+        if isinstance(node.ctx, ast.Load):
+            index.setdefault(node.id, []).append(node)
+    for node in an.by_type.get(ast.Attribute, []):
+        if isinstance(node.ctx, ast.Load):
+            index.setdefault(node.attr, []).append(node)
+    return index
+
+
+def _module_of(path: str) -> str:
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _unit_for_module(an: Analyzer, module: str) -> object | None:
+    """The analysed file of a dotted module (`pkg.sub` -> pkg/sub.py or pkg/sub/__init__.py); the analysed root
+    may sit below the import root, so the longest common tail decides."""
+    index = an.memo("modules", lambda: {_module_of(u.path): u for u in an.units})
+    if module in index:
+        return index[module]
+    parts = module.split(".")
+    for start in range(1, len(parts)):
+        tail = ".".join(parts[start:])
+        hits = [u for m, u in index.items() if m == tail or m.endswith("." + tail)]
+        if len(hits) == 1:
+            return hits[0]
+    return None
+
+
+def _imported_from(an: Analyzer, unit: object, name: str, depth: int = 0) -> str | None:
+    """The module a file's `from M import name` finally takes `name` from, through package re-exports."""
+    package = _module_of(unit.path)
+    package = package if unit.path.endswith("__init__.py") else package.rsplit(".", 1)[0] if "." in package else ""
+    for stmt in unit.tree.body if depth else ast.walk(unit.tree):
+        if not isinstance(stmt, ast.ImportFrom):
+            continue
+        alias = next((a for a in stmt.names if (a.asname or a.name) == name), None)
+        if alias is None:
+            continue
+        module = stmt.module or ""
+        if stmt.level:
+            base = package.split(".") if package else []
+            base = base[: len(base) - (stmt.level - 1)] if stmt.level > 1 else base
+            module = ".".join([*base, module] if module else base)
+        source = _unit_for_module(an, module)
+        if source is not None and depth < 4 and not any(
+                isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == alias.name for n in source.tree.body):
+            deeper = _imported_from(an, source, alias.name, depth + 1)
+            if deeper is not None:
+                return deeper
+        return _module_of(source.path) if source is not None else module
+    return None
+
+
+def _refers_to(an: Analyzer, ref: ast.AST, func: ast.AST) -> bool:
+    """Whether a load of `func`'s name means `func`: in its own file, or in a file that imports the name from
+    `func`'s module (through package re-exports). A file that defines or imports the name from elsewhere
+    means another function; a name of unknown provenance (`obj.f`, a star import) may be it."""
+    here, there = an.unit(ref), an.unit(func)
+    if here is there:
+        return True
+    name = func.name
+    if isinstance(ref, ast.Name):
+        if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name for n in here.tree.body):
+            return False
+        module = _imported_from(an, here, name)
+        if module is not None:
+            target = _module_of(there.path)
+            return module == target or target.endswith("." + module) or module.endswith("." + target)
+    return True
+
+
+def _used_on_dflash_path(an: Analyzer, func: ast.AST, depth: int = 0) -> bool | None:
+    """True: DFlash code refers to `func` (or to another algorithm's function that DFlash code uses);
+    False: only other algorithms' code does (their loss applies it, DFlash's does not); None: nothing
+    refers to it (a library function or an entry point: undecided)."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > 3:
+        return None
+    refs = [r for r in _references(an, func.name) if an.enclosing_function(r) is not func and _refers_to(an, r, func)]
+    if not refs:
+        return None
+    for ref in refs:
+        if not in_variant_code(an, ref):
+            return True
+        holder = an.enclosing_function(ref)
+        if holder is not None and _used_on_dflash_path(an, an.outermost_function(ref) or holder, depth + 1) is True:
+            return True
+    return False
+
+
 @detector("dflash.loss_decay_gamma")
 def detect_gamma(an: Analyzer) -> list[CodeReading]:
-    readings = _flat_weights(an) if not list(_decay_exponentials(an)) else []
-    for node, numerator, divisor in _decay_exponentials(an):
-        number = const_number(divisor)
-        if number is not None:
-            readings.append(reading_at(an, "dflash.loss_decay_gamma", float(number), node, 0.85,
-                                     detail=f"the decay divisor (gamma) is hard-coded to {number}"))
+    """The gamma the decay actually divides by, traced along its value path; a decay that only other
+    algorithms' code applies is no decay for DFlash (`none`)."""
+    decays = [(node, numerator, divisor, False) for node, numerator, divisor in _decay_exponentials(an)]
+    decays += [(node, slot, rate, True) for node, slot, rate in _inverted_decays(an)]
+    readings = _flat_weights(an) if not decays else []
+    for node, _numerator, divisor, inverted in decays:
+        if an.switch_of(node) == VARIANT or in_variant_code(an, node):
+            continue  # DSpark's decay from slot 0, another algorithm's loss
+        holder = an.outermost_function(node) or an.enclosing_function(node)
+        if holder is not None and _used_on_dflash_path(an, holder) is False:
+            readings.append(reading_at(an, "dflash.loss_decay_gamma", "none", node, 0.6,
+                                       detail=f"the decay in `{holder.name}` is applied only by other algorithms' code; "
+                                              "nothing on the DFlash loss path calls it"))
             continue
-        if isinstance(divisor, ast.Subscript) and isinstance(divisor.slice, ast.Constant) and isinstance(divisor.slice.value, str):
-            name = divisor.slice.value  # cfg["gamma"]: the key names the setting
-        elif isinstance(divisor, (ast.Name, ast.Attribute)):
-            name = leaf_name(divisor)
-        else:
-            continue
-        defaults = _defaults_for(an, divisor, name)
-        if defaults:
-            for value, where, how in defaults:
-                detail = f"default of `{how}` = {value!r} (the divisor of the decay exp(-(k-1)/{name}))"
-                readings.append(reading_at(an, "dflash.loss_decay_gamma", value, where, 0.6, mode="default", detail=detail))
-        else:
-            readings.append(reading_at(an, "dflash.loss_decay_gamma", None, node, 0.3, mode="switch", switch=name,
-                                     detail=f"gamma `{name}` is passed in at run time, no default in the code"))
+        written = f"exp(-(k-1) * {ast.unparse(divisor)[:30]})" if inverted else f"exp(-(k-1)/{ast.unparse(divisor)[:30]})"
+        sources = _gamma_sources(an, divisor)
+        known = [s for s in sources if s.kind not in ("opaque", "switch")]
+        opaque = [s for s in sources if s.kind == "opaque"]
+        for source in known:
+            value = source.value
+            if inverted and isinstance(value, float):
+                if value == 0:
+                    continue
+                value = 1.0 / value
+            hard = source.kind == "literal" and source.node is divisor
+            how = (f"the decay divisor (gamma) is hard-coded to {source.value}" if hard else
+                   f"{source.how} = {source.value!r}, the value that reaches the decay {written}")
+            if inverted:
+                how += f": it multiplies the exponent, so the decay's gamma is 1/{source.value}"
+            if opaque:
+                how += f" (other values may reach it: {opaque[0].missing})"
+            # a literal one caller passes speaks for that call only (an eval helper, a test): weaker than a default
+            confidence = 0.85 if hard else 0.5 if source.kind == "literal" else 0.6
+            readings.append(reading_at(an, "dflash.loss_decay_gamma", None if value is None else float(value),
+                                       divisor if hard else source.node, confidence,
+                                       mode="hardcoded" if hard else "default", detail=how))
+        if not known:
+            why = "; ".join(dict.fromkeys(s.missing for s in opaque))[:200]
+            readings.append(reading_at(an, "dflash.loss_decay_gamma", None, node, 0.3, mode="switch",
+                                       switch=leaf_name(divisor) or ast.unparse(divisor)[:30],
+                                       detail=f"the decay's gamma is set at run time ({why})"))
     return readings
 
 
@@ -136,45 +473,6 @@ def _is_flat(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
         found = an.defs_of(node)
         return bool(found and len(found[0]) == 1 and _is_flat(an, found[0][0], depth + 1))
     return False
-
-
-def _defaults_for(an: Analyzer, divisor: ast.expr, name: str) -> list[tuple[object, ast.AST, str]]:
-    """Defaults that reach the decay's divisor: the value resolved in place, parameter defaults of the same
-    name, dataclass/pydantic fields and `.get("..name..", d)` calls whose key contains the name."""
-    out: list[tuple[object, ast.AST, str]] = []
-    direct = an.literal(divisor)
-    if direct is not MISSING and (direct is None or isinstance(direct, (int, float))):
-        out.append((None if direct is None else float(direct), divisor, ast.unparse(divisor)))
-        return out
-    lname = name.lower()
-    for func_list in an.functions.values():
-        for func, scope in func_list:
-            for param, default in scope.params.items():
-                if default is None or not (param.lower() == lname or lname in param.lower()):
-                    continue
-                value = an.literal(default)
-                if value is MISSING or not (value is None or isinstance(value, (int, float))):
-                    continue
-                out.append((None if value is None else float(value), default, f"{func.name}({param}=...)"))
-    for field_name, entries in an.field_defaults.items():
-        if field_name.lower() == lname or lname in field_name.lower():
-            for value_node, _unit, stmt in entries:
-                value = an.literal(value_node)
-                if value is not MISSING and (value is None or isinstance(value, (int, float))):
-                    out.append((None if value is None else float(value), stmt, field_name))
-    for key, value_node, where in _dict_literal_items(an):
-        if key.lower() == lname:
-            value = an.literal(value_node)
-            if value is not MISSING and (value is None or isinstance(value, (int, float))):
-                out.append((None if value is None else float(value), where, f"{{{key!r}: ...}}"))
-    for node in nodes_of(an, ast.Call):
-        if call_name(node) in {"get", "pop"} and len(node.args) >= 2 and isinstance(node.args[0], ast.Constant):
-            key = str(node.args[0].value).lower()
-            if key == lname or lname in key:
-                value = an.literal(node.args[1])
-                if value is not MISSING and (value is None or isinstance(value, (int, float))):
-                    out.append((None if value is None else float(value), node, f"get({node.args[0].value!r})"))
-    return out
 
 
 def _dict_literal_items(an: Analyzer) -> list[tuple[str, ast.expr, ast.AST]]:
@@ -340,16 +638,134 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
     sliced_from_one = any(
         isinstance(n.slice, ast.Slice) and const_number(n.slice.lower) == 1 and n.slice.upper is None
         and set(tokens(leaf_name(n.value))) & (WEIGHTISH_TOKENS | LOGITS_TOKENS | {"ce", "nll", "kl", "losses", "target", "targets", "labels"})
-        for n in nodes_of(an, ast.Subscript)
+        for n in nodes_of(an, ast.Subscript) if not in_variant_code(an, n)
     )
+    readings = [r for r in readings if not (in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or ""))]
     if not readings and not sliced_from_one:
         for node, numerator, _divisor in _decay_exponentials(an):
+            if an.switch_of(node) == VARIANT or in_variant_code(an, node):
+                continue
+            holder = an.outermost_function(node)
+            if holder is not None and _used_on_dflash_path(an, holder) is False:
+                continue
             if _is_slot_index(an, numerator) and _in_loss_context(an, node):
                 start = _slot_start(an, numerator)
+                switch = an.switch_of(node)
+                mode: Mode = "switch" if switch else "hardcoded"
                 if start == 0:
-                    readings.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", node, 0.6,
+                    readings.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", node, 0.6, mode=mode, switch=switch,
                                              detail="decay weights cover slot 0 and nothing zeroes the anchor slot"))
+                elif _clamped_at_zero(numerator):
+                    readings.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", node, 0.6, mode=mode, switch=switch,
+                                             detail=f"`{ast.unparse(numerator)[:40]}` is clamped at 0, so slot 0 gets the full "
+                                                    "weight exp(0) = 1, and nothing zeroes the anchor slot"))
+    # other algorithms' readings (Domino's, DSpark's) say nothing about DFlash's slot 0
+    readings = [r for r in readings if not (in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or ""))]
+    if not any(r.value == "weight 0" for r in readings):
+        readings += _slot_zero_kept(an)
+    return _behind_weighting_switch(an, readings)
+
+
+def _clamped_at_zero(node: ast.AST) -> bool:
+    """`(k - 1).clamp(min=0)` / `clamp(k - 1, min=0)` / `max(k - 1, 0)`: the exponent is 0 at slot 0 as well."""
+    if not isinstance(node, ast.Call) or call_name(node) not in {"clamp", "clamp_min", "clip", "maximum", "max"}:
+        return False
+    inner = node.func.value if isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value) else (node.args[0] if node.args else None)
+    bound = kwarg(node, "min")
+    if bound is None:
+        rest = node.args if inner is not (node.args[0] if node.args else None) else node.args[1:]
+        bound = rest[0] if rest else None
+    return (isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Sub) and const_number(inner.right) == 1
+            and const_number(bound) == 0)
+
+
+def _slot_zero_kept(an: Analyzer) -> list[CodeReading]:
+    """A slot mask in the loss weights that lets slot 0 through (`pos >= 0`, `pos > -1`): slot 0 is trained,
+    unless something else zeroes it (the caller only asks when nothing does)."""
+    readings = []
+    for node in nodes_of(an, ast.Compare):
+        if len(node.ops) != 1 or in_variant_code(an, node) or an.switch_of(node) == VARIANT:
+            continue
+        op, bound = node.ops[0], const_number(node.comparators[0])
+        keeps = (isinstance(op, ast.GtE) and bound == 0) or (isinstance(op, ast.Gt) and bound == -1)
+        # only the slot index itself (0 at the anchor), not a distance like `slot - 1` whose 0 is slot 1
+        if keeps and _is_slot_index(an, node.left) and _slot_start(an, node.left) == 0 and an.const_offset(node.left) == 0 \
+                and _in_loss_context(an, node) and _in_weight_expression(an, node):
+            readings.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", node, 0.6,
+                                       detail=f"`{ast.unparse(node)}` keeps every slot, the anchor's too, and nothing "
+                                              "zeroes slot 0"))
     return readings
+
+
+def _function_at(an: Analyzer, path: str, line: int) -> ast.AST | None:
+    """The outermost function of the analysed code that holds `path:line`."""
+    for entries in an.functions.values():
+        for func, _scope in entries:
+            if an.unit(func).path == path and func.lineno <= line <= (func.end_lineno or func.lineno) \
+                    and an.outermost_function(func) is None:
+                return func
+    return None
+
+
+def _behind_weighting_switch(an: Analyzer, readings: list[CodeReading]) -> list[CodeReading]:
+    """A slot-0 exclusion inside a weighting function that the loss picks behind a switch
+    (`decay_fn = dpace if ... else decayed`) holds only in that branch: its readings become switch readings,
+    and each alternative the other branch assigns in its place that zeroes nothing adds `trained` there."""
+    zeroing: dict[ast.AST, list[int]] = {}
+    for i, r in enumerate(readings):
+        if r.value == "weight 0" and r.mode == "hardcoded":
+            func = _function_at(an, r.path, r.line)
+            if func is not None:
+                zeroing.setdefault(func, []).append(i)
+    holders = {_function_at(an, r.path, r.line) for r in readings if r.value == "weight 0"}
+    out = list(readings)
+    for func, indices in zeroing.items():
+        refs = [ref for ref in _references(an, func.name)
+                if an.enclosing_function(ref) is not func and _refers_to(an, ref, func) and not in_variant_code(an, ref)]
+        if not refs:
+            continue
+        alternatives: list[tuple[ast.AST, str, str]] = []
+        for ref in refs:
+            label = an.switch_of(ref)
+            if label is None or label == VARIANT:
+                alternatives = []
+                break  # used unconditionally somewhere: its exclusion holds on that path
+            for other, name in _other_branch_assignments(an, ref):
+                if name != func.name and not any(getattr(h, "name", None) == name for h in holders):
+                    alternatives.append((other, name, label))
+            if not alternatives:
+                break
+        if not alternatives:
+            continue
+        label = alternatives[0][2]
+        for i in indices:
+            r = out[i]
+            out[i] = replace(r, mode="switch", switch=label, detail=f"{r.detail} (only where `{func.name}` weighs the loss: behind `{label}`)")
+        for other, name, label in alternatives:
+            out.append(reading_at(an, "dflash.anchor_slot_untrained", "trained", other, 0.6, mode="switch", switch=label,
+                                  detail=f"in the other branch of `{label}` the per-slot weights come from `{name}`, "
+                                         "which does not zero slot 0"))
+    return out
+
+
+def _other_branch_assignments(an: Analyzer, ref: ast.AST) -> list[tuple[ast.AST, str]]:
+    """`x = f(...)` in one branch of an if: the functions the other branch assigns to `x` instead."""
+    stmt = an.parents.get(ref)
+    while stmt is not None and not isinstance(stmt, ast.stmt):
+        stmt = an.parents.get(stmt)
+    branch = an.parents.get(stmt) if stmt is not None else None
+    if not (isinstance(stmt, ast.Assign) and isinstance(branch, ast.If)):
+        return []
+    names = {ast.unparse(t) for t in stmt.targets}
+    other = branch.orelse if stmt in branch.body else branch.body
+    out = []
+    for alt in other:
+        if isinstance(alt, ast.Assign) and {ast.unparse(t) for t in alt.targets} == names:
+            for sub in ast.walk(alt.value):
+                name = sub.id if isinstance(sub, ast.Name) else sub.attr if isinstance(sub, ast.Attribute) else None
+                if name and name in an.functions and name != "partial":
+                    out.append((alt, name))
+    return out
 
 
 def _holds_decay(an: Analyzer, node: ast.AST) -> bool:
@@ -454,8 +870,12 @@ def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
         switch = an.switch_of(node)
         readings.append(reading_at(an, "dflash.loss_kind", value, node, 0.7, mode="switch" if switch else "hardcoded",
                                  switch=switch, detail=f"{name}(...)"))
+    readings += _squared_errors(an)
+    # other algorithms' losses say nothing about DFlash's (and must not hide a regression term in it)
+    readings = [r for r in readings if not (in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or ""))]
+    readings = _chosen_from_registry(an, readings)
     # an auxiliary regression term beside a CE/KL objective does not change the loss kind
-    if any(r.value in ("ce", "kl", "ce (data tokens)") for r in readings):
+    if any(r.value in ("ce", "kl", "ce (data tokens)") and r.mode == "hardcoded" for r in readings):
         readings = [r for r in readings if not str(r.value).startswith("regression")]
     # hand-written: -log_softmax(draft).gather(argmax(target)) is CE; softmax * (logp - logq) is KL
     for node in nodes_of(an, ast.FunctionDef):
@@ -469,6 +889,96 @@ def detect_loss_kind(an: Analyzer) -> list[CodeReading]:
                 readings.append(reading_at(an, "dflash.loss_kind", "ce", node, 0.55, mode="switch" if switch else "hardcoded",
                                          switch=switch, detail=f"{node.name}: -log_softmax gathered at the target argmax"))
     return readings
+
+
+def _squared_errors(an: Analyzer) -> list[CodeReading]:
+    """A hand-written squared error between two tensors (`(a - b).pow(2)`, `(a - b) ** 2`, `square(a - b)`) as
+    the body of a loss: a regression, not CE / KL. A variance (`x - x.mean()`) is not one."""
+    readings = []
+    for node in nodes_of(an, (ast.BinOp, ast.Call)):
+        if isinstance(node, ast.BinOp):
+            base = node.left if isinstance(node.op, ast.Pow) and const_number(node.right) == 2 else None
+        elif call_name(node) == "pow" and isinstance(node.func, ast.Attribute) and node.args and const_number(node.args[0]) == 2:
+            base = node.func.value
+        elif call_name(node) == "square":
+            base = node.func.value if isinstance(node.func, ast.Attribute) and not is_module_name(node.func.value) else (node.args[0] if node.args else None)
+        else:
+            base = None
+        if not (isinstance(base, ast.BinOp) and isinstance(base.op, ast.Sub)):
+            continue
+        if any(isinstance(n, ast.Call) and call_name(n) in {"mean", "var", "std"} for side in (base.left, base.right) for n in ast.walk(side)):
+            continue  # x - x.mean(): a variance or a norm, not an objective
+        holder = an.enclosing(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef))
+        if holder is None or in_variant_code(an, node):
+            continue
+        is_loss = isinstance(holder, ast.Lambda) and _lambda_is_loss_term(an, holder) or (
+            isinstance(holder, (ast.FunctionDef, ast.AsyncFunctionDef)) and re.search(r"loss|objective|criterion", holder.name, re.I))
+        if not is_loss:
+            continue
+        switch = an.switch_of(node)
+        readings.append(reading_at(an, "dflash.loss_kind", "regression (squared error)", node, 0.7,
+                                   mode="switch" if switch else "hardcoded", switch=switch,
+                                   detail=f"`{ast.unparse(node)[:60]}`: a squared error, not CE / KL"))
+    return readings
+
+
+def _lambda_is_loss_term(an: Analyzer, lam: ast.Lambda) -> bool:
+    """A lambda stored as a loss term: a value of a loss-config mapping (`{"name": (fn, weight)}`), or bound to
+    a name / keyword / parameter about a loss."""
+    current = an.parents.get(lam)
+    while isinstance(current, (ast.Tuple, ast.List)):
+        current = an.parents.get(current)
+    if isinstance(current, ast.Dict):
+        holder = an.parents.get(current)
+        names = [ast.unparse(t) for t in getattr(holder, "targets", [])] + [ast.unparse(getattr(holder, "target", ast.Pass()))]
+        return any(re.search(r"loss|objective|criterion", n, re.I) for n in names)
+    if isinstance(current, ast.keyword):
+        return bool(current.arg and re.search(r"loss|objective|criterion", current.arg, re.I))
+    if isinstance(current, (ast.Assign, ast.AnnAssign)):
+        targets = current.targets if isinstance(current, ast.Assign) else [current.target]
+        return any(re.search(r"loss|objective|criterion", ast.unparse(t), re.I) for t in targets)
+    return False
+
+
+def _registry_choice(an: Analyzer, func: ast.AST, depth: int = 0) -> str | None:
+    """When a loss function is used only as one entry of a mapping with several (`{"kl_div": kl, "ce": ce}`, a
+    loss picked by name at run time), the mapping's name; None when it is called or bound on its own somewhere
+    (or nothing refers to it: a library function)."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > 3:
+        return None
+    refs = [r for r in _references(an, func.name)
+            if an.enclosing_function(r) is not func and _refers_to(an, r, func) and not in_variant_code(an, r)]
+    if not refs:
+        return None
+    chosen_from = None
+    for ref in refs:
+        container = an.parents.get(ref)
+        while isinstance(container, (ast.Tuple, ast.List)):
+            container = an.parents.get(container)
+        if isinstance(container, ast.Dict) and len(container.keys) >= 2:
+            holder = an.parents.get(container)
+            chosen_from = ast.unparse(holder.targets[0]) if isinstance(holder, ast.Assign) else (
+                ast.unparse(holder.target) if isinstance(holder, ast.AnnAssign) else "a mapping of losses")
+            continue
+        caller = an.outermost_function(ref)
+        inner = _registry_choice(an, caller, depth + 1) if caller is not None else None
+        if inner is None:
+            return None
+        chosen_from = inner
+    return chosen_from
+
+
+def _chosen_from_registry(an: Analyzer, readings: list[CodeReading]) -> list[CodeReading]:
+    """Readings inside loss functions that the code picks by name at run time become switch readings."""
+    out = []
+    for r in readings:
+        func = _function_at(an, r.path, r.line)
+        registry = _registry_choice(an, func) if func is not None and r.mode == "hardcoded" else None
+        if registry is not None:
+            r = replace(r, mode="switch", switch=f"{registry}[...]",
+                        detail=f"{r.detail} in `{func.name}`, one of the losses `{registry}` picks by name at run time")
+        out.append(r)
+    return out
 
 
 EMBED_SOURCES = {"get_input_embeddings", "embed_tokens", "Embedding", "wte", "tok_embeddings", "embed_in", "word_embeddings"}
@@ -717,8 +1227,9 @@ def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
             name == "permutation" and replace is None) or (
             name in {"argsort", "topk"} and _uses_uniform_noise(an, node)
         ):
-            readings.append(reading_at(an, "dflash.anchor_sampling", "uniform without replacement", node, 0.7,
-                                     detail=f"anchors drawn with {name}"))
+            value, why = _candidate_set(an, node)
+            readings.append(reading_at(an, "dflash.anchor_sampling", value, node, 0.7 if value != "uniform without replacement" or why else 0.6,
+                                     detail=f"anchors drawn with {name}" + (f" ({why})" if why else "")))
         elif name in {"randint", "randint_like"} or (name == "multinomial" and _const_true(kwarg(node, "replacement"))) or (
                 name == "choices" and stdlib_random) or (
                 name == "choice" and (len(node.args) >= 2 or kwarg(node, "size") is not None or kwarg(node, "shape") is not None)
@@ -743,3 +1254,188 @@ def _uses_uniform_noise(an: Analyzer, node: ast.Call) -> bool:
 
 def _const_true(node: ast.AST | None) -> bool:
     return isinstance(node, ast.Constant) and node.value is True
+
+
+# --- the candidate set anchors are drawn from ----------------------------------------------------------
+
+# Calls that only shape or compare a mask: a construction made of these is fully seen.
+_MASK_OPS = {"bool", "clone", "float", "int", "long", "to", "squeeze", "unsqueeze", "view", "reshape", "flatten",
+             "nonzero", "argwhere", "flatnonzero", "where", "max", "min", "clamp", "clip", "logical_and", "logical_not",
+             "ones", "ones_like", "new_ones", "full", "full_like", "zeros", "zeros_like", "numel", "size", "contiguous",
+             "set", "gt", "ge", "lt", "le", "ne", "eq", "detach", "cpu", "any", "all", "expand", "expand_as", "int"}
+_ALL_TRUE = {"ones", "ones_like", "new_ones", "full", "full_like"}
+_NOISE = {"rand", "rand_like", "uniform", "random", "normal", "randn", "randn_like"}
+
+
+def _candidate_set(an: Analyzer, sampler: ast.Call) -> tuple[str, str]:
+    """What a without-replacement sampler draws from: (value, why). The value stays
+    "uniform without replacement" unless the candidate set is traced and shows a filter missing: no loss
+    mask between the sequence and the sampler, or nothing keeping anchors out of the last positions."""
+    func = an.enclosing_function(sampler)
+    mask, unfiltered = _sampled_mask(an, sampler)
+    if unfiltered:
+        return "uniform over every position (loss mask ignored)", unfiltered
+    if mask is None or func is None:
+        return "uniform without replacement", ""
+    exprs, complete = _mask_construction(an, mask, func)
+    loss = any(_is_loss_mask_name(n) for e in exprs for n in _mask_leaves(e))
+    tail = any(_excludes_tail(an, e) for e in exprs)
+    all_true = any(isinstance(n, ast.Call) and call_name(n) in _ALL_TRUE for e in exprs for n in ast.walk(e))
+    if complete and not loss and all_true:
+        return ("uniform over every position (loss mask ignored)",
+                f"the candidate mask `{ast.unparse(mask)[:40]}` is built without the loss mask")
+    if complete and loss and not tail:
+        return ("uniform without replacement, last B positions not excluded",
+                f"the candidate mask `{ast.unparse(mask)[:40]}` keeps the last positions: their blocks run off the sequence")
+    if complete:
+        return "uniform without replacement", "over the loss mask, the last positions cut off"
+    return "uniform without replacement", ""
+
+
+def _sampled_mask(an: Analyzer, sampler: ast.Call) -> tuple[ast.expr | None, str]:
+    """The boolean mask whose positions the sampler permutes, or (None, why) when the sampler permutes noise
+    that nothing masks (every position is a candidate)."""
+    name = call_name(sampler)
+    if name == "randperm" and sampler.args:
+        counted = _counted(sampler.args[0])
+        for definition in _definitions(an, counted):
+            for sub in ast.walk(definition):
+                if isinstance(sub, ast.Call) and call_name(sub) in {"nonzero", "argwhere", "flatnonzero", "where"}:
+                    inner = sub.func.value if isinstance(sub.func, ast.Attribute) and not is_module_name(sub.func.value) else (sub.args[0] if sub.args else None)
+                    if inner is not None:
+                        return inner, ""
+        return None, ""
+    if name in {"argsort", "topk"}:
+        scores = sampler.func.value if isinstance(sampler.func, ast.Attribute) and not is_module_name(sampler.func.value) else (sampler.args[0] if sampler.args else None)
+        while isinstance(scores, ast.UnaryOp):
+            scores = scores.operand
+        if not isinstance(scores, ast.Name):
+            return None, ""
+        func = an.enclosing_function(sampler)
+        for definition in _definitions(an, scores):
+            for sub in ast.walk(definition):
+                if isinstance(sub, ast.Call) and call_name(sub) == "where" and sub.args:
+                    return sub.args[0], ""
+        for call in nodes_of(an, ast.Call):
+            if call_name(call) in {"masked_fill_", "masked_fill"} and isinstance(call.func, ast.Attribute) and call.args \
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == scores.id \
+                    and an.enclosing_function(call) is func:
+                excluded = call.args[0]
+                return (excluded.operand if isinstance(excluded, ast.UnaryOp) else excluded), ""
+        definitions = _definitions(an, scores)
+        if definitions and all(isinstance(d, ast.Call) and call_name(d) in _NOISE for d in definitions):
+            return None, f"`{scores.id}` is uniform noise over every position and nothing masks it before the {name}"
+    return None, ""
+
+
+def _counted(node: ast.expr) -> ast.expr | None:
+    """`x.numel()`, `len(x)`, `x.shape[0]`, `x.size(0)` -> x."""
+    if isinstance(node, ast.Call):
+        if call_name(node) in {"numel", "size"} and isinstance(node.func, ast.Attribute):
+            return node.func.value
+        if call_name(node) == "len" and node.args:
+            return node.args[0]
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+        return node.value.value
+    return None
+
+
+def _definitions(an: Analyzer, node: ast.expr | None) -> list[ast.expr]:
+    if node is None:
+        return []
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        found = an.defs_of(node)
+        return list(found[0]) if found and found[0] else []
+    return [node]
+
+
+def _mask_construction(an: Analyzer, mask: ast.expr, func: ast.AST) -> tuple[list[ast.expr], bool]:
+    """Every expression that builds the mask inside `func`: its definitions (through names, a few deep) and
+    the stores into it (`m[:, -B:] = False`). Complete when every name resolves there (or is a parameter) and
+    every call only shapes or compares."""
+    exprs: list[ast.expr] = []
+    complete = True
+    pending = [mask]
+    seen: set[str] = set()
+    while pending and len(exprs) < 24:
+        expr = pending.pop()
+        exprs.append(expr)
+        for sub in ast.walk(expr):
+            if isinstance(sub, ast.Call):
+                if call_name(sub) in _ALL_TRUE:
+                    continue
+                if call_name(sub) not in _MASK_OPS:
+                    complete = False
+            if isinstance(sub, ast.Name) and sub.id not in seen and isinstance(sub.ctx, ast.Load) and not is_module_name(sub):
+                if _inside_shape_argument(an, sub, expr):
+                    continue
+                seen.add(sub.id)
+                found = an.defs_of(sub)
+                if found is None:
+                    complete = False
+                    continue
+                definitions, scope = found
+                # a parameter: what its callers pass (a neutral name like `valid` may be the loss mask)
+                pending += definitions[-3:] if definitions else an.parameter_arguments(sub)[:3]
+                # stores into it: m[...] = v, m.at[...].set(v) results are definitions already
+                for stmt in nodes_of(an, ast.Assign):
+                    if an.enclosing_function(stmt) is func and any(
+                            isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == sub.id for t in stmt.targets):
+                        exprs.append(stmt.targets[0])
+    return exprs, complete
+
+
+def _inside_shape_argument(an: Analyzer, name: ast.Name, root: ast.expr) -> bool:
+    """`ones_like(loss_mask)`: the argument gives a shape, not a filter."""
+    current = an.parents.get(name)
+    while current is not None and current is not root:
+        if isinstance(current, ast.Call) and call_name(current) in _ALL_TRUE:
+            return True
+        current = an.parents.get(current)
+    return isinstance(current, ast.Call) and call_name(current) in _ALL_TRUE and current is not name
+
+
+def _mask_leaves(expr: ast.expr) -> list[str]:
+    """The names a mask expression reads, leaving out what only gives a shape (`ones_like(loss_mask)`)."""
+    out: list[str] = []
+    pending = [expr]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Call) and call_name(node) in _ALL_TRUE:
+            continue
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            out.append(leaf_name(node))
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            out.append(node.slice.value)  # batch["loss_mask"]
+        pending.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _is_loss_mask_name(name: str) -> bool:
+    toks = set(tokens(name))
+    return bool(({"loss", "mask"} <= toks) or toks & {"labels", "label", "supervised", "trainable"} or name in {"lm", "lmask"})
+
+
+def _excludes_tail(an: Analyzer, expr: ast.expr) -> bool:
+    """A cut at the sequence's end: a store or slice from a negative start (`m[:, -B:]`), a slice or `.at[]`
+    ending at `S - x`, or a bound that is one (`n = max(S - 1, 0)`; `m[:n]`)."""
+    for sub in ast.walk(expr):
+        if isinstance(sub, ast.Slice):
+            if isinstance(sub.lower, ast.UnaryOp) and isinstance(sub.lower.op, ast.USub):
+                return True
+            for bound in (sub.lower, sub.upper):
+                if bound is not None and _is_end_minus(an, bound):
+                    return True
+    return False
+
+
+def _is_end_minus(an: Analyzer, node: ast.expr, depth: int = 0) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub):
+        return True
+    if isinstance(node, ast.Call) and call_name(node) in {"max", "min"} and depth < 3:
+        return any(_is_end_minus(an, a, depth + 1) for a in node.args)
+    if isinstance(node, ast.Name) and depth < 3:
+        return any(_is_end_minus(an, d, depth + 1) for d in _definitions(an, node))
+    return False

@@ -6,7 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from sleuth.evidence.origins import Origin, head_input, trace
+from sleuth.evidence.origins import Origin, block_legs, head_input, reaching_definitions, trace
 from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
@@ -168,6 +168,112 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
     return readings
 
 
+def _block_position_readings(an: Analyzer, node: ast.AST, candidate: ast.expr, siblings: list[ast.expr],
+                             target_name: str) -> list[CodeReading] | None:
+    """Block positions read along the anchor's whole path (i11-attn): an offset on a helper's argument or in a
+    reassignment counts, and a block whose positions are joined to the context's position tensor must take the
+    anchor's position from that tensor: the anchor's packed index is its position only where positions are a
+    plain arange (packed documents restart theirs). None when no anchor + arange(B) is found here."""
+    legs = block_legs(an, candidate)
+    if not legs:
+        return None
+    context_positions = [s for s in siblings if s is not candidate]
+    out = []
+    seen: set[tuple] = set()
+    for leg, start in legs:
+        offset = leg.offset + start
+        key = (offset, leg.lookup, leg.complete, leg.switch)
+        if key in seen:
+            continue
+        seen.add(key)
+        value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+        detail = f"block token j at position anchor + j{offset:+d} (`{target_name}`)"
+        confidence = 0.8
+        if leg.lookup is None and context_positions and _packs_documents(an) and not all(_is_plain_arange(an, c) for c in context_positions):
+            value = "anchor index+j" if offset == 0 else f"anchor index+j{offset:+d}"
+            detail = (f"block positions start at the anchor's packed index, but the context's positions are "
+                      f"`{ast.unparse(context_positions[0])[:40]}` (document positions in a packed row): the anchor's "
+                      f"position is that tensor at the anchor")
+            confidence = 0.85  # it sees both parts of the positions: it outranks a reading of the block part alone
+        elif leg.lookup is not None and context_positions and not any(
+                ast.unparse(c).startswith(leg.lookup.split("[")[0]) for c in context_positions):
+            detail += f"; the anchor's position is read from `{leg.lookup}`"
+        if leg.entered is not None and offset:
+            detail += f"; the offset enters at `{ast.unparse(leg.entered)[:50]}` ({an.unit(leg.entered).path}:{getattr(leg.entered, 'lineno', 0)})"
+        mode = "switch" if leg.switch else "hardcoded"
+        if not leg.complete:
+            value += "?"
+            detail += f"; the anchor's path is not traced: {leg.missing}"
+        out.append(reading_at(an, "dflash.block_position_ids", value, node, confidence, mode=mode, switch=leg.switch, detail=detail))
+    return out
+
+
+def _sliced_block_positions(an: Analyzer, node: ast.AST, value: ast.expr, target_name: str) -> CodeReading | None:
+    """Serving style: the block's positions cut from a plain arange of positions, `pos[:, start : start + B]`
+    (or a context-and-block window ending at `start + B`): block token j sits at start + j + c."""
+    if not isinstance(value, ast.Subscript) or not _is_plain_arange(an, value.value):
+        return None
+    parts = value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice]
+    cut = parts[-1]
+    if not isinstance(cut, ast.Slice) or cut.upper is None:
+        return None
+    upper = cut.upper
+    size_terms = [n for n in ast.walk(upper) if isinstance(n, (ast.Name, ast.Attribute)) and an.is_blocksize(n)]
+    if not size_terms or "anchor" not in an.tags(upper):
+        return None
+    offset = an.const_offset(upper)
+    if cut.lower is not None and "anchor" in an.tags(cut.lower) and an.const_offset(cut.lower) != offset:
+        return reading_at(an, "dflash.block_position_ids", "anchor+j?", node, 0.6,
+                          detail=f"`{ast.unparse(value)[:60]}`: the start and the end of the cut disagree")
+    text = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+    # serving is a site of its own: correct training positions elsewhere do not vouch for it
+    return reading_at(an, "dflash.block_position_ids", text, node, 0.7 if offset == 0 else 0.85,
+                      detail=f"`{target_name}` cut from a plain arange as `{ast.unparse(cut)}`: block token j at anchor + j{offset:+d}")
+
+
+def _packs_documents(an: Analyzer) -> bool:
+    """Whether the code packs several documents in a row: it compares one tensor read at two places for
+    equality (`doc_ids[q] == doc_ids[kv]`, through names), the same-document rule of a packed mask."""
+    def base(node: ast.AST, depth: int = 0) -> str | None:
+        if isinstance(node, ast.Subscript):
+            return ast.unparse(node.value)
+        if isinstance(node, ast.Name) and depth < 3:
+            reached = reaching_definitions(an, node)
+            if reached and len(reached[0]) == 1:
+                return base(reached[0][0], depth + 1)
+        return None
+
+    def compute() -> bool:
+        for node in nodes_of(an, ast.Compare):
+            if len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+                left, right = base(node.left), base(node.comparators[0])
+                if left is not None and left == right:
+                    return True
+        return False
+    return an.memo("packs-documents", compute)
+
+
+def _is_plain_arange(an: Analyzer, node: ast.AST, depth: int = 0) -> bool:
+    """Positions that are certainly 0..n-1 (an arange built here, through names and layout methods)."""
+    if depth > 6:
+        return False
+    if isinstance(node, ast.Call):
+        if call_name(node) == "arange" and an.arange_start(node) == 0:
+            return True
+        if isinstance(node.func, ast.Attribute) and call_name(node) in PRESERVING_METHODS and not is_module_name(node.func.value):
+            return _is_plain_arange(an, node.func.value, depth + 1)
+        return False
+    if isinstance(node, ast.Subscript):
+        return _is_plain_arange(an, node.value, depth + 1)
+    if isinstance(node, ast.Name):
+        reached = reaching_definitions(an, node)
+        if reached is None:
+            return False
+        definitions, is_param = reached
+        return bool(definitions) and not is_param and all(_is_plain_arange(an, d, depth + 1) for d in definitions)
+    return False
+
+
 @detector("dflash.block_position_ids")
 def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
     readings = []
@@ -187,12 +293,20 @@ def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
                 candidates = [e for a in value_node.args for e in (a.elts if isinstance(a, (ast.List, ast.Tuple)) else [a])]
             else:
                 candidates = [value_node]
+            sliced = _sliced_block_positions(an, node, value_node, target_name)
+            if sliced is not None:
+                readings.append(sliced)
+                continue
             for candidate in candidates:
-                for offset, switch in an.block_index_offsets(candidate):
-                    value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
-                    mode = "switch" if switch else "hardcoded"
-                    readings.append(reading_at(an, "dflash.block_position_ids", value, node, 0.8, mode=mode, switch=switch,
-                                             detail=f"block token j at position anchor + j{offset:+d} (`{target_name}`)"))
+                traced = _block_position_readings(an, node, candidate, candidates, target_name)
+                if traced is not None:
+                    readings += traced
+                else:
+                    for offset, switch in an.block_index_offsets(candidate):
+                        value = "anchor+j" if offset == 0 else f"anchor+j{offset:+d}"
+                        mode = "switch" if switch else "hardcoded"
+                        readings.append(reading_at(an, "dflash.block_position_ids", value, node, 0.8, mode=mode, switch=switch,
+                                                 detail=f"block token j at position anchor + j{offset:+d} (`{target_name}`)"))
                 while (isinstance(candidate, ast.Call) and isinstance(candidate.func, ast.Attribute)
                        and call_name(candidate) in PRESERVING_METHODS and not is_module_name(candidate.func.value)):
                     candidate = candidate.func.value
@@ -321,6 +435,14 @@ def _head_origins(an: Analyzer) -> list[CodeReading]:
             via = f" (traced from `{ast.unparse(arg)[:50]}`)" if origin.steps else ""
             readings.append(reading_at(an, "dflash.target_logits_source", value, node, 0.8, mode=mode,
                                      switch=switch or an.switch_of(node), detail=detail + via))
+        fused = _fusion_input_slice(an, arg) if not layered else None
+        if fused is not None:
+            readings.append(reading_at(an, "dflash.target_logits_source", "intermediate", node, 0.75,
+                                       mode="switch" if an.switch_of(node) else "hardcoded", switch=an.switch_of(node),
+                                       detail=f"the head's input `{ast.unparse(arg)[:50]}` is `{ast.unparse(fused)[:50]}`, a "
+                                              "slice of what the drafter's fc fuses (the selected target layers), not the "
+                                              "model's output"))
+            continue
         if not layered and _feeds_target(an, node):
             names = {leaf_name(n).lower() for n in ast.walk(arg) if isinstance(n, (ast.Name, ast.Attribute))}
             if any("last" in n or "final" in n for n in names):
@@ -329,6 +451,46 @@ def _head_origins(an: Analyzer) -> list[CodeReading]:
                                          detail=f"the head's input `{ast.unparse(arg)[:50]}` is named as the last layer, "
                                                 f"but {missing}"))
     return readings
+
+
+def _fusion_input_slice(an: Analyzer, arg: ast.expr) -> ast.expr | None:
+    """The head's input, followed through its definitions in the same function, is a slice of the tensor that
+    function hands to the drafter's fusion projection (`fc(features)`): one of the selected target layers,
+    not the target's output. Returns that slice."""
+    from sleuth.evidence.detectors.fusion import detect_fc  # the fusion projection's attribute names
+
+    fc_names = set(an.memo("fc", lambda: detect_fc(an))[1])
+    func = an.enclosing_function(arg)
+    if not fc_names or func is None:
+        return None
+    fused = set()
+    for call in nodes_of(an, ast.Call):
+        if leaf_name(call.func) in fc_names and call.args and isinstance(call.args[0], ast.Name) \
+                and an.enclosing_function(call) is func:
+            fused.add(call.args[0].id)
+    if not fused:
+        return None
+    pending, seen = [arg], 0
+    while pending and seen < 12:
+        expr = pending.pop()
+        seen += 1
+        while True:  # norms, tensor methods and row picks keep what a value is
+            if isinstance(expr, ast.Call) and expr.args and set(tokens(call_name(expr))) & {"norm", "rmsnorm", "layernorm"}:
+                expr = expr.args[0]
+            elif isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and call_name(expr) in PRESERVING_METHODS:
+                expr = expr.func.value
+            else:
+                break
+        if isinstance(expr, ast.Subscript):
+            parts = expr.slice.elts if isinstance(expr.slice, ast.Tuple) else [expr.slice]
+            if isinstance(expr.value, ast.Name) and expr.value.id in fused and isinstance(parts[-1], ast.Slice):
+                return expr  # features[..., -H:]: a slice along the concatenated layers
+            pending.append(expr.value)
+        elif isinstance(expr, ast.Name):
+            found = an.defs_of(expr)
+            if found and found[0]:
+                pending += [d for d in found[0][-3:] if an.enclosing_function(d) is func]
+    return None
 
 
 def _layer_origin_value(an: Analyzer, origin: Origin) -> tuple[str | None, str, Mode, str | None]:
