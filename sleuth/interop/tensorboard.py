@@ -46,19 +46,12 @@ def read_scalars(run: Any) -> Scalars:
     files = event_files(run)
     if not files:
         return Scalars()
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError:
-        return Scalars(files=files, problem=f"{len(files)} tensorboard event file(s) not read: the tensorboard "
-                       "package is not installed (pip install tensorboard)")
+    accumulators, problem = _load(files)
+    if problem is not None:  # the other sources (val_metrics) still count
+        return Scalars(files=files, problem=problem)
     rows: dict[int, dict[str, Any]] = {}
     positions: dict[int, dict[int, float]] = {}
-    for path in files:
-        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        try:
-            accumulator.Reload()
-        except Exception as exc:  # a torn or foreign file: the other files and val_metrics still count
-            return Scalars(files=files, problem=f"{path.name} cannot be read by tensorboard: {exc}")
+    for accumulator in accumulators:
         for tag in accumulator.Tags().get("scalars", []):
             name = _TRAIN.get(tag)
             position = _POSITION.match(tag)
@@ -88,22 +81,32 @@ def read_tagged_scalars(files: list[Path], tags: dict[str, str]) -> Scalars:
     files = files[:_MAX_EVENT_FILES]
     if not files:
         return Scalars()
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    except ImportError:
-        return Scalars(files=files, problem=f"{len(files)} tensorboard event file(s) not read: the tensorboard "
-                       "package is not installed (pip install tensorboard)")
+    accumulators, problem = _load(files)  # a torn or foreign file: reported, the files before it kept
     rows: dict[int, dict[str, Any]] = {}
-    for path in files:
-        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        try:
-            accumulator.Reload()
-        except Exception as exc:  # a torn or foreign file: report it, keep what the others hold
-            return Scalars(rows=rows, files=files, problem=f"{path.name} cannot be read by tensorboard: {exc}")
+    for accumulator in accumulators:
         for tag in accumulator.Tags().get("scalars", []):
             name = tags.get(tag)
             if name is None:
                 continue
             for event in accumulator.Scalars(tag):
                 rows.setdefault(event.step, {})[name] = float(event.value)
-    return Scalars(rows=rows, files=files)
+    return Scalars(rows=rows, files=files, problem=problem)
+
+
+def _load(files: list[Path]) -> tuple[list[Any], str | None]:
+    """tensorboard's own reader over each file, in order, up to the first that cannot be read; the problem
+    (tensorboard not installed, a torn or foreign file) as one line."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return [], (f"{len(files)} tensorboard event file(s) not read: the tensorboard package is not installed "
+                    "(pip install tensorboard)")
+    loaded = []
+    for path in files:
+        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        try:
+            accumulator.Reload()
+        except Exception as exc:  # any reader failure is the file's, not ours
+            return loaded, f"{path.name} cannot be read by tensorboard: {exc}"
+        loaded.append(accumulator)
+    return loaded, None
