@@ -78,6 +78,8 @@ def build_root(plan: dict) -> None:
             bind(path, inside(path), writable=kind == "bind_rw")
     os.makedirs(inside("/dev/shm"), exist_ok=True)
     for device in DEVICES:
+        if not os.path.exists(f"/dev/{device}"):  # a minimal container may lack one (/dev/full)
+            continue
         open(inside(f"/dev/{device}"), "a").close()
         bind(f"/dev/{device}", inside(f"/dev/{device}"), writable=True, device=True)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
