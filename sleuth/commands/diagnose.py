@@ -88,7 +88,13 @@ def diagnose_command(
         typer.Option("--hidden-states", metavar="DIR", help="An offline hidden-state cache to recompute and compare."),
     ] = None,
 ) -> None:
-    """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl."""
+    """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl.
+
+    Exit codes: 0 no mismatch; 1 mismatches, or not a clean bill (the run's config unreadable, or the
+    run's own code/ not probed); 2 an error, or probes asked for (--probe, --probe-entry) with no
+    experiment run. Code runs only isolated (no network, read-only view, limits): a run's code/ by default
+    only when your own trainer recorded it, anything else only with --probe (README: Security model).
+    """
     from rich.console import Console
 
     from sleuth.diagnose import DiagnoseError, DiagnoseRequest, diagnose, live_listener

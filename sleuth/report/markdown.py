@@ -140,7 +140,7 @@ def _probes(report: Report) -> list[str]:
         out += [f"- {probes.reason}"]
     if probes.code_sha256:
         out.append(f"- code: {probes.code_files} file(s), tree `sha256:{probes.code_sha256}`"
-                   + (f" ({probes.trust})" if probes.trust else ""))
+                   + (f" ({probes.trust})" if probes.trust and probes.consent != "declined" else ""))
     if probes.python:
         out.append(f"- interpreter: `{probes.python}`")
     if probes.isolation:
