@@ -4,7 +4,8 @@ code under diagnosis exists in the process. Two of them:
     <python> -I -S confine.py limits LIMITS_JSON -- COMMAND...
         set the resource limits and "die with sleuth" (PR_SET_PDEATHSIG), then exec COMMAND: the first
         link of every probe child, so the limits hold for everything it starts (done here rather than in
-        a preexec_fn, which is unsafe when sleuth probes from several threads);
+        a preexec_fn, which is unsafe when sleuth probes from several threads); at the process level it
+        also drops every capability (a root sleuth's child keeps no privilege);
     unshare --mount --net --pid --ipc --uts --fork --kill-child [--user --map-root-user] -- \\
         <python> -I -S confine.py root PLAN.json
         inside fresh namespaces: build the file system view, drop every privilege, then exec the worker.
@@ -118,10 +119,13 @@ def apply_limits(limits: dict) -> None:
     import resource
     import signal
 
+    drop = limits.pop("drop_privileges", False)
     for name, value in limits.items():
         if value is not None:
             resource.setrlimit(getattr(resource, f"RLIMIT_{name.upper()}"), (int(value), int(value)))
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if drop:  # no namespaces to do it in (the process level): at least no capabilities, even for root
+        drop_privileges()
 
 
 def main(argv: list[str]) -> int:

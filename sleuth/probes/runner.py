@@ -252,6 +252,8 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
             last = safe_text((finished.stderr_tail.strip().splitlines() or [""])[-1].strip())[:300]
             ending = finished.ending(limits)
             return _failed(outcome, f"the probe process ended without an answer ({last or ending})")
+        if not answer.verdicts and not answer.error:
+            return _failed(outcome, "the probe's answer holds no verdict and no error: no experiment ran")
         outcome.info, outcome.seconds, outcome.error = answer.subject, answer.seconds, answer.error
         outcome.verdicts = answer.verdicts
     finally:

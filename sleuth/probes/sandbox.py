@@ -112,7 +112,8 @@ def describe_level(level: str, limits: Limits, fallback: str | None = None) -> I
         return Isolation(level, network="open (connections refused in-process only)",
                          filesystem="the user's files are readable and writable (scratch HOME/TMPDIR/cwd, copies)",
                          processes="own session, killed at the end; orphans swept",
-                         privileges="the user's own", limits=shown, fallback=fallback)
+                         privileges="the user's, with every capability dropped, no_new_privs", limits=shown,
+                         fallback=fallback)
     return Isolation(level, network="closed (own network namespace, no interface up)",
                      filesystem="read-only view of the system and the probe interpreter; the scratch box the only "
                                 "writable path; home, run and other files not visible",
@@ -433,7 +434,9 @@ def _bwrap_command(argv: list[str], box: Box, read_paths: list[str], marker_fd: 
             command += ["--symlink", op[2], op[1]]
         else:
             command += ["--bind" if op[0] == "bind_rw" else "--ro-bind", op[1], op[1]]
-    command += ["--dev", "/dev", "--proc", "/proc", "--chdir", str(box.work), "--info-fd", str(marker_fd)]
+    # The root bwrap builds is a tmpfs: read-only once the binds are in, as confine.py leaves its own.
+    command += ["--dev", "/dev", "--proc", "/proc", "--remount-ro", "/", "--chdir", str(box.work),
+                "--info-fd", str(marker_fd)]
     return [*command, "--", *argv]
 
 
@@ -449,7 +452,8 @@ def _spawn(command: list[str], level: str, *, box: Box, env: dict[str, str], tim
     try:
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             try:
-                process = subprocess.Popen(_with_limits(command, limits), stdin=subprocess.DEVNULL, stdout=out,
+                process = subprocess.Popen(_with_limits(command, limits, drop_privileges=process_level),
+                                           stdin=subprocess.DEVNULL, stdout=out,
                                            stderr=err, cwd=box.work, env=env, pass_fds=pass_fds,
                                            start_new_session=True)
             except OSError as exc:
@@ -478,14 +482,18 @@ def _spawn(command: list[str], level: str, *, box: Box, env: dict[str, str], tim
                     isolation=describe_level(level, limits, fallback), swept=swept)
 
 
-def _with_limits(command: list[str], limits: Limits) -> list[str]:
+def _with_limits(command: list[str], limits: Limits, *, drop_privileges: bool) -> list[str]:
     """command, started through confine.py's limits step (see there why not a preexec_fn)."""
     as_root = os.geteuid() == 0
-    values = {"as": limits.address_space, "cpu": limits.cpu_seconds, "fsize": limits.file_size,
-              "nofile": limits.open_files, "core": 0,
-              # RLIMIT_NPROC counts every task of the user, so the limit sits on top of what runs now;
-              # the kernel does not apply it to root.
-              "nproc": None if as_root else _user_tasks() + limits.processes}
+    values: dict[str, Any] = {
+        "as": limits.address_space, "cpu": limits.cpu_seconds, "fsize": limits.file_size,
+        "nofile": limits.open_files, "core": 0,
+        # RLIMIT_NPROC counts every task of the user, so the limit sits on top of what runs now;
+        # the kernel does not apply it to root.
+        "nproc": None if as_root else _user_tasks() + limits.processes,
+        # The namespace levels drop privileges inside (unshare and bwrap need them to set up).
+        "drop_privileges": drop_privileges,
+    }
     return [sys.executable, "-I", "-S", str(CONFINE), "limits", json.dumps(values), "--", *command]
 
 

@@ -608,7 +608,7 @@ def test_a_relative_probe_python_is_the_users_not_the_childs(tmp_path, monkeypat
 # --- the process level, and falling back to it -------------------------------------------------------------
 
 
-def test_at_the_process_level_the_environment_holds_no_secret_and_orphans_are_swept(tmp_path, monkeypatch):
+def test_at_the_process_level_no_secret_no_privilege_and_orphans_are_swept(tmp_path, monkeypatch):
     from sleuth.probes import sandbox
 
     monkeypatch.setenv(sandbox.ISOLATION_ENV, "process")
@@ -623,16 +623,18 @@ if os.fork() == 0:
         os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(120)", "{marker}"])
     os._exit(0)
 os.wait()
-answer(error=" ".join(sorted(os.environ)) + " HOME=" + os.environ["HOME"])
+capabilities = [line.split()[1] for line in open("/proc/self/status") if line.startswith("CapEff")][0]
+answer(error=json.dumps(dict(env=sorted(os.environ), home=os.environ["HOME"], capabilities=capabilities)))
 ''')
     try:
         outcome = probe_entry(code)
         assert settle(marker) == []
     finally:
         kill_marked(marker)
-    names = set(outcome.error.split(" HOME=")[0].split())
-    assert not names & {"HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "SSH_AUTH_SOCK"}
-    assert "PATH" in names and outcome.error.split(" HOME=")[1].endswith("/box/home")
+    seen = json.loads(outcome.error)
+    assert not set(seen["env"]) & {"HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "SSH_AUTH_SOCK"}
+    assert "PATH" in seen["env"] and seen["home"].endswith("/box/home")
+    assert int(seen["capabilities"], 16) == 0  # even when sleuth runs as root
     assert outcome.isolation.level == "process" and outcome.isolation.fallback is None
     assert any("killed" in note for note in outcome.notes)
 
@@ -678,3 +680,6 @@ def test_the_read_only_view_recreates_links_and_binds_physical_paths_only(tmp_pa
                                                                                    command.index("--symlink") + 3]
     assert "--ro-bind" in command and command[-4:] == ["--", "python", "-m", "w"]
     assert command[command.index("--info-fd") + 1] == "7"
+    assert command.index("--remount-ro") > max(i for i, part in enumerate(command) if part == "--ro-bind")
+    assert ["--bind", str(tmp_path / "box"), str(tmp_path / "box")] == command[command.index("--bind"):
+                                                                             command.index("--bind") + 3]
