@@ -186,11 +186,17 @@ def probe_summary(inv: Any) -> ProbeSummary | None:
         honesty = ("Probe verdicts are only as honest as the code that produced them: this code is not one your own "
                    "trainer recorded, and a hostile copy can report anything, so its verdicts never overturn what the "
                    "run's config and checkpoint say.")
+    from sleuth.probes.answer import safe_text
+
+    def text(value: str | None) -> str | None:  # names and paths from the run directory: no escapes
+        return safe_text(value) if value is not None else None
+
     return ProbeSummary(
-        subject=outcome.subject, ran=outcome.ran, consent=consent, reason=outcome.declined or outcome.error,
-        python=outcome.python, code_sha256=outcome.code_sha256, code_files=outcome.code_files, trust=outcome.trust,
-        isolation=outcome.isolation.to_json() if outcome.isolation else None, notes=list(outcome.notes),
-        honesty=honesty if outcome.ran else "",
+        subject=text(outcome.subject) or "", ran=outcome.ran, consent=consent,
+        reason=text(outcome.declined or outcome.error), python=text(outcome.python), code_sha256=outcome.code_sha256,
+        code_files=outcome.code_files, trust=text(outcome.trust),
+        isolation=outcome.isolation.to_json() if outcome.isolation else None,
+        notes=[safe_text(note) for note in outcome.notes], honesty=honesty if outcome.ran else "",
     )
 
 

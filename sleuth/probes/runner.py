@@ -196,6 +196,7 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
     `announce` hears, before anything runs, what will run and how it is isolated (or why it will not)."""
     outcome = ProbeOutcome(subject=plan.subject, asked=plan.asked)
     started = time.perf_counter()
+    announce = _printable(announce)
     if plan.spec is None:
         return _failed(outcome, plan.reason or "nothing to probe")
     interpreter = check_python(python)
@@ -262,6 +263,18 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
     if outcome.error and not outcome.verdicts:
         outcome.verdicts = unknown_verdicts(outcome.error)
     return outcome
+
+
+def _printable(announce: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """announce, fed only safe text: what it says names the run and its paths, and a run can hold escapes there."""
+    if announce is None:
+        return None
+    hear = announce
+
+    def say(line: str) -> None:
+        hear(safe_text(line))
+
+    return say
 
 
 def _failed(outcome: ProbeOutcome, reason: str) -> ProbeOutcome:

@@ -13,8 +13,9 @@ Whatever code a probe runs (the user's own trainer or a stranger's `code/`), the
         allowlist view of the file system with the box the only writable path, all capabilities dropped;
       - `namespaces`: the same with util-linux `unshare` and sleuth's own set-up step (confine.py): as
         root, or as a user where unprivileged user namespaces are enabled;
-      - `process`: neither is available: the limits, the scratch environment and the session kill hold,
-        but the network is refused only in-process and the user's files stay reachable.
+      - `process`: neither is available: the limits, the scratch environment, the dropped capabilities
+        and the session kill hold, but the network is refused only in-process and the user's files stay
+        reachable.
     `SLEUTH_PROBE_ISOLATION` = auto (default) | bwrap | namespaces | process forces one level; a forced
     level that cannot be set up is an error, never a silent fallback.
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
