@@ -400,9 +400,11 @@ for _ in range(400):
 sys.stdout.flush()
 answer(verdicts=[ONE_VERDICT])
 ''')
-    script = ("import json, resource, sys; from pathlib import Path; from sleuth.probes.runner import plan_for_entry, "
-              "run_plan; o = run_plan(plan_for_entry('hostile:subject', Path(sys.argv[1]), None, None), timeout_s=120); "
-              "print(json.dumps({'error': o.error, 'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
+    # The peak RSS of this process's own memory (VmHWM: ru_maxrss would carry over the forking parent's).
+    script = ("import json, sys; from pathlib import Path; from sleuth.probes.runner import plan_for_entry, run_plan; "
+              "o = run_plan(plan_for_entry('hostile:subject', Path(sys.argv[1]), None, None), timeout_s=120); "
+              "peak = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')); "
+              "print(json.dumps({'error': o.error, 'rss_mb': peak / 1024}))")
     done = subprocess.run([sys.executable, "-c", script, str(code)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     result = json.loads(done.stdout.strip().splitlines()[-1])
