@@ -86,14 +86,16 @@ def diagnose(
     *,
     engine: Engine | None = None,
     listener: Callable[[TraceStep], None] | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> Diagnosis:
     """Run the whole investigation and write `<out>/report.{md,json,sarif}`, fix.yaml, chart.png, trace.jsonl.
 
     Raises DiagnoseError (one line) for a user's mistake; damaged inputs become `unknown` findings instead.
+    `announce` hears, before any code under diagnosis runs, what will run and how it is isolated.
     """
     if request.run is None and request.code is None:
         raise DiagnoseError("nothing to diagnose: give --run NAME|PATH, or --code PATH for any DFlash implementation")
-    investigation = _Investigation(request, engine, Trace(listener))
+    investigation = _Investigation(request, engine, Trace(listener), announce)
     try:
         return investigation.run()
     except (RunError, RegressionRefused) as exc:
@@ -139,9 +141,13 @@ class _Investigation(InputDiscovery):
     """The agent: input discovery (InputDiscovery), then its own steps (regression, playbook, reference,
     checks, follow-up), then report building (sleuth.investigation.report_builder)."""
 
-    def __init__(self, request: DiagnoseRequest, engine: Engine | None, trace: Trace) -> None:
+    def __init__(self, request: DiagnoseRequest, engine: Engine | None, trace: Trace,
+                 announce: Callable[[str], None] | None = None) -> None:
         super().__init__(request, trace)
         self._engine = engine
+        self.announce = announce
+        self.probe_outcome: Any = None  # sleuth.probes.runner.ProbeOutcome, when a probe was planned
+        self.probe_policy: str | None = None
         self.regression: Regression | None = None
         self.baseline_infos: list[RunInfo] = []
         self.playbook: Any = None
@@ -329,12 +335,13 @@ class _Investigation(InputDiscovery):
         from sleuth.probes.agent import probe_findings
 
         request, info = self.request, self.run_info
-        return probe_findings(
+        findings, self.probe_outcome, self.probe_policy = probe_findings(
             findings, trace=self.trace, playbook=self.playbook, probe=request.probe, entry=request.probe_entry,
             python=request.probe_python, run_dir=info.path if info is not None else None,
             run_name=info.name if info is not None else None, run_code=info.code_dir if info is not None else None,
-            code=request.code, config=self.config, timeout_s=request.probe_timeout_s,
+            code=request.code, config=self.config, timeout_s=request.probe_timeout_s, announce=self.announce,
         )
+        return findings
 
     def write(self, findings: list[Finding]) -> Diagnosis:
         report, out_dir, files = write_diagnosis(self, findings)

@@ -1,7 +1,8 @@
 """Report building: the Report model from an investigation's findings and state, and the files it writes.
 
-Exit status: 1 when any invariant mismatches, or when the run's own config could not be read (its
-config-level checks are unknown: not a clean bill); 0 otherwise.
+Exit status: 2 when the user asked for probes (--probe, --probe-entry) and no experiment ran; 1 when any
+invariant mismatches, when the run's own config could not be read (its config-level checks are unknown:
+not a clean bill), or when the run's own trusted code/ should have been probed and was not; 0 otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from sleuth.regression import Regression
 from sleuth.runs import RunInfo
 
 if TYPE_CHECKING:
-    from sleuth.report.model import Report, Rule
+    from sleuth.report.model import ProbeSummary, Report, Rule
 
 DEFAULT_OUT_WITHOUT_RUN = Path("diagnosis")
 
@@ -31,6 +32,10 @@ def write_diagnosis(inv: Any, findings: list[Finding]) -> tuple[Report, Path, di
 
     out_dir = out_dir_of(inv)
     counts = count_findings(findings)
+    probes = probe_summary(inv)
+    input_problems = [f"{inv.config_problem}: the checks the config decides are unknown"] if inv.config_problem else []
+    if probes is not None and not probes.ran and probes.consent == "trusted":
+        input_problems.append(f"the probes of the run's own code did not run: {probes.reason}")
     chart_name: str | None = None
     if inv.run_info is not None and inv.run_info.metrics:
         with inv.trace.step("draw-chart", out=out_dir / "chart.png") as step:
@@ -59,12 +64,15 @@ def write_diagnosis(inv: Any, findings: list[Finding]) -> tuple[Report, Path, di
         findings=findings,
         rules=inv.rules,
         counts=counts,
-        summary=build_summary(inv.regression, findings, inv.run_info, inv.config_problem),
-        input_problems=[f"{inv.config_problem}: the checks the config decides are unknown"] if inv.config_problem else [],
+        summary=build_summary(inv.regression, findings, inv.run_info, inv.config_problem, probes),
+        input_problems=input_problems,
         chart=chart_name,
         trace=list(inv.trace.steps),
-        # A run whose config cannot be read is not clean, whatever the code-level checks say.
-        exit_status=1 if counts.get("mismatch") or inv.config_problem else 0,
+        probes=probes,
+        # A run whose config cannot be read, or whose own code should have been probed and was not, is not
+        # clean, whatever the other checks say; probes asked for that did not run are an error.
+        exit_status=2 if probes is not None and probes.consent == "asked" and not probes.ran
+        else 1 if counts.get("mismatch") or input_problems else 0,
     )
     with inv.trace.step("write-report", out=out_dir) as step:
         try:
@@ -132,10 +140,15 @@ def rules_from_playbook(playbook: Any) -> list[Rule]:
 
 
 def build_summary(
-    regression: Regression | None, findings: list[Finding], run: RunInfo | None, config_problem: str | None = None
+    regression: Regression | None, findings: list[Finding], run: RunInfo | None, config_problem: str | None = None,
+    probes: ProbeSummary | None = None,
 ) -> str:
     """One paragraph: the regression verdict with numbers, then the mismatches and what stayed unknown."""
     parts: list[str] = []
+    if probes is not None and not probes.ran and probes.consent == "asked":
+        parts.append(f"No experiment ran: {probes.reason} (exit 2).")
+    elif probes is not None and not probes.ran and probes.consent == "trusted":
+        parts.append(f"Not a clean bill: the probes of the run's own code did not run: {probes.reason} (exit 1).")
     if config_problem is not None:
         parts.append(f"Not a clean bill: {config_problem}, so the checks the config decides are unknown (exit 1).")
     if regression is not None:
@@ -154,6 +167,37 @@ def build_summary(
     if run is not None and run.problems:
         parts.append("Reading the run: " + "; ".join(run.problems) + ".")
     return " ".join(p for p in parts if p)
+
+
+def probe_summary(inv: Any) -> ProbeSummary | None:
+    """What the report says about the probes: consent, whether anything ran, isolation, and its worth."""
+    from sleuth.report.model import ProbeSummary
+
+    outcome = getattr(inv, "probe_outcome", None)
+    if outcome is None:
+        policy = getattr(inv, "probe_policy", None)
+        return ProbeSummary(subject="none", ran=False, consent="off", reason=policy) if policy else None
+    consent = ("declined" if outcome.declined else "asked" if outcome.asked else "trusted" if outcome.trusted
+               else "off")  # a run with nothing to run (no code/, or recorded before the entry point)
+    if outcome.trusted:
+        honesty = ("Probe verdicts come from running the run's own code, which your trainer recorded: they are as "
+                   "honest as that code.")
+    else:
+        honesty = ("Probe verdicts are only as honest as the code that produced them: this code is not one your own "
+                   "trainer recorded, and a hostile copy can report anything, so its verdicts never overturn what the "
+                   "run's config and checkpoint say.")
+    from sleuth.probes.answer import safe_text
+
+    def text(value: str | None) -> str | None:  # names and paths from the run directory: no escapes
+        return safe_text(value) if value is not None else None
+
+    return ProbeSummary(
+        subject=text(outcome.subject) or "", ran=outcome.ran, consent=consent,
+        reason=text(outcome.declined or outcome.error), python=text(outcome.python), code_sha256=outcome.code_sha256,
+        code_files=outcome.code_files, trust=text(outcome.trust),
+        isolation=outcome.isolation.to_json() if outcome.isolation else None,
+        notes=[safe_text(note) for note in outcome.notes], honesty=honesty if outcome.ran else "",
+    )
 
 
 def _playbook_name(playbook: Any, requested: str) -> str:

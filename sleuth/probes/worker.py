@@ -1,9 +1,19 @@
 """The probe subprocess: `python -m sleuth.probes.worker SPEC.json OUT.json`.
 
-Runs in the interpreter the user chose (`--probe-python`), on CPU, with no network: sockets are refused
-before the subject's code is imported. The subject's import root goes first on sys.path, so the code under
-diagnosis is what gets imported, never an installed copy. Every experiment runs even if another fails;
-a failure becomes `unknown` verdicts carrying the error. The answer is one JSON object in OUT.json.
+Runs in the interpreter the user chose (`--probe-python`), inside the sandbox sleuth built for it
+(sandbox.py: no network, a read-only view, a scratch box, limits), on copies of the code and the run
+files. Two halves:
+  * process-level set-up (`prepare_process`): the worker's own heavy dependency (torch) is imported first,
+    before any root of the subject is on sys.path, so nothing the subject ships can replace it; a root
+    that holds a package the stack imports by name (a `torch/` beside the code) is refused; sockets are
+    refused in-process too (behind the sandbox's network namespace, the only guard at the `process`
+    isolation level); then the subject's roots go first on sys.path, so the code under diagnosis is what
+    gets imported, never an installed copy;
+  * the subject and its experiments (`load_subject`, `run`): every experiment runs even if another
+    fails; a failure becomes `unknown` verdicts carrying the error.
+The answer is one JSON object in OUT.json; sleuth validates it (answer.py) and trusts nothing in it: the
+subject runs in this process and can write anything there. The child gets a copy of sleuth's `probes/`
+package only, so nothing here imports sleuth outside it.
 """
 
 from __future__ import annotations
@@ -16,6 +26,11 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+
+# Top-level packages the worker or the subject's stack imports by name: a subject root holding one would
+# replace the real one for the whole process (sleuth's copy of the code leaves them out; refused here too).
+SHADOWING = frozenset({"torch", "transformers", "safetensors", "tokenizers", "huggingface_hub", "numpy", "sleuth"})
 
 
 def refuse_network() -> None:
@@ -114,14 +129,34 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def prepare_process(spec: dict[str, Any]) -> str | None:
+    """The process-level set-up before the subject exists; why the probe cannot go on, or None."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        import torch  # noqa: F401 - imported before the subject's roots are on sys.path
+    except Exception as exc:
+        return (f"the probe interpreter {sys.executable} cannot import torch ({_one_line(exc)}): give "
+                "--probe-python an environment where `import torch` works")
+    refuse_network()
+    roots = [str(root) for root in spec.get("sys_path") or []]
+    for root in roots:
+        for name in sorted(SHADOWING):
+            if (Path(root) / name).exists() or (Path(root) / f"{name}.py").exists():
+                return f"refusing to import from {root}: its {name} would shadow the probe's own {name}"
+    for root in reversed(roots):
+        sys.path.insert(0, root)
+    return None
+
+
 def main(argv: list[str]) -> int:
     spec_path, out_path = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())
-    refuse_network()
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    for entry in reversed(spec.get("sys_path") or []):
-        sys.path.insert(0, entry)
-    answer = run(spec)
+    problem = prepare_process(spec)
+    if problem is not None:
+        answer: dict[str, Any] = {"subject": None, "verdicts": [], "error": problem, "python": sys.executable,
+                                  "seconds": {}}
+    else:
+        answer = run(spec)
     out_path.write_text(json.dumps(answer, default=str))
     return 0
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import trainer
+from trainer.run.trust import record_trusted_code
 
 RUN_FORMAT_VERSION = 1
 TRAINER_PACKAGE_DIR = Path(trainer.__file__).resolve().parent
@@ -342,6 +343,8 @@ class RunDir:
             "files": files,
         }
         atomic_write_json(self.path / "fingerprint.json", fingerprint)
+        # This user's own trainer wrote this code/ tree: sleuth may probe it without --probe (README "Security model").
+        record_trusted_code(files, self.path, f"trainer {trainer.__version__}")
         return fingerprint
 
     def write_environment(self, device: str) -> None:
