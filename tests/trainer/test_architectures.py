@@ -1,10 +1,14 @@
 """Every causal-LM family transformers ships in a tiny size is a usable target, computed exactly.
 
 For each family (tests/trainer/tiny_targets.py: Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi3, OLMo2,
-Gemma2, Gemma3 text, gpt-oss, Cohere2, Llama4 text (chunked attention), Qwen3-Next (hybrid linear
-attention), GPT-2, GPT-NeoX), a real model saved with save_pretrained trains two steps,
+OLMo3, Gemma2, Gemma3 text, Gemma4 text (per-layer head_dim), gpt-oss, Cohere2, Llama4 text (chunked
+attention), DeepSeek-V3 and GLM-4-MoE (MLA / routed experts), Seed-OSS, ERNIE 4.5, Hunyuan dense, GPT-2,
+GPT-NeoX, and the recurrent-state hybrids Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Kimi Linear, Granite 4 hybrid
+(Mamba-2), MiniMax (lightning attention)), a real model saved with save_pretrained trains two steps,
 passes the target-fidelity check (sliding-window families on a held-out document longer than the window),
-ends with a lossless eval.json, and exports: the z-lab export reloads through from_pretrained with the
+ends with a lossless eval.json (on recurrent targets through the state rollback of
+trainer/eval/target_cache.py, with slowly decaying states so a wrong rollback shows), and exports: the
+z-lab export reloads through from_pretrained with the
 drafter's own logits, and the speculators export is written, carrying the target's effective embedding
 table and lm_head where speculators could not reload them as the drafter saw them (Gemma's scaled
 embeddings, GPT-2's / GPT-NeoX's table names). The speculators-side reload is in
@@ -26,6 +30,7 @@ from tests.trainer.tiny_targets import (
     FAMILIES,
     HIDDEN,
     PER_DOCUMENT_FAMILIES,
+    RECURRENT_FAMILIES,
     SLIDING_FAMILIES,
     SLIDING_WINDOW,
     save_family_target,
@@ -39,12 +44,17 @@ RUN = dict(
     steps=2, batch_size=2, seq_len=48, draft_layers=2, block_size=BLOCK, max_anchors=4,
     eval_every=None, eval_prompts=1, eval_max_new_tokens=8, warmup_steps=0, checkpoint_every=2, log_every=1,
 )
-SCALED_EMBEDDINGS = {"gemma2", "gemma3_text"}
+SCALED_EMBEDDINGS = {"gemma2", "gemma3_text", "gemma4_text"}
 # speculators reloads the verifier's embeddings by the name embed_tokens (or a few aliases); z-lab's loop
 # reads target.model.embed_tokens and target.lm_head
 OTHER_EMBEDDING_NAMES = {"gpt2": "transformer.wte", "gpt_neox": "gpt_neox.embed_in"}
-# The families with mixture-of-experts or attention variants take longest; the rest stay in the fast suite.
-SLOW = {"qwen3_moe", "gpt_oss", "gemma3_text", "phi3", "olmo2", "gpt_neox", "cohere2", "llama4_text", "qwen3_next"}
+# The families with mixture-of-experts, recurrent states or attention variants take longest (0.3-0.5 s each on
+# a quiet core against 0.15-0.25 s); the rest stay in the fast suite. The suite's own run (`make test`) runs
+# both: `slow` only lets `-m "not slow"` skip them.
+SLOW = {
+    "qwen3_moe", "gpt_oss", "gemma3_text", "phi3", "olmo2", "gpt_neox", "cohere2", "llama4_text", "qwen3_next",
+    "qwen3_5_moe", "kimi_linear", "minimax", "granitemoehybrid", "deepseek_v3", "gemma4_text",
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -116,6 +126,10 @@ def test_family_trains_with_exact_target_features_and_evaluates_losslessly(train
     assert [row["step"] for row in metrics] == [1, 2] and all(row["loss"] > 0 for row in metrics)
     report = json.loads((built["run"] / "eval.json").read_text())  # eval_every null: still one at the end
     assert report["lossless"] is True and report["output_tokens"] > 0
+    if family in RECURRENT_FAMILIES:  # a rejected block restored the saved state and re-ran the kept tokens
+        assert report["target_rollback"] == "state_replay" and report["state_replays"] > 0
+    else:
+        assert report["target_rollback"] == "crop" and report["state_replays"] == 0
 
 
 @pytest.mark.parametrize("family", family_params())
