@@ -43,11 +43,8 @@ def _llama_like(cls_name: str, **extra: Any) -> Callable[[int, Any], Any]:
         import transformers
 
         config_cls = getattr(transformers, cls_name)
-        fields = {
-            **_common(vocab_size, tokenizer), "intermediate_size": 64, "num_key_value_heads": 1, "head_dim": HEAD_DIM,
-            **extra,
-        }
-        return config_cls(**{name: value for name, value in fields.items() if value is not None})
+        sizes = {"intermediate_size": 64, "num_key_value_heads": 1, "head_dim": HEAD_DIM, **extra}
+        return config_cls(**_common(vocab_size, tokenizer), **{k: v for k, v in sizes.items() if v is not None})
 
     return build
 

@@ -38,6 +38,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from trainer.target.frozen import TargetError
+
 RollbackMode = Literal["crop", "state_replay"]
 # The per-layer tensors a crop leaves wrong on transformers' linear-attention cache layers (5.x); has_previous_state
 # goes with them (a restored state is a state after prefill).
@@ -68,6 +70,20 @@ def _holds_tensors(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_holds_tensors(item) for item in value)
     return False
+
+
+def _counted_positions(cache: Any, default: int) -> int:
+    """How many positions the cache says it holds, as the model's mask builder asks it."""
+    try:
+        return int(cache.get_seq_length())
+    except ValueError:  # transformers: a cache of linear-attention layers only holds no positions to count, and
+        return default  # a model without attention layers builds no causal mask from it
+    except AttributeError:
+        return default
+
+
+def _first_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
 
 
 class TargetCache:
@@ -105,15 +121,25 @@ class TargetCache:
             return self._one_token_at_a_time(input_ids, **kwargs)
         steps = input_ids.shape[1]
         positions = torch.arange(self.length, self.length + steps, device=input_ids.device)[None]  # [1, T]
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True, **{self._kwarg: self.cache},
-                         **kwargs)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True,
+                             **{self._kwarg: self.cache}, **kwargs)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:  # inside the model's own code: a family that cannot decode this way
+            raise TargetError(f"{type(self.model).__name__} fails in a cached forward at position {self.length} "
+                              f"({type(exc).__name__}: {_first_line(exc)}); it cannot be decoded speculatively "
+                              "here") from exc
         if self.cache is None:
-            self.cache = out.past_key_values
+            self.cache = getattr(out, "past_key_values", None)
+            if self.cache is None:
+                raise TargetError(f"{type(self.model).__name__} returns no cache from a forward with use_cache=True "
+                                  "(it keeps no state between calls, or keeps it inside the model): it cannot be "
+                                  "decoded incrementally, so speculative decoding cannot be evaluated on it")
             if hasattr(self.cache, "activate_past_recording"):
                 # sliding windows and convolution windows then keep the positions a crop has to give back
                 self.cache.activate_past_recording()
-            counted = self.cache.get_seq_length() if hasattr(self.cache, "get_seq_length") else steps
-            self._stepwise = counted != steps
+            self._stepwise = _counted_positions(self.cache, steps) != steps
         self.length += steps
         return out
 

@@ -41,7 +41,12 @@ def draft_config_from_target(target_config: Any, num_layers: int) -> Qwen3Config
     text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
     text_config = _full_attention_layer_config(text_config)
     hidden = text_config.hidden_size
-    heads = text_config.num_attention_heads
+    heads = getattr(text_config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        from trainer.target.frozen import TargetError
+
+        raise TargetError(f"the target's config ({type(text_config).__name__}) has no num_attention_heads (a model "
+                          "without attention layers?): the drafter takes its attention heads from the target")
     head_dim = getattr(text_config, "head_dim", None) or hidden // heads
     return Qwen3Config(
         vocab_size=text_config.vocab_size,

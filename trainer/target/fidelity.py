@@ -138,11 +138,15 @@ def choose_packing(
     for mode in modes:
         try:
             hidden_diff, logit_diff = measure(target, lead, document, mode)
+        except (MemoryError, torch.OutOfMemoryError):
+            raise
         except Exception as exc:  # a mode this model cannot run (a layer type without a mask builder, a
             # forward that takes no {layer type: mask} mapping) is simply not a way to pack it
-            if mode == "per_document":
-                raise
-            tried[mode] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if mode == "per_document":  # the model's own plain forward over one document: nothing to train on
+                raise TargetError(f"{type(target.model).__name__} fails in its own forward over one document "
+                                  f"({error}); it cannot be used as a target") from exc
+            tried[mode] = {"error": error}
             continue
         result = (mode, hidden_diff, logit_diff)
         if max(hidden_diff, logit_diff) <= tolerance:

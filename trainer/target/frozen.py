@@ -110,6 +110,7 @@ class FrozenTarget:
         self.hidden_size: int = int(config.hidden_size)
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.vocab_size: int = int(self.lm_head.weight.shape[0])
+        _check_widths(model, self.lm_head, self.hidden_size)
         self.final_norm = _find_final_norm(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -302,6 +303,18 @@ class FrozenTarget:
         vocab_ids = vocab_ids.to(self.lm_head.weight.device)
         bias = self.lm_head.bias[vocab_ids] if getattr(self.lm_head, "bias", None) is not None else None
         return torch.nn.functional.linear(hidden, self.lm_head.weight[vocab_ids], bias)
+
+
+def _check_widths(model: nn.Module, lm_head: nn.Module, hidden_size: int) -> None:
+    """The drafter adds the target's token embeddings to its hidden states and reads the target's lm_head off
+    them: both must be hidden_size wide. OPT-350m's are not (word_embed_proj_dim 512, projected in and out)."""
+    embedding = model.get_input_embeddings()
+    widths = {"token embeddings": getattr(embedding, "weight", None), "lm_head": getattr(lm_head, "weight", None)}
+    for name, weight in widths.items():
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[1] != hidden_size:
+            raise TargetError(f"{type(model).__name__}: {name} {weight.shape[1]} wide, hidden states {hidden_size}; "
+                              "DFlash's drafter works in the target's hidden space through its embeddings and "
+                              "lm_head, so they must be as wide as the hidden states")
 
 
 def _first_line(exc: BaseException | None) -> str:
