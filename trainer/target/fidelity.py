@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trainer.target.frozen import PACKING_MODES, FrozenTarget, PackingMode, TargetError
+from trainer.target.frozen import PACKING_MODES, FrozenTarget, PackingMode, TargetError, varlen_available
 
 # float32 packed vs alone differs only by summation order: measured at most 3.1e-6 on hidden states and
 # 3.1e-7 on logits across the tiny families of tests/trainer/test_architectures.py, while a dropped window
@@ -132,7 +132,11 @@ def choose_packing(
     the one mode asked for. The record says how the run packs and how far that is from the model."""
     tolerance = tolerance if tolerance is not None else DEFAULT_TOLERANCE.get(target.dtype, 1e-1)
     lead, document = stream[:lead_length], stream[lead_length:]
-    modes: tuple[PackingMode, ...] = PACKING_MODES if packing == "auto" else (packing,)  # type: ignore[assignment]
+    # auto: every way this device can run ("varlen" needs CUDA and flash-linear-attention)
+    modes: tuple[PackingMode, ...] = (  # type: ignore[assignment]
+        tuple(m for m in PACKING_MODES if m != "varlen" or varlen_available(target.device))
+        if packing == "auto" else (packing,)
+    )
     tried: dict[str, dict[str, Any]] = {}
     result: tuple[PackingMode, float, float] | None = None
     for mode in modes:
@@ -142,6 +146,8 @@ def choose_packing(
             raise
         except Exception as exc:  # a mode this model cannot run (a layer type without a mask builder, a
             # forward that takes no {layer type: mask} mapping) is simply not a way to pack it
+            if packing != "auto" and isinstance(exc, TargetError):
+                raise  # the one way asked for cannot run here, and says why
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if mode == "per_document":  # the model's own plain forward over one document: nothing to train on
                 raise TargetError(f"{type(target.model).__name__} fails in its own forward over one document "
