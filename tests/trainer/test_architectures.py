@@ -190,3 +190,67 @@ def test_drafter_config_reads_each_familys_own_names():
     assert gpt2.rope_parameters["rope_theta"] == 10000.0 and gpt2.rms_norm_eps == 1e-5
     neox = draft_config_from_target(GPTNeoXConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2), 1)
     assert "partial_rotary_factor" not in neox.rope_parameters
+
+
+# --- families that cannot be targets: one line each, at the step that finds out -----------------------------
+
+
+def _tiny(config_name: str, tokenizer, **fields):
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False, **fields,
+    )
+    return config
+
+
+def _saved(tmp_path, tokenizer, config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_families_that_cannot_be_targets_are_refused_in_one_line(tmp_path, tokenizer):
+    """Each refusal at the step that finds it out, a TargetError (one line, exit 2 in every command): OPT-350m's
+    embeddings are narrower than its hidden states; X-MOD's own forward fails without a language set; GPT-1
+    returns no cache, so it cannot be decoded incrementally."""
+    from trainer.eval.target_cache import TargetCache
+    from trainer.target import FrozenTarget
+    from trainer.target.fidelity import choose_packing, token_stream
+    from trainer.target.frozen import TargetError
+
+    cpu = torch.device("cpu")
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    opt = _tiny("OPTConfig", tokenizer, hidden_size=32, word_embed_proj_dim=16, num_hidden_layers=2,
+                num_attention_heads=2, ffn_dim=64)
+    with pytest.raises(TargetError, match="token embeddings 16 wide, hidden states 32") as refused:
+        FrozenTarget.load(str(_saved(tmp_path / "opt", tokenizer, opt)), cpu)
+    assert "\n" not in str(refused.value)
+
+    xmod = FrozenTarget.load(str(_saved(tmp_path / "xmod", tokenizer, _tiny("XmodConfig", tokenizer, is_decoder=True,
+                                                                             **small))), cpu)
+    with pytest.raises(TargetError, match="XmodForCausalLM fails in its own forward over one document") as refused:
+        choose_packing(xmod, token_stream([list(range(10, 60))], 40), 8)
+    assert "Input language unknown" in str(refused.value) and "\n" not in str(refused.value)
+
+    gpt1 = _tiny("OpenAIGPTConfig", tokenizer, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    gpt1 = FrozenTarget.load(str(_saved(tmp_path / "gpt1", tokenizer, gpt1)), cpu)
+    with pytest.raises(TargetError, match="returns no cache") as refused:
+        TargetCache(gpt1.model).forward(torch.tensor([[5, 6, 7]]))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_target_without_attention_heads_is_refused_in_one_line(tokenizer):
+    """Mamba has no attention heads for the drafter to take (trainer/errors.py makes a TargetError one line and
+    exit 2 in every command)."""
+    from trainer.model.drafter import DFlashDrafter
+    from trainer.target.frozen import TargetError
+
+    mamba = _tiny("MambaConfig", tokenizer, hidden_size=32, num_hidden_layers=2, state_size=4)
+    with pytest.raises(TargetError, match=r"\(MambaConfig\) has no num_attention_heads") as refused:
+        DFlashDrafter.from_target_config(mamba, num_layers=1, num_features=1, block_size=4, mask_token_id=3)
+    assert "\n" not in str(refused.value)

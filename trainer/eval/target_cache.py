@@ -124,7 +124,7 @@ class TargetCache:
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=True,
                              **{self._kwarg: self.cache}, **kwargs)
-        except (MemoryError, torch.OutOfMemoryError):
+        except (MemoryError, torch.cuda.OutOfMemoryError):  # what a bigger device fixes, not the family
             raise
         except Exception as exc:  # inside the model's own code: a family that cannot decode this way
             raise TargetError(f"{type(self.model).__name__} fails in a cached forward at position {self.length} "
@@ -160,8 +160,10 @@ class TargetCache:
         """After verifying block_ids [1, B] at positions start..start+B-1: keep the first `kept` of them."""
         if self.length != start + block_ids.shape[1]:
             raise RuntimeError(f"commit of a block at {start} on a cache of {self.length} positions")
-        if self._saved is None or kept == block_ids.shape[1]:
+        if self.croppable or kept == block_ids.shape[1]:
             self._crop(start + kept)
+        elif self._saved is None:
+            raise RuntimeError("a recurrent state cannot be rolled back without begin_verify() before the pass")
         else:
             self._crop(start)
             for owner, name, value in self._saved:
