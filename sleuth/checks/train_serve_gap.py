@@ -85,9 +85,11 @@ RECURRENT_MODEL_TYPES = frozenset({
     "granitemoehybrid", "falcon_h1", "falcon_mamba", "mamba", "mamba2", "jamba", "bamba", "zamba", "zamba2",
     "nemotron_h", "rwkv", "recurrent_gemma", "xlstm",
 })
-SERVING_FIX = ("evaluate with a decoder that restores a recurrent state after a rejected block (`trainer eval` "
-               "saves the state before each verify pass and replays the committed tokens; its eval.json says "
-               "`target_rollback: state_replay`), then compare again")
+STATE_FIX = ("evaluate with a decoder that restores a recurrent state after a rejected block (`trainer eval` "
+             "saves the state before each verify pass and replays the committed tokens; its eval.json says "
+             "`target_rollback: state_replay`), then compare again")
+DECODER_FIX = ("find where the eval's speculative output leaves greedy decoding (in float32 it must not: the verify "
+               "pass, the cache rollback, the stop rule), then compare again")
 
 
 @dataclass
@@ -206,6 +208,7 @@ class _ServingSide:
     cause: str  # what is known about it ('' when nothing is)
     evidence: list[Evidence]
     unverified: bool = False  # a recurrent target decoded without a recorded rollback, losslessness unchecked
+    remedy: str = DECODER_FIX
 
 
 def _recurrent_target(ctx: ContractContext) -> str | None:
@@ -250,15 +253,16 @@ def _serving_side(ctx: ContractContext, m: _Measurement) -> _ServingSide:
         if not ties:
             cause = (f"the eval's speculative decoding is not the target's greedy decoding (eval.json lossless false: "
                      f"{count} prompts differ at temperature 0)")
-            cause += f": {state}, so every step after a rejected block decodes from a state the target never has" \
-                if state else ""
-            return _ServingSide(True, cause, evidence)
+            if not state:
+                return _ServingSide(True, cause, evidence)
+            cause += f": {state}, so every step after a rejected block decodes from a state the target never has"
+            return _ServingSide(True, cause, evidence, remedy=STATE_FIX)
         return _ServingSide(False, f"eval.json lossless false at {count} prompts, but training's labels equal the "
                                    f"served tokens at {m.label_agreement:.1%}: argmax ties, not a decoder that is off",
                             evidence)
     if state and lossless is None:
         return _ServingSide(False, f"{state}; eval.json does not say whether the decoding was lossless, so the "
-                                   "served side is unverified", evidence, unverified=True)
+                                   "served side is unverified", evidence, unverified=True, remedy=STATE_FIX)
     return _ServingSide(False, "", evidence)
 
 
@@ -379,15 +383,15 @@ def _serving_side_finding(ctx: ContractContext, m: _Measurement, serving: _Servi
         measured = (f"; the label agreement ({m.label_agreement:.1%} of {m.label_slots} slots) compares training's "
                     "labels with that decoder's tokens, so it does not implicate the labels")
     also = f" (also broken in this diagnosis: {', '.join(f.id for f in broken)})" if broken else ""
-    fix = Fix(code_hint=SERVING_FIX, applicability="safe")
+    fix = Fix(code_hint=serving.remedy, applicability="safe")
     if not gap_shows:
         return ctx.finding(ID, "unknown", expected=expected, observed=observed, evidence=evidence, notes=notes,
                            reason=f"the served side is off before training can be judged: {serving.cause}{measured}; "
-                           f"{SERVING_FIX}{also}", fix=fix)
+                           f"{serving.remedy}{also}", fix=fix)
     notes.insert(0, "explanation found: the serving side (the eval's decoding is not the target's)")
     return ctx.finding(ID, "mismatch", expected=expected, observed=observed, evidence=evidence, confidence=0.85,
                        reason=f"the served side is off, before training: {serving.cause}{measured}; "
-                       f"{SERVING_FIX}{also}", notes=notes, fix=fix)
+                       f"{serving.remedy}{also}", notes=notes, fix=fix)
 
 
 def _side(m: _Measurement) -> tuple[tuple[str, ...], str] | None:

@@ -223,3 +223,4 @@ def test_a_lossless_false_eval_without_a_gap_cannot_be_judged(tmp_path):
     result = gap(write_run(tmp_path / "v3", eval_report=report))
     assert result.status == "unknown"
     assert result.reason.startswith("the served side is off before training can be judged") and "2 of 8" in result.reason
+    assert "state_replay" not in result.reason and "leaves greedy decoding" in result.fix.code_hint  # no recurrence
