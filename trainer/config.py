@@ -174,10 +174,10 @@ class TrainConfig(BaseModel):
     )
 
     # --- target fidelity (trainer/target/fidelity.py, `dflash.target_forward_fidelity`) ------------------
-    target_packing: Literal["auto", "positions", "layer_masks", "per_document"] = Field(
+    target_packing: Literal["auto", "positions", "layer_masks", "varlen", "per_document"] = Field(
         "auto",
         description="How packed rows go through the target. auto: the first way whose fidelity check passes "
-        "(per_document, exact but slower, is the last resort).",
+        "(varlen only on CUDA with flash-linear-attention; per_document, exact but slower, is the last resort).",
     )
     target_fidelity_tolerance: float | None = Field(
         None, gt=0,

@@ -39,8 +39,14 @@ def draft_config_from_target(target_config: Any, num_layers: int) -> Qwen3Config
     that name them differently (GPT-2, Gemma) are read under their own names.
     """
     text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    text_config = _full_attention_layer_config(text_config)
     hidden = text_config.hidden_size
-    heads = text_config.num_attention_heads
+    heads = getattr(text_config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        from trainer.target.frozen import TargetError
+
+        raise TargetError(f"the target's config ({type(text_config).__name__}) has no num_attention_heads (a model "
+                          "without attention layers?): the drafter takes its attention heads from the target")
     head_dim = getattr(text_config, "head_dim", None) or hidden // heads
     return Qwen3Config(
         vocab_size=text_config.vocab_size,
@@ -61,6 +67,17 @@ def draft_config_from_target(target_config: Any, num_layers: int) -> Qwen3Config
         use_sliding_window=False,
         num_target_layers=text_config.num_hidden_layers,  # z-lab's config carries it for the layer-id rule
     )
+
+
+def _full_attention_layer_config(text_config: Any) -> Any:
+    """A heterogeneous config (transformers' per_layer_config: Gemma 4's full-attention layers have their own
+    head_dim) refuses to answer per-layer fields globally; the drafter attends over the whole context as the
+    target's full-attention layers do, so it reads theirs (the last layer's when no layer is named so)."""
+    if not getattr(text_config, "is_heterogeneous", False):
+        return text_config
+    layer_types = list(getattr(text_config, "layer_types", None) or [])
+    index = layer_types.index("full_attention") if "full_attention" in layer_types else -1
+    return text_config.per_layer_config[index]
 
 
 def full_attention_rope(text_config: Any) -> dict[str, Any]:
