@@ -5,11 +5,22 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
-from trainer.model.attention_mask import build_attention_mask, dflash_mask_mod, flex_block_mask, sdpa_mask
+from trainer.model.attention_mask import (
+    DraftAttention,
+    build_attention_mask,
+    decode_window_mask,
+    dflash_mask_mod,
+    flex_block_mask,
+    sdpa_mask,
+)
 
 
-def reference_mask(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor):
-    """mask[b][q][kv] by loops: context before the anchor in its document, plus the query's own block."""
+def reference_mask(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor, window=None,
+                   non_causal=False):
+    """mask[b][q][kv] by loops: context before the anchor in its document, plus the query's own block.
+
+    A sliding layer (window W, speculators' models/dflash/attention.py) also needs kv >= anchor - W for context
+    keys, and sees its own block causally (block slot j' <= j) unless non_causal."""
     num_rows, num_anchors = len(anchors), len(anchors[0])
     seq_len = len(doc_ids[0])
     q_len = num_anchors * block_size
@@ -28,9 +39,12 @@ def reference_mask(anchors, anchor_valid, doc_ids, block_size, context_includes_
                         and doc_ids[b][p] >= 0
                         and doc_ids[b][kv] == doc_ids[b][p]
                         and kv <= last_visible
+                        and (window is None or kv >= p - window)
                     )
                 else:
                     visible = (kv - seq_len) // block_size == a
+                    if window is not None and not non_causal:
+                        visible = visible and (kv - seq_len) % block_size <= q % block_size
                 row.append(bool(visible))
             rows.append(row)
         out.append([rows])
@@ -120,3 +134,88 @@ def test_build_attention_mask_is_dense_on_cpu():
     anchors, valid, docs = torch.tensor(anchors), torch.tensor(valid), torch.tensor(docs)
     mask = build_attention_mask(anchors, valid, docs, block_size, False, "cpu")
     assert isinstance(mask, torch.Tensor) and mask.shape == (1, 1, 8, 16)
+
+
+# Windows shorter than, equal to and longer than the context before the anchors, over the same layouts.
+WINDOWS = [1, 2, 3, 5, 64]
+
+
+@pytest.mark.parametrize("non_causal", [False, True])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_sliding_window_mask_equals_loop_reference(case, window, non_causal):
+    anchors, valid, docs, block_size = CASES[case]
+    expected = reference_mask(anchors, valid, docs, block_size, False, window, non_causal)
+    anchors, valid, docs = torch.tensor(anchors), torch.tensor(valid), torch.tensor(docs)
+    mask = sdpa_mask(anchors, valid, docs, block_size, False, window, non_causal)
+    assert torch.equal(mask, expected)
+    num_rows, q_len = anchors.shape[0], anchors.shape[1] * block_size
+    mask_mod = dflash_mask_mod(anchors, valid, docs, block_size, False, window, non_causal)
+    dense = create_mask(mask_mod, num_rows, 1, q_len, docs.shape[1] + q_len, device="cpu")
+    assert torch.equal(dense, expected)  # the flex mask_mod materialised: the same rule
+    assert mask.any(dim=-1).all()  # every query still sees at least its own anchor slot
+
+
+def test_window_cuts_old_context_of_each_anchor_alike():
+    # adjacent anchors 5, 6 in one document of 10, window 2: block of 5 sees 3..4, block of 6 sees 4..5,
+    # every slot of a block the same positions (the anchor's window, not the slot's).
+    anchors, valid, docs = torch.tensor([[5, 6]]), torch.tensor([[True, True]]), torch.zeros(1, 10, dtype=torch.long)
+    mask = sdpa_mask(anchors, valid, docs, 3, False, 2)[0, 0, :, :10]
+    seen = [row.nonzero().flatten().tolist() for row in mask]
+    assert seen == [[3, 4]] * 3 + [[4, 5]] * 3
+    full = sdpa_mask(anchors, valid, docs, 3, False)[0, 0, :, :10]
+    assert full[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+
+
+def test_sliding_block_is_causal_unless_non_causal():
+    anchors, valid, docs = torch.tensor([[4]]), torch.tensor([[True]]), torch.zeros(1, 8, dtype=torch.long)
+    causal = sdpa_mask(anchors, valid, docs, 4, False, 8)[0, 0, :, 8:]
+    bidirectional = sdpa_mask(anchors, valid, docs, 4, False, 8, sliding_window_non_causal=True)[0, 0, :, 8:]
+    assert torch.equal(causal, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert bidirectional.all()
+    assert sdpa_mask(anchors, valid, docs, 4, False)[0, 0, :, 8:].all()  # full attention: always bidirectional
+
+
+def test_build_attention_mask_gives_one_mask_per_layer_type():
+    anchors, valid, docs, block_size = CASES["packed_documents"]
+    anchors, valid, docs = torch.tensor(anchors), torch.tensor(valid), torch.tensor(docs)
+    attention = DraftAttention(("sliding_attention", "full_attention"), 2)
+    masks = build_attention_mask(anchors, valid, docs, block_size, False, "cpu", attention=attention)
+    assert set(masks) == {"sliding_attention", "full_attention"}
+    assert torch.equal(masks["full_attention"], sdpa_mask(anchors, valid, docs, block_size, False))
+    assert torch.equal(masks["sliding_attention"], sdpa_mask(anchors, valid, docs, block_size, False, 2))
+    only_full = DraftAttention(("full_attention",) * 2)
+    assert isinstance(build_attention_mask(anchors, valid, docs, block_size, False, "cpu", attention=only_full),
+                      torch.Tensor)
+
+
+def reference_decode_mask(key_positions, anchor, block_size, window, non_causal):
+    """[Q][KV] by loops for one block at inference: context keys in [anchor - W, anchor), the block causal."""
+    context = len(key_positions) - block_size
+    rows = []
+    for j in range(block_size):
+        row = [anchor - window <= p < anchor for p in key_positions[:context]]
+        row += [non_causal or jj <= j for jj in range(block_size)]
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("non_causal", [False, True])
+@pytest.mark.parametrize(("context", "window"), [(3, 8), (8, 8), (20, 8), (20, 4)])
+def test_decode_window_mask_equals_loop_reference(context, window, non_causal):
+    block = 4
+    keys = torch.arange(context + block)[None]
+    mask = decode_window_mask(keys, keys[:, context:], window, non_causal)
+    expected = reference_decode_mask(keys[0].tolist(), context, block, window, non_causal)
+    assert torch.equal(mask[0, 0], expected)
+
+
+def test_decode_window_mask_is_the_training_mask_of_the_same_block():
+    # One anchor at 13 in a 16-token document: the training mask's row for that block is the inference mask.
+    S, B, W, anchor = 16, 4, 5, 13
+    train = sdpa_mask(torch.tensor([[anchor]]), torch.tensor([[True]]), torch.zeros(1, S, dtype=torch.long), B,
+                      False, W)[0, 0]  # [B, S + B]
+    keys = torch.cat([torch.arange(anchor), torch.arange(anchor, anchor + B)])[None]  # context 0..12, block
+    decode = decode_window_mask(keys, keys[:, anchor:], W)[0, 0]  # [B, anchor + B]
+    assert torch.equal(decode[:, :anchor], train[:, :anchor]) and not train[:, anchor:S].any()
+    assert torch.equal(decode[:, anchor:], train[:, S:])
