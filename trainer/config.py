@@ -93,9 +93,14 @@ class DraftConfig(BaseModel):
             if key in rope:
                 raise ValueError(f"{key}: the drafter's positions are 1-D text positions (plain RoPE); drop the key")
         theta = rope.get("rope_theta")
+        if isinstance(theta, str):  # YAML 1.1 reads `1e7` (no dot) as a string
+            try:
+                theta = float(theta)
+            except ValueError:
+                pass
         if theta is not None and (not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0):
             raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
-        return rope
+        return rope if theta is None else {**rope, "rope_theta": float(theta)}
 
     @model_validator(mode="after")
     def _attention_consistent(self) -> DraftConfig:

@@ -77,7 +77,7 @@ def draft_config_from_target(target_config: Any, num_layers: int,
         raise ConfigError(f"draft_config: head_dim {head_dim} must be even (RoPE rotates pairs of dimensions)")
     rope = full_attention_rope(text_config)
     if shape.get("rope_parameters"):
-        rope = dict(shape["rope_parameters"])
+        rope = {"rope_type": "default", **shape["rope_parameters"]}
     if shape.get("rope_theta") is not None:
         rope = {**rope, "rope_theta": float(shape["rope_theta"])}
     layer_types = list(shape.get("layer_types") or ["full_attention"] * num_layers)
