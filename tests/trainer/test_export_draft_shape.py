@@ -96,3 +96,44 @@ def test_zlab_reload_drafts_the_runs_logits_past_the_window(run_dir, tmp_path):
     assert [layer.self_attn.sliding_window for layer in as_full.layers] == [None, None]
     with torch.no_grad():
         assert (as_full(block, features, positions) - expected).abs().max() > 1e-4
+
+
+def diagnose(directory: Path, target: Path) -> dict[str, dict]:
+    """`sleuth diagnose` on an export directory, in its own process (sleuth never imports trainer)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "sleuth.cli", "diagnose", "--run", str(directory), "--target",
+                           str(target), "--offline", "--no-probe", "--format", "json", "--out", str(directory.parent / "d")],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode in (0, 1), done.stderr
+    return {f["id"]: f for f in json.loads(done.stdout)["findings"]}
+
+
+def test_sleuth_flags_an_export_without_its_windows_and_one_with_the_targets_partial_rotary(run_dir, tmp_path):
+    target = Path(json.loads((run_dir / "run.json").read_text())["target"]["path"])
+    out = export_run(run_dir, tmp_path / "good" / "export", "speculators").path
+    found = diagnose(out, target)
+    assert found["dflash.sliding_window_served"]["status"] == "match"
+    assert found["dflash.rope_served_as_trained"]["status"] == "match"
+    assert found["dflash.target_tables_resolve"]["status"] == "match"
+
+    for name, edit, invariant, says in [
+        ("no-windows", lambda layer: [layer.pop(k) for k in ("layer_types", "sliding_window", "use_sliding_window")],
+         "dflash.sliding_window_served", "served 2 full-attention layers"),
+        ("partial", lambda layer: layer["rope_parameters"].update(partial_rotary_factor=0.25),
+         "dflash.rope_served_as_trained", "partial_rotary_factor 0.25 served, 1.0 trained"),
+    ]:
+        broken = tmp_path / name / "export"
+        broken.mkdir(parents=True)
+        (broken / "model.safetensors").symlink_to(out / "model.safetensors")
+        config = json.loads((out / "config.json").read_text())
+        edit(config["transformer_layer_config"])
+        (broken / "config.json").write_text(json.dumps(config))
+        finding = diagnose(broken, target)[invariant]
+        assert finding["status"] == "mismatch" and says in finding["observed"], finding
+    # the partial factor is the target's own (0.25 in its config): the finding says where it came from
+    assert any("is the target's own" in note for note in finding["notes"])

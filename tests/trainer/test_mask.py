@@ -219,3 +219,17 @@ def test_decode_window_mask_is_the_training_mask_of_the_same_block():
     decode = decode_window_mask(keys, keys[:, anchor:], W)[0, 0]  # [B, anchor + B]
     assert torch.equal(decode[:, :anchor], train[:, :anchor]) and not train[:, anchor:S].any()
     assert torch.equal(decode[:, anchor:], train[:, S:])
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("non_causal", [False, True])
+def test_sliding_flex_attention_output_equals_sdpa_on_cpu(non_causal):
+    anchors, valid, docs, block_size = CASES["packed_documents"]
+    anchors, valid, docs = torch.tensor(anchors), torch.tensor(valid), torch.tensor(docs)
+    num_rows, seq_len, q_len = docs.shape[0], docs.shape[1], anchors.shape[1] * block_size
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(num_rows, 2, n, 8) for n in (q_len, seq_len + q_len, seq_len + q_len))
+    block_mask = flex_block_mask(anchors, valid, docs, block_size, False, 2, non_causal)
+    dense = sdpa_mask(anchors, valid, docs, block_size, False, 2, non_causal)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=block_mask),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=dense), atol=1e-5, rtol=1e-5)
