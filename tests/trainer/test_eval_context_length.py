@@ -93,3 +93,16 @@ def test_eval_report_splits_acceptance_at_the_window(target):
     pooled = sum(b.tau * b.verify_steps for b in by_context.buckets) / steps
     assert pooled == pytest.approx(report.tau)
     assert by_context.buckets[0].max_context == WINDOW and not by_context.buckets[0].beyond_window
+
+
+def test_eval_summary_prints_acceptance_by_context_length(target):
+    from rich.console import Console
+
+    from trainer.commands.eval import _print_summary
+
+    report = evaluate(sliding_drafter(target), target, PROMPTS[:1], feature_layer_ids=FEATURE_LAYER_IDS,
+                      block_size=BLOCK, max_new_tokens=16, measure_speedup=False)
+    console = Console(record=True, width=200)
+    _print_summary({"run": "r", "step": 1, **report.model_dump()}, console)
+    text = console.export_text()
+    assert f"acceptance by context length (drafter window {WINDOW}" in text and "(beyond)" in text

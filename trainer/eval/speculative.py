@@ -610,6 +610,7 @@ def evaluate(
         verify_steps_per_prompt=[len(r.acceptance_lengths) for r in spec_results],
         tau_by_prompt_length=prompt_length_buckets([len(p) for p in prompts], spec_results),
         teacher_forced=teacher_forced,
+        # null where a generation did not record the anchor of each verify step
         acceptance_by_context_length=acceptance_by_context_length(
             [c for r in spec_results for c in r.context_lengths], lengths, block_size, draft_sliding_window(drafter),
         ) if len(lengths) == sum(len(r.context_lengths) for r in spec_results) else None,

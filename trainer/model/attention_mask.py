@@ -33,7 +33,8 @@ Where the others differ (see README "Sliding-window drafter layers"):
       window to the attention function with no mask: only flash-attention honours it, as a symmetric
       window (W-1, W-1) around each QUERY's position anchor+j, so slot j sees context p with
       anchor+j-W < p < anchor (W-1-j positions, not W); SDPA and eager ignore it and attend to everything.
-      vLLM's flash window is query-relative the same way (causal: anchor+j-W < p).
+      Its attention is non-causal in every layer (`is_causal = False`), sliding ones included. Any server
+      that hands the window to flash-attention counts it from each query the same way.
 The two windows agree on every position but the j+1 oldest, so they only differ once the context is
 longer than W - B.
 

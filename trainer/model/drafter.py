@@ -43,9 +43,6 @@ from trainer.model.attention_mask import (
     layer_mask,
 )
 
-# The Qwen3Config fields a run's `draft_config` may set (anything else is the target's): trainer/config.py.
-DRAFT_SHAPE_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
-
 
 def draft_config_from_target(target_config: Any, num_layers: int,
                              shape: Mapping[str, Any] | None = None) -> Qwen3Config:

@@ -155,17 +155,19 @@ def ensure_embedded_target(progress: bool = True) -> Path:
 
 
 def build_embedded_target(dest: Path | None = None, *, steps: int | None = None, progress: bool = True,
-                          small: bool = False) -> Path:
-    """Build (or rebuild) the embedded target into `dest` (default: the cache) and return `dest`.
+                          small: bool = False, name: str = "embedded") -> Path:
+    """Build (or rebuild) built-in target `name` into `dest` (default: the cache) and return `dest`.
 
     `steps` defaults to DEFAULT_STEPS (SMALL_STEPS when `small`). `small=True` is a narrower model
     trained on part of the corpus, for tests: a few seconds instead of about a minute.
     """
-    dest = Path(dest) if dest is not None else embedded_target_dir()
+    dest = Path(dest) if dest is not None else built_in_target_dir(name)
     if steps is None:
         steps = SMALL_STEPS if small else DEFAULT_STEPS
+    recipe = None if name == "embedded" else BUILT_IN_TARGETS[name][1]
     with _build_lock(dest):
-        return _build_locked(dest, steps=steps, progress=progress, small=small)
+        return _build_locked(dest, steps=steps, progress=progress, small=small, recipe=recipe,
+                             name=EMBEDDED_NAME if name == "embedded" else name)
 
 
 def build_embedded_tokenizer(small: bool = False) -> Any:
