@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sleuth.checks.context import ContractContext, int_or_none, read_json, text_config, tokenizer_facts
 from sleuth.checks.export_contract import export_format
-from sleuth.checks.mask_token import configured_mask_token
+from sleuth.checks.mask_token import configured_mask_token, resolved_mask
 from sleuth.findings import Evidence, Finding, Fix
 
 ID = "dflash.target_tables_resolve"
@@ -96,9 +96,8 @@ def check_target_tables_resolve(ctx: ContractContext) -> Finding:
 
     mask, mask_key = configured_mask_token(ctx.config)
     if mask is None and ctx.config is not None and "dflash_config" not in ctx.config:
-        facts = tokenizer_facts(target_dir)  # a run that leaves it to the tokenizer's mask token
-        mask = (facts.special.get("mask") or [None])[0]
-        mask_key = "the target tokenizer's mask token" if mask is not None else None
+        # a training run that leaves it to the target: the trainer's rule (README: `mask_token_id` default)
+        mask, mask_key = resolved_mask(tokenizer_facts(target_dir))
     if mask is not None and vocab is not None:
         checked.append(f"mask_token_id {mask} ({mask_key})")
         evidence.append(Evidence(kind="config", location=str(target_dir / "config.json"), value=f"vocab_size {vocab}"))
