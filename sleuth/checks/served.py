@@ -97,27 +97,30 @@ def served_attention(layer: dict[str, Any], top: dict[str, Any]) -> Attention:
     layers = int_or_none(layer.get("num_hidden_layers")) or len(layer.get("layer_types") or [])
     raw_window = int_or_none(layer.get("sliding_window"))
     use = layer.get("use_sliding_window", False) is True
-    window = raw_window if use else None
+    window = raw_window if use else None  # Qwen3Config.__post_init__
     types = layer.get("layer_types")
+    gates: list[str] = []
+    if raw_window is not None and not use:
+        gates.append(f"use_sliding_window is {layer.get('use_sliding_window', 'absent')!s}: transformers' "
+                     f"Qwen3Config then sets sliding_window {raw_window} to None")
     if isinstance(types, list) and types:
         declared_types, built_types = list(types), list(types)
-    else:
+    else:  # Qwen3Config derives them: layers i >= max_window_layers slide, when a window survived
         threshold = int_or_none(layer.get("max_window_layers"))
         threshold = QWEN3_MAX_WINDOW_LAYERS if threshold is None else threshold
         derived = [SLIDING if i >= threshold else "full_attention" for i in range(layers)]
-        declared_types = derived if raw_window is not None else ["full_attention"] * layers
         built_types = derived if window is not None else ["full_attention"] * layers
+        declared_types = derived if raw_window is not None else ["full_attention"] * layers
+        if raw_window is not None and SLIDING not in derived:
+            # a window and no layer types: meant for the layers, and Qwen3Config slides none of them
+            declared_types = [SLIDING] * layers
+            gates.append(f"layer_types is absent and max_window_layers {threshold} >= the {layers} layers: "
+                         "Qwen3Config slides none of them")
     declared = [raw_window if t == SLIDING else None for t in declared_types]
     built = [window if t == SLIDING else None for t in built_types]
-    gate = None
-    if declared != built:
-        if raw_window is not None and not use:
-            gate = (f"use_sliding_window is {layer.get('use_sliding_window', 'absent')!s}: transformers' Qwen3Config "
-                    f"then sets sliding_window {raw_window} to None")
-        elif not (isinstance(types, list) and types):
-            gate = "layer_types is absent and max_window_layers decides"
     non_causal = top.get("sliding_window_non_causal", layer.get("sliding_window_non_causal"))
-    return Attention(built, declared, non_causal if isinstance(non_causal, bool) else None, gate)
+    return Attention(built, declared, non_causal if isinstance(non_causal, bool) else None,
+                     "; ".join(gates) if declared != built else None)
 
 
 def trained_attention(record: dict[str, Any]) -> tuple[list[int | None] | None, bool | None]:
