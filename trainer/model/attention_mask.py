@@ -233,27 +233,22 @@ def build_attention_mask(
 
 
 def decode_window_mask(
-    key_positions: Tensor,  # [N, KV] positions of every key: cached context, new context, then the block
-    block_positions: Tensor,  # [N, Q] positions of the block tokens (anchor first), the last Q keys
+    context_length: int,  # positions 0..context_length-1 are context; the block's anchor sits at context_length
+    block_size: int,
     sliding_window: int,
     sliding_window_non_causal: bool = False,
-) -> Tensor:  # [N, 1, Q, KV] bool, True = may attend
-    """A sliding layer's mask for one block drafted at inference over a KV cache: `dflash_mask_mod`'s rule.
+    device: torch.device | str = "cpu",
+) -> Tensor:  # [1, 1, B, context_length + B] bool, True = may attend
+    """A sliding layer's mask for one block drafted at inference over a KV cache: the training mask of that block.
 
-    Context key at position p is visible iff anchor - W <= p < anchor (the cache only ever holds context
-    before the anchor); block key j' is visible to block query j iff j' <= j, or always when non-causal.
+    It is `sdpa_mask` of one document of context_length + 1 positions with one anchor at the last one, less the
+    anchor's own column (at inference the anchor has no context entry; the rule never shows it to its block).
     """
-    q_len = block_positions.shape[-1]
-    ctx_len = key_positions.shape[-1] - q_len
-    anchor = block_positions[:, :1, None]  # [N, 1, 1]
-    context = key_positions[:, None, :ctx_len]  # [N, 1, C]
-    sees_context = (context >= anchor - sliding_window) & (context < anchor)  # [N, 1, C]
-    sees_context = sees_context.expand(-1, q_len, -1)  # [N, Q, C]
-    own = torch.ones(q_len, q_len, dtype=torch.bool, device=block_positions.device)
-    if not sliding_window_non_causal:
-        own = own.tril()  # [Q, Q]: slot j sees block slots 0..j
-    own = own.expand(block_positions.shape[0], -1, -1)  # [N, Q, Q]
-    return torch.cat([sees_context, own], dim=-1)[:, None]  # [N, 1, Q, C+Q]
+    anchors = torch.tensor([[context_length]], device=device)
+    doc_ids = torch.zeros(1, context_length + 1, dtype=torch.long, device=device)
+    full = sdpa_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), doc_ids, block_size, False,
+                     sliding_window, sliding_window_non_causal)  # [1, 1, B, context_length + 1 + B]
+    return torch.cat([full[..., :context_length], full[..., context_length + 1:]], dim=-1)
 
 
 def layer_mask(mask: Any, layer_type: str) -> Any:

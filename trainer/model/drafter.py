@@ -343,8 +343,8 @@ class DFlashDrafter(nn.Module):
 
         attention_mask None is z-lab's inference: ONE block (Q = B tokens, anchor first) over its own context,
         everything before the anchor visible to the full-attention layers; the sliding layers get
-        `decode_window_mask` over the positions of the cached keys (the cache holds the context from position
-        0 on, as z-lab's loop keeps it) and of this call's. A drafter with sliding layers takes a
+        `decode_window_mask`, the training mask of that block (the cache holds the context from position 0 on,
+        as z-lab's loop keeps it, and this call continues it). A drafter with sliding layers takes a
         {layer type: mask} mapping otherwise (build_attention_mask with its `attention`). With
         `past_key_values` and use_cache the cached keys come first in the key order and this call's context
         and block K/V are appended; the caller then cuts the cache back to the context length with
@@ -374,13 +374,13 @@ class DFlashDrafter(nn.Module):
         """{layer type: mask} for one block at inference: full layers see every key, sliding layers their window."""
         past = cache.get_seq_length() if cache is not None else 0
         ctx_len = position_ids.shape[-1] - q_len
-        if ctx_len and int(position_ids[0, 0]) != past:
+        expected = torch.arange(past, past + ctx_len + q_len, device=position_ids.device)
+        if not torch.equal(position_ids, expected.expand_as(position_ids)):
             # The window is counted in positions; cached keys are known by their index only, which equals
             # their position exactly when the cache holds positions 0..past-1 and this call continues it.
-            raise ValueError(f"the new context starts at position {int(position_ids[0, 0])} but the drafter's "
-                             f"cache holds {past} positions: a sliding-window drafter needs them contiguous from 0")
-        cached = torch.arange(past, device=position_ids.device).expand(position_ids.shape[0], -1)  # [N, past]
-        keys = torch.cat([cached, position_ids], dim=-1)  # [N, past+C+Q]
-        window = decode_window_mask(keys, position_ids[:, ctx_len:], self.attention.sliding_window,
-                                    self.attention.sliding_window_non_causal)
-        return {"full_attention": None, SLIDING_ATTENTION: window}
+            raise ValueError(f"positions {position_ids[0, 0].item()}..{position_ids[0, -1].item()} do not continue "
+                             f"the drafter's cache of {past} positions: a sliding-window drafter needs them "
+                             "contiguous from 0")
+        window = decode_window_mask(past + ctx_len, q_len, self.attention.sliding_window,
+                                    self.attention.sliding_window_non_causal, position_ids.device)
+        return {"full_attention": None, SLIDING_ATTENTION: window.expand(position_ids.shape[0], -1, -1, -1)}

@@ -140,7 +140,7 @@ def ensure_built_in_target(name: str, progress: bool = True) -> Path:
         if is_complete_build(dest):
             return dest
         return _build_locked(dest, steps=DEFAULT_STEPS, progress=progress, small=False,
-                             recipe=BUILT_IN_TARGETS[name][1], name=name)
+                             recipe=BUILT_IN_TARGETS[name][1])
 
 
 def ensure_embedded_target(progress: bool = True) -> Path:
@@ -166,8 +166,7 @@ def build_embedded_target(dest: Path | None = None, *, steps: int | None = None,
         steps = SMALL_STEPS if small else DEFAULT_STEPS
     recipe = None if name == "embedded" else BUILT_IN_TARGETS[name][1]
     with _build_lock(dest):
-        return _build_locked(dest, steps=steps, progress=progress, small=small, recipe=recipe,
-                             name=EMBEDDED_NAME if name == "embedded" else name)
+        return _build_locked(dest, steps=steps, progress=progress, small=small, recipe=recipe)
 
 
 def build_embedded_tokenizer(small: bool = False) -> Any:
@@ -207,8 +206,7 @@ def _build_lock(dest: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build_locked(dest: Path, *, steps: int, progress: bool, small: bool, recipe: BuildRecipe | None = None,
-                  name: str = EMBEDDED_NAME) -> Path:
+def _build_locked(dest: Path, *, steps: int, progress: bool, small: bool, recipe: BuildRecipe | None = None) -> Path:
     # Holding the lock, any leftover temporary directory belongs to a build that was killed.
     for pattern in (f".{dest.name}.building-*", f".{dest.name}.old-*"):
         for stale in dest.parent.glob(pattern):
@@ -217,7 +215,7 @@ def _build_locked(dest: Path, *, steps: int, progress: bool, small: bool, recipe
     os.chmod(workdir, 0o755)  # mkdtemp makes it owner-only; the installed target is an ordinary directory
     try:
         recipe = recipe or (SMALL_RECIPE if small else DEFAULT_RECIPE)
-        _build_into(workdir, steps=steps, progress=progress, recipe=recipe, name=name)
+        _build_into(workdir, steps=steps, progress=progress, recipe=recipe)
         _install(workdir, dest)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -341,19 +339,25 @@ def causal_lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def _build_into(workdir: Path, *, steps: int, progress: bool, recipe: BuildRecipe, name: str = EMBEDDED_NAME) -> None:
+def _build_into(workdir: Path, *, steps: int, progress: bool, recipe: BuildRecipe) -> None:
     # One intra-op thread: CPU kernels may split reductions differently for another thread count, so
     # a fixed count makes the build bit-for-bit the same on every machine; and at this model size a
     # second thread gains little while oversubscription (a busy machine) makes it several times slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _train_and_save(workdir, steps=steps, progress=progress, recipe=recipe, name=name)
+        _train_and_save(workdir, steps=steps, progress=progress, recipe=recipe)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_and_save(workdir: Path, *, steps: int, progress: bool, recipe: BuildRecipe, name: str = EMBEDDED_NAME) -> None:
+def _marker_name(recipe: BuildRecipe) -> str:
+    """The built-in target a recipe builds (the small test recipe is the embedded one, narrower)."""
+    return next((name for name, (_, built) in BUILT_IN_TARGETS.items() if built == recipe and name != "embedded"),
+                EMBEDDED_NAME)
+
+
+def _train_and_save(workdir: Path, *, steps: int, progress: bool, recipe: BuildRecipe) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     import transformers
@@ -362,6 +366,7 @@ def _train_and_save(workdir: Path, *, steps: int, progress: bool, recipe: BuildR
     from trainer.data.corpus import embedded_documents
     from trainer.data.datasets import batch_for_step, load_documents, pack_documents
 
+    name = _marker_name(recipe)
     console = Console(stderr=True)
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn(), console=console, transient=True,
