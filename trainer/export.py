@@ -177,10 +177,11 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
             "as an auxiliary hidden state; export with --format zlab instead"
         )
     # The layer config as speculators writes it (transformers 5 keys only: it requires transformers 5).
+    # sliding_window_non_causal is speculators' top-level field, not the layer config's.
     draft = {
         k: v
         for k, v in _draft_fields(spec.draft_config, dtype).items()
-        if k not in ("rope_theta", "rope_scaling", "torch_dtype", "transformers_version")
+        if k not in ("rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "sliding_window_non_causal")
     }
     return {
         "architectures": ["DFlashDraftModel"],
@@ -215,7 +216,8 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
         "num_target_layers": spec.num_target_layers,
         **({"verifier_tables_in_checkpoint": spec.speculators_tables} if spec.speculators_tables else {}),
         "mask_token_id": spec.mask_token_id,
-        "sliding_window_non_causal": False,
+        # speculators' own flag: its sliding layers attend causally within a block unless it is true
+        "sliding_window_non_causal": bool(getattr(spec.draft_config, "sliding_window_non_causal", False)),
         "sample_from_anchor": False,
         "tie_word_embeddings": False,
         "dtype": _dtype_name(dtype),
@@ -255,11 +257,11 @@ def _target_dir(config: TrainConfig, info: dict[str, Any]) -> Path:
     recorded = (info.get("target") or {}).get("path")
     if recorded and (Path(recorded) / "config.json").is_file():
         return Path(recorded)
-    if config.target == "embedded":
-        from trainer.target.embedded import embedded_target_dir
+    from trainer.target.embedded import BUILT_IN_TARGETS, built_in_target_dir
 
-        path = embedded_target_dir()
-        hint = "; build it with `trainer target build`"
+    if config.target in BUILT_IN_TARGETS:
+        path = built_in_target_dir(config.target)
+        hint = "; build it with `trainer target build`" if config.target == "embedded" else "; any run on it builds it"
     else:
         path, hint = Path(config.target).expanduser(), ""
     if not (path / "config.json").is_file():
@@ -304,7 +306,10 @@ def drafter_spec_for_run(run: RunDir) -> tuple[DrafterSpec, TrainConfig]:
         config = resolve_for_target(config, num_target_layers)
     except ConfigError as exc:
         raise ExportError(f"run {run.name!r} does not fit its target {target_dir}: {exc}") from None
-    draft_config = draft_config_from_target(target_config, config.draft_layers)
+    try:
+        draft_config = draft_config_from_target(target_config, config.draft_layers, config.draft_config.as_shape())
+    except ConfigError as exc:
+        raise ExportError(f"run {run.name!r}: {exc}") from None
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # serving stacks read them from the draft too
         setattr(draft_config, name, getattr(text_config, name, None))
     spec = DrafterSpec(
@@ -512,6 +517,11 @@ def export_run(
             notes.append(f"the export carries the target's embeddings and lm_head and names no verifier path: "
                          f"{spec.speculators_tables}")
 
+    # How the drafter trained, as the run recorded it off its modules (run.json `drafter`): sleuth compares
+    # it with what a server builds from the rest of this config (rope, sliding windows). Loaders ignore it.
+    config["dflash_training"] = {"exported_by": f"dflash-trainer {trainer.__version__}", "run": run.name,
+                                 "step": checkpoint.step, "drafter": _trained_record(run)}
+
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.to(out_dtype).contiguous() for name, t in weights.items()}
     if vocab_ids is not None and export_format == "speculators":
@@ -535,6 +545,15 @@ def export_run(
         path=out, format=export_format, run=run.name, step=checkpoint.step, config=config,
         target_layer_ids=list(written_ids), tensors=len(tensors), other_files=other_files, notes=notes,
     )
+
+
+def _trained_record(run: RunDir) -> dict[str, Any] | None:
+    """run.json `drafter` (None for a run that does not record it)."""
+    try:
+        record = run.read_info().get("drafter")
+    except RunError:
+        return None
+    return record if isinstance(record, dict) and record else None
 
 
 def _draft_vocabulary(run: RunDir, run_config: TrainConfig) -> torch.Tensor | None:
@@ -588,10 +607,12 @@ class DFlashDrafterForExport(Qwen3PreTrainedModel):
         self.layers = built.layers
         self.norm = built.norm
         self.rotary_emb = built.rotary_emb
+        self.attention = built.attention  # per-layer type and window, read from this config as the loaders do
         self.post_init()
 
     # The drafter's forward reads only the submodules adopted above, so it is shared, not copied.
     forward = DFlashDrafter.forward
+    _decode_masks = DFlashDrafter._decode_masks
 
 
 def load_exported_drafter(path: Path, device: str | torch.device = "cpu") -> DFlashDrafterForExport:

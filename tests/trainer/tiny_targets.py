@@ -5,6 +5,8 @@
   documents the tests pack, so a packed forward that drops the window shows up against the model's own.
 - `char_tokenizer` + `save_tiny_qwen3`: a character-level tokenizer without a mask token and a tiny Qwen3
   (hidden 32, 8 layers by default) on it, the target of the export and foreign-eval tests.
+- `save_tiny_qwen3_5`: a tiny `qwen3_5` hybrid (linear + full attention, partial rotary, interleaved mRoPE),
+  the target of the sliding-window drafter's export and parity tests.
 - `save_small_corpus`: the first documents of the embedded corpus as a `.txt` data file: a run that needs
   a few packed rows then tokenizes and packs a hundred documents instead of 3200 (most of a tiny run's cost).
 """
@@ -213,6 +215,26 @@ def save_tiny_qwen3(directory: Path, tokenizer: Any, *, layers: int = 8, rope_th
     )
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_tiny_qwen3_5(directory: Path, tokenizer: Any, *, layers: int = 4, seed: int = 0) -> Path:
+    """A random tiny transformers `qwen3_5` text model (the Qwen3.5 / Qwen3.6 family) and `tokenizer`: Gated
+    DeltaNet linear attention with full attention every 4th layer, 4 / 1 heads of 16, and the published RoPE
+    layout (partial rotary 0.25, interleaved mRoPE sections, theta 1e7), which a drafter must not copy."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=len(tokenizer) + 3, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    Qwen3_5ForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

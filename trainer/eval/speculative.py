@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from trainer.eval.context_length import ContextLengthReport, acceptance_by_context_length, draft_sliding_window
 from trainer.eval.stops import stop_token_ids as default_stop_token_ids
 from trainer.eval.target_cache import RollbackMode, TargetCache
 from trainer.eval.teacher_forced import TeacherForcedReport, TrainingSemantics, teacher_forced_acceptance
@@ -105,6 +106,7 @@ class GenerationResult:
     acceptance_lengths: list[int] = field(default_factory=list)  # per verify step: accepted drafts + 1 (bonus)
     target_rollback: RollbackMode = "crop"  # how rejected drafts left the target's cache (trainer.eval.target_cache)
     state_replays: int = 0  # target forwards that re-ran committed tokens from a restored state (not counted above)
+    context_lengths: list[int] = field(default_factory=list)  # per verify step: the anchor's position
 
 
 class PromptLengthBucket(BaseModel):
@@ -202,6 +204,10 @@ class EvalReport(BaseModel):
     teacher_forced: TeacherForcedReport | None = Field(
         None, description="The training objective's acceptance on the same decoded sequences "
         "(trainer.eval.teacher_forced); null when not measured."
+    )
+    acceptance_by_context_length: ContextLengthReport | None = Field(
+        None, description="Verify steps by context length (the anchor's position), split at the drafter's "
+        "sliding window (trainer.eval.context_length): acceptance within and beyond the window."
     )
 
 
@@ -342,6 +348,7 @@ def speculative_generate(
     tokens = list(prompt_ids) + [_pick(out.logits[0, -1], temperature, generator)]
     new_context = _features(out.hidden_states, feature_layer_ids) if B > 1 else None  # [1, n, k*H]
     acceptance_lengths: list[int] = []
+    context_lengths: list[int] = []
     done = tokens[-1] in stops or max_new_tokens <= 1
 
     while not done:
@@ -374,6 +381,7 @@ def speculative_generate(
             target_probs = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, V]
             accepted, bonus = accept_rejection_sampling(block[0, 1:], draft_probs, target_probs, generator)
         acceptance_lengths.append(accepted + 1)
+        context_lengths.append(start)
 
         # Commit the accepted drafts and the bonus, cutting at the first stop token or at max_new_tokens.
         committed = block[0, 1 : 1 + accepted].tolist() + [bonus]
@@ -399,6 +407,7 @@ def speculative_generate(
         acceptance_lengths=acceptance_lengths,
         target_rollback=target_cache.rollback,
         state_replays=target_cache.replays,
+        context_lengths=context_lengths,
     )
 
 
@@ -587,4 +596,8 @@ def evaluate(
         verify_steps_per_prompt=[len(r.acceptance_lengths) for r in spec_results],
         tau_by_prompt_length=prompt_length_buckets([len(p) for p in prompts], spec_results),
         teacher_forced=teacher_forced,
+        # null where a generation did not record the anchor of each verify step
+        acceptance_by_context_length=acceptance_by_context_length(
+            [c for r in spec_results for c in r.context_lengths], lengths, block_size, draft_sliding_window(drafter),
+        ) if len(lengths) == sum(len(r.context_lengths) for r in spec_results) else None,
     )

@@ -158,11 +158,12 @@ class FrozenTarget:
     @classmethod
     def load(cls, target: str, device: torch.device, dtype: torch.dtype = torch.float32,
              mask_token_id: int | None = None) -> FrozenTarget:
-        """"embedded" (built once into the cache) or a Hugging Face causal-LM directory; never downloads."""
-        if target == "embedded":
-            from trainer.target.embedded import ensure_embedded_target
+        """A built-in target ("embedded", "embedded-qwen3_5": built once into the cache) or a Hugging Face
+        causal-LM directory; never downloads."""
+        from trainer.target.embedded import BUILT_IN_TARGETS, ensure_built_in_target
 
-            path = ensure_embedded_target()
+        if target in BUILT_IN_TARGETS:
+            path = ensure_built_in_target(target)
         else:
             path = Path(target).expanduser()
         if not path.exists():
