@@ -81,8 +81,10 @@ def plan_for_code(code: Path, config: dict[str, Any] | None) -> ProbePlan:
                 spec = {"subject": kind, "package_dir": str(candidate), "sys_path": [str(candidate.parent)],
                         "context": {"config": config}}
                 return ProbePlan(f"{kind} at {candidate}", spec=spec)
-    return ProbePlan(f"code at {code}", reason=f"{code} is neither speculators nor SpecForge source and no "
-                     "--probe-entry module:function was given, so sleuth has no way to run it")
+    # Any other trainer: its pieces are located statically and called one by one (sleuth/probes/locate.py).
+    from sleuth.probes.locate import generic_spec
+
+    return ProbePlan(f"located pieces of {code}", spec=generic_spec(code, config))
 
 
 def check_entry(entry: str) -> None:

@@ -1,0 +1,330 @@
+"""Calling a located piece of someone else's code with synthetic inputs (the probe child's side).
+
+A piece is a function (or method, or constructor) sleuth found statically (sleuth/probes/locate.py). Its
+parameters are bound, in this order of trust:
+  1. what the run passes at its call sites, when that is a literal or a default sleuth read (`passed`);
+  2. a *role* the probe can supply (anchors, block size, document ids, the target's logits, ...), matched by
+     the parameter's name and annotation, each role with the shapes it is commonly given in;
+  3. the parameter's own default (the run's default path);
+  4. for a config-like parameter (`cfg`, `args`, a dataclass annotation): the code's own config class built
+     with its defaults, or a namespace answering attributes from the roles and the code's settings.
+Parameters that match several shapes are tried one combination at a time (trial calls); the first call
+whose result the piece's validator accepts wins. Everything tried is recorded, so the report says how the
+piece was called and, when nothing worked, what could not be bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import itertools
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAX_TRIALS = 48
+
+NO_VALUE = object()
+
+
+class BindError(Exception):
+    """A parameter sleuth cannot supply; the message says which and why."""
+
+
+@dataclass
+class Trial:
+    """One call: the arguments given (described) and what happened."""
+
+    arguments: dict[str, str]
+    outcome: str = ""  # "ok", or why the result was rejected, or the error
+
+
+@dataclass
+class Call:
+    """The accepted call of a piece: the result and how every parameter was bound."""
+
+    result: Any
+    arguments: dict[str, Any]
+    how: dict[str, str]  # param -> "role anchors [A]" / "passed by the run (16)" / "default" / ...
+    trials: list[Trial] = field(default_factory=list)
+
+    def described(self) -> str:
+        return ", ".join(f"{name}={how}" for name, how in self.how.items()) or "no arguments"
+
+
+# --- importing the code under diagnosis ------------------------------------------------------------------------
+
+
+def import_module(name: str, info: dict[str, Any]) -> tuple[types.ModuleType, str]:
+    """The module, imported from the diagnosed tree. A module whose top level would do work on import (parse
+    argv, load a model, train) is executed without those statements; the note says which were left out."""
+    strip = set(info.get("strip") or [])
+    if name in sys.modules:
+        return sys.modules[name], ""
+    if not strip:
+        return importlib.import_module(name), ""
+    import ast
+
+    file = Path(info["file"])
+    tree = ast.parse(file.read_text(encoding="utf-8", errors="replace"))
+    tree.body = [stmt for stmt in tree.body if stmt.lineno not in strip]
+    module = types.ModuleType(name)
+    module.__file__ = str(file)
+    if "." in name:
+        parent = importlib.import_module(name.rpartition(".")[0])
+        module.__package__ = parent.__name__
+    sys.modules[name] = module
+    try:
+        exec(compile(tree, str(file), "exec"), module.__dict__)  # noqa: S102 - the code under diagnosis, in the probe child
+    except BaseException:
+        del sys.modules[name]
+        raise
+    lines = ", ".join(str(n) for n in sorted(strip))
+    return module, f"imported without its top-level statements at line {lines} (they run work on import)"
+
+
+def resolve(obj: Any, qualname: str) -> Any:
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --- roles -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Role:
+    """A value the probe can supply: a name and the shapes it is tried in (first = most common)."""
+
+    name: str
+    variants: list[tuple[str, Any]]  # (description, value or zero-argument factory)
+
+
+def _tokens(name: str) -> set[str]:
+    import re
+
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    return {t for t in re.split(r"[_\W\d]+", name.lower()) if t}
+
+
+class RoleBook:
+    """Which role a parameter name asks for (per kind of piece), and the values of each role."""
+
+    def __init__(self, roles: dict[str, Role], vocabulary: dict[str, list[Callable[[str, set[str]], bool]]]) -> None:
+        self.roles, self.vocabulary = roles, vocabulary
+
+    def role_for(self, name: str, annotation: str = "") -> Role | None:
+        """Exact names first (over every role), then names by their words."""
+        lower, toks = name.lower(), _tokens(name)
+        for exact in (True, False):
+            for role_name, tests in self.vocabulary.items():
+                if role_name in self.roles and any(getattr(test, "exact", False) == exact and test(lower, toks)
+                                                   for test in tests):
+                    return self.roles[role_name]
+        return None
+
+
+def names(*words: str) -> Callable[[str, set[str]], bool]:
+    """A test: the whole name is one of `words`."""
+    wanted = set(words)
+
+    def test(lower: str, _toks: set[str]) -> bool:
+        return lower in wanted
+
+    test.exact = True  # type: ignore[attr-defined]
+    return test
+
+
+def has(*words: str, without: tuple[str, ...] = ()) -> Callable[[str, set[str]], bool]:
+    """A test: the name's tokens include one of `words` and none of `without`."""
+    wanted, unwanted = set(words), set(without)
+    return lambda _lower, toks: bool(toks & wanted) and not toks & unwanted
+
+
+# --- configs and namespaces ------------------------------------------------------------------------------------
+
+
+class RoleNamespace:
+    """Stands in for `args` / `cfg` / `self`: attributes come from the roles, then the code's settings.
+    What it could not answer is remembered, so a failed call says which option was missing."""
+
+    def __init__(self, answer: Callable[[str], Any], label: str) -> None:
+        object.__setattr__(self, "_answer", answer)
+        object.__setattr__(self, "_label", label)
+        object.__setattr__(self, "_asked", [])
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._asked.append(name)
+        value = self._answer(name)
+        if value is NO_VALUE:
+            raise AttributeError(f"{self._label}.{name}: sleuth has no value for this option")
+        return value
+
+    def __getitem__(self, key: str) -> Any:
+        return self.__getattr__(str(key))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._answer(str(key))
+        return default if value is NO_VALUE else value
+
+    def __contains__(self, key: str) -> bool:
+        return self._answer(str(key)) is not NO_VALUE
+
+    def __repr__(self) -> str:
+        return f"<sleuth stand-in for {self._label}>"
+
+
+def build_config(cls: type, answer: Callable[[str], Any]) -> Any:
+    """An instance of the code's own config class: its defaults, with fields the roles / run config answer."""
+    if dataclasses.is_dataclass(cls):
+        values = {}
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            value = answer(f.name)
+            if value is not NO_VALUE:
+                values[f.name] = value
+        return cls(**values)
+    signature = inspect.signature(cls)
+    values = {}
+    for name, param in signature.parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        value = answer(name)
+        if value is not NO_VALUE:
+            values[name] = value
+        elif param.default is param.empty:
+            raise BindError(f"{cls.__name__}({name}=...): no value for this field")
+    return cls(**values)
+
+
+# --- binding and trial calls -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Slot:
+    """How one parameter may be filled: candidate values, each with how it was chosen."""
+
+    name: str
+    options: list[tuple[str, Any]]  # (how, value or factory)
+    keyword: bool = False  # pass by keyword (a keyword-only parameter, or after a skipped one)
+
+
+def _materialise(value: Any) -> Any:
+    return value() if callable(value) and getattr(value, "_sleuth_factory", False) else value
+
+
+def factory(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Mark a zero-argument callable as a value to build fresh for every trial (tensors a call may modify)."""
+    fn._sleuth_factory = True  # type: ignore[attr-defined]
+    return fn
+
+
+def plan_slots(function: Any, params: list[dict[str, Any]], passed: dict[str, Any], unresolved: dict[str, str],
+               book: RoleBook, config_answer: Callable[[str], Any], prefer_run: set[str], module: Any) -> list[Slot]:
+    """The candidate values of every parameter (BindError when a required one has none)."""
+    signature = _signature(function)
+    slots: list[Slot] = []
+    keyword = False
+    for param in params:
+        name, kind = param["name"], param["kind"]
+        if kind in ("var_positional", "var_keyword"):
+            continue
+        sig_param = signature.parameters.get(name) if signature else None
+        has_default = param.get("has_default") or (sig_param is not None and sig_param.default is not inspect.Parameter.empty)
+        options: list[tuple[str, Any]] = []
+        role = book.role_for(name, param.get("annotation", ""))
+        if name in passed and (role is None or name in prefer_run or not isinstance(passed[name], (int, float))):
+            options.append((f"{passed[name]!r}, as the run passes it", passed[name]))
+        if role is not None:
+            options += [(f"{role.name} {how}", value) for how, value in role.variants]
+        config_class = _config_class(param.get("annotation", ""), module)
+        if not options and config_class is not None:
+            options.append((f"{config_class.__name__} with the code's defaults",
+                            factory(lambda c=config_class: build_config(c, config_answer))))
+        if not options and _config_like(name):
+            options.append((f"a stand-in for `{name}` answering its options",
+                            factory(lambda n=name: RoleNamespace(config_answer, n))))
+        if has_default:
+            options.append(("its default", NO_VALUE))
+        if not options:
+            why = unresolved.get(name) or unresolved.get("*") or "no call site on the run's path passes it"
+            raise BindError(f"cannot bind `{name}`: no role sleuth can supply matches it and it has no default ({why})")
+        keyword = keyword or kind == "keyword" or (options[0][1] is NO_VALUE)
+        slots.append(Slot(name, options, keyword))
+    return slots
+
+
+def _signature(function: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+
+
+def _config_like(name: str) -> bool:
+    return name.lower() in {"cfg", "config", "conf", "args", "opts", "options", "hparams", "settings", "params_cfg",
+                            "opt", "hp", "flags", "training_args", "train_cfg", "model_cfg"} or name.lower().endswith(
+        ("_cfg", "_config", "_args"))
+
+
+def _config_class(annotation: str, module: Any) -> type | None:
+    """A config class named by a parameter's annotation and defined in the code (`cfg: DFlashConfig`)."""
+    if not annotation or module is None:
+        return None
+    name = annotation.strip("'\"").split("[")[0].split(".")[-1].split("|")[0].strip()
+    cls = getattr(module, name, None)
+    if isinstance(cls, type) and (dataclasses.is_dataclass(cls) or "config" in name.lower() or "args" in name.lower()):
+        return cls
+    return None
+
+
+def combinations(slots: list[Slot]) -> Iterator[list[tuple[Slot, str, Any]]]:
+    """Argument sets, most likely first (each slot's options in order), at most MAX_TRIALS."""
+    ranges = [range(len(s.options)) for s in slots]
+    ordered = sorted(itertools.product(*ranges), key=lambda idx: (sum(idx), idx))
+    for idx in ordered[:MAX_TRIALS]:
+        yield [(slot, *slot.options[i]) for slot, i in zip(slots, idx)]
+
+
+def call_piece(function: Any, slots: list[Slot], accept: Callable[[Any, dict[str, Any]], str | None]) -> Call:
+    """Trial calls until `accept(result, arguments)` returns None (accepted); BindError with the trials when
+    none is accepted."""
+    trials: list[Trial] = []
+    for combo in combinations(slots):
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+        chosen: dict[str, Any] = {}
+        how: dict[str, str] = {}
+        keyword = False
+        for slot, description, value in combo:
+            if value is NO_VALUE:
+                keyword = True
+                continue
+            value = _materialise(value)
+            chosen[slot.name] = value
+            how[slot.name] = description
+            if keyword or slot.keyword:
+                kwargs[slot.name] = value
+            else:
+                args.append(value)
+        trial = Trial({k: v for k, v in how.items()})
+        trials.append(trial)
+        try:
+            result = function(*args, **kwargs)
+        except Exception as exc:  # the code under diagnosis may raise anything for a wrong shape
+            trial.outcome = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+            continue
+        rejected = accept(result, chosen)
+        if rejected is None:
+            trial.outcome = "ok"
+            return Call(result, chosen, how, trials)
+        trial.outcome = f"result rejected: {rejected}"
+    last = trials[-1].outcome if trials else "no argument set to try"
+    raise BindError(f"no call was accepted ({len(trials)} tried; last: {last})", )
