@@ -368,6 +368,36 @@ class Analyzer:
             self.by_type.setdefault(ast.Compare, []).append(compare)
             self.all_nodes.append(compare)
 
+    def overridden_everywhere(self, scope: str | None) -> bool:
+        """Whether a method (`Class.method`, a reading's scope) never runs: its class is abstract (an
+        unimplemented @abstractmethod remains) and every subclass in the analysed code overrides the method.
+        A base class's correct hook never vouches for the override that runs instead."""
+        if not scope or "." not in scope:
+            return False
+        parts = scope.split(".")
+        owner, method = parts[-2], parts[-1]
+        classes = self.memo("classes-by-name", lambda: {n.name: n for n in self.by_type.get(ast.ClassDef, [])})
+        if owner not in classes:
+            return False
+        subclasses = [c for c in classes.values() if owner in {leaf_name(b) for b in c.bases}]
+        if not subclasses or not self._abstract_class(owner, classes):
+            return False
+
+        def defines(cls: ast.ClassDef) -> bool:
+            return any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == method for s in cls.body)
+
+        return all(defines(c) for c in subclasses)
+
+    def _abstract_class(self, name: str, classes: dict[str, ast.ClassDef], depth: int = 0) -> bool:
+        cls = classes.get(name)
+        if cls is None or depth > 8:
+            return False
+        for stmt in cls.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    leaf_name(d) == "abstractmethod" for d in stmt.decorator_list):
+                return True
+        return any(self._abstract_class(leaf_name(b), classes, depth + 1) for b in cls.bases)
+
     def memo(self, key: object, compute):  # noqa: ANN001, ANN201 - any zero-argument callable
         """A value computed once per analysis (detectors that share work, e.g. fc and fc_norm)."""
         if key not in self._cache:

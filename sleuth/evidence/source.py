@@ -50,7 +50,7 @@ def analyse_units(units: list[Unit], errors: list[SourceError] | None = None, *,
         errors += an.too_deep
         for key, entry in code_detectors().items():
             try:
-                readings[key] = _dedupe(entry.func(an))
+                readings[key] = _dedupe(entry.func(an), an)
             except RecursionError:
                 errors.append(SourceError("<analysis>", f"{key}: analysis too deep"))
                 readings[key] = []
@@ -63,11 +63,13 @@ def analyse_units(units: list[Unit], errors: list[SourceError] | None = None, *,
 _in_variant_file = in_variant_file
 
 
-def _dedupe(readings: list[CodeReading]) -> list[CodeReading]:
+def _dedupe(readings: list[CodeReading], an: Analyzer | None = None) -> list[CodeReading]:
     seen, out = set(), []
     for r in readings:
         if _in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or "") or r.mode == "variant":
             continue
+        if an is not None and an.overridden_everywhere(r.scope):
+            continue  # a base class's hook that every subclass overrides never runs
         key = (r.path, r.line, str(r.value), r.mode)
         if key not in seen:
             seen.add(key)

@@ -617,6 +617,12 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
             readings.append(reading_at(an, "dflash.anchor_slot_untrained", "weight 0", parent, 0.7,
                                      mode="switch" if switch else "hardcoded", switch=switch,
                                      detail=f"`{leaf_name(parent.func.value)}` starts with weight 0 for slot 0, decay from slot 1"))
+    # the decay placed after a zero for slot 0: cat([zeros(1), decay]) / F.pad(decay, (1, 0)) / hstack([[0.], d])
+    for node, decay in _decay_after_zero(an):
+        switch = an.switch_of(node)
+        readings.append(reading_at(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.75,
+                                 mode="switch" if switch else "hardcoded", switch=switch,
+                                 detail=f"slot 0 is the zero placed before `{ast.unparse(decay)[:40]}`"))
     # functional index update (JAX): w.at[0].set(0) / w.at[:, 0].multiply(0) on the per-slot weights
     for node in nodes_of(an, ast.Call):
         func = node.func
@@ -635,6 +641,7 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                                      detail=f"slot 0 zeroed in `{leaf_name(receiver)}` (functional update)"))
     # a decay applied from slot 0 with nothing excluding slot 0 anywhere: by that formula slot 0 weighs
     # exp(1/gamma) > 0, so slot 0 is trained. Any 1-D slice from slot 1 on a loss-side tensor makes it undecided.
+    readings = [r for r in readings if not an.overridden_everywhere(r.scope)]  # hooks every subclass replaces
     sliced_from_one = any(
         isinstance(n.slice, ast.Slice) and const_number(n.slice.lower) == 1 and n.slice.upper is None
         and set(tokens(leaf_name(n.value))) & (WEIGHTISH_TOKENS | LOGITS_TOKENS | {"ce", "nll", "kl", "losses", "target", "targets", "labels"})
@@ -766,6 +773,38 @@ def _other_branch_assignments(an: Analyzer, ref: ast.AST) -> list[tuple[ast.AST,
                 if name and name in an.functions and name != "partial":
                     out.append((alt, name))
     return out
+
+
+def _is_zero_prefix(node: ast.AST) -> bool:
+    """A constant zero of one or more slots: zeros(1), new_zeros(n), tensor([0.]), [0.0], (0,)."""
+    if isinstance(node, ast.Call) and call_name(node) in {"zeros", "new_zeros", "zeros_like"}:
+        return True
+    if isinstance(node, ast.Call) and call_name(node) in {"tensor", "as_tensor", "asarray", "array", "Tensor"} and node.args:
+        node = node.args[0]
+    return isinstance(node, (ast.List, ast.Tuple)) and bool(node.elts) and all(const_number(e) == 0 for e in node.elts)
+
+
+def _decay_after_zero(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr]]:
+    """Where the per-slot decay is laid out after a zero for the anchor slot: `cat([zeros(1), decay])` (cat,
+    concat, concatenate, hstack, stack-free forms) or `pad(decay, (1, 0))`, the decay traced through names."""
+    decay_ids = {id(call) for call, _n, _d in _decay_exponentials(an)}
+
+    def is_decay(expr: ast.AST) -> bool:
+        if any(id(sub) in decay_ids for sub in ast.walk(expr)):
+            return True
+        return any(_holds_decay(an, sub) for sub in ast.walk(expr) if isinstance(sub, (ast.Name, ast.Attribute)))
+
+    for node in nodes_of(an, ast.Call):
+        name = call_name(node)
+        if name in {"cat", "concat", "concatenate", "hstack"} and node.args and isinstance(node.args[0], (ast.List, ast.Tuple)):
+            parts = node.args[0].elts
+            if len(parts) >= 2 and _is_zero_prefix(parts[0]) and any(is_decay(p) for p in parts[1:]):
+                yield node, next(p for p in parts[1:] if is_decay(p))
+        elif name == "pad" and len(node.args) >= 2 and isinstance(node.args[1], (ast.Tuple, ast.List)) \
+                and len(node.args[1].elts) == 2 and const_number(node.args[1].elts[0]) == 1 and is_decay(node.args[0]):
+            value = kwarg(node, "value")
+            if value is None or const_number(value) == 0:
+                yield node, node.args[0]
 
 
 def _holds_decay(an: Analyzer, node: ast.AST) -> bool:

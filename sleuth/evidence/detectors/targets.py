@@ -6,7 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from sleuth.evidence.origins import Origin, block_legs, head_input, reaching_definitions, trace
+from sleuth.evidence.origins import Origin, block_legs, head_input, reaching_definitions, trace, value_uses
 from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
@@ -123,6 +123,26 @@ def _label_context(an: Analyzer, node: ast.AST) -> bool:
     return func is not None and bool(re.search(r"loss|label|target|objective", func.name, re.I))
 
 
+def _index_only(an: Analyzer, node: ast.AST) -> bool:
+    """An assignment (or keyword) whose value is only ever used to index other tensors or in comparisons:
+    `label_pos = anchors[:, None] + 1 + arange(B); labels = ids[label_pos]` is a gather index, whatever it is
+    called; position ids reach a rotary embedding or a model's `position_ids`."""
+    if isinstance(node, ast.Assign):
+        uses = value_uses(an, node.value)
+    elif isinstance(node, ast.Expr):
+        return False
+    else:
+        return False
+    return bool(uses) and uses <= {"index", "compare"}
+
+
+def _only_compared(an: Analyzer, node: ast.AST) -> bool:
+    """Targets gathered only to be compared (accuracy against the draft's argmax): not what the loss trains
+    toward, so not a reading of the shift the loss uses."""
+    uses = value_uses(an, node)
+    return bool(uses) and "compare" in uses and uses <= {"compare", "index"}
+
+
 @detector("dflash.target_shift")
 def detect_target_shift(an: Analyzer) -> list[CodeReading]:
     readings = []
@@ -131,7 +151,7 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
         if not offsets:
             continue
         kind, roll = _tensor_kind(an, src)
-        if kind is None or (kind == "tokens" and not _label_context(an, node)):
+        if kind is None or (kind == "tokens" and not _label_context(an, node)) or _only_compared(an, node):
             continue
         for offset, switch in offsets:
             effective = offset - roll
@@ -156,7 +176,7 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
             if "anchor" not in an.tags(part.upper) or not any(an.is_blocksize(n) for n in ast.walk(part.upper) if isinstance(n, (ast.Name, ast.Attribute))):
                 continue
             kind, roll = _tensor_kind(an, node.value)
-            if kind is None or (kind == "tokens" and not _label_context(an, node)):
+            if kind is None or (kind == "tokens" and not _label_context(an, node)) or _only_compared(an, node):
                 continue
             effective = an.const_offset(part.upper) - roll
             want = -1 if kind == "logits" else 0
@@ -289,6 +309,8 @@ def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
                 target_name, value_node = leaf_name(node.value.func.value), node.value.args[0]
             if not target_name or value_node is None or not set(tokens(target_name)) & POSITION_TOKENS:
                 continue
+            if _index_only(an, node):
+                continue  # a position-named index used only to gather (labels, targets): not position ids
             if isinstance(value_node, ast.Call) and call_name(value_node) in {"cat", "concat", "concatenate"}:
                 candidates = [e for a in value_node.args for e in (a.elts if isinstance(a, (ast.List, ast.Tuple)) else [a])]
             else:
