@@ -51,6 +51,9 @@ class Call:
     arguments: dict[str, Any]
     how: dict[str, str]  # param -> "role anchors [A]" / "passed by the run (16)" / "default" / ...
     trials: list[Trial] = field(default_factory=list)
+    # param -> how it was bound, as data (what `sleuth probe init` writes code from):
+    # {"role": key, "variant": shape} | {"passed": value} | {"default": True} | {"config": class} | {"namespace": [attrs]}
+    binding: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def described(self) -> str:
         return ", ".join(f"{name}={how}" for name, how in self.how.items()) or "no arguments"
@@ -102,6 +105,7 @@ class Role:
 
     name: str
     variants: list[tuple[str, Any]]  # (description, value or zero-argument factory)
+    key: str = ""  # the role's id (set by the book it is in)
 
 
 def _tokens(name: str) -> set[str]:
@@ -116,6 +120,8 @@ class RoleBook:
 
     def __init__(self, roles: dict[str, Role], vocabulary: dict[str, list[Callable[[str, set[str]], bool]]]) -> None:
         self.roles, self.vocabulary = roles, vocabulary
+        for key, role in roles.items():
+            role.key = role.key or key
 
     def role_for(self, name: str, annotation: str = "") -> Role | None:
         """Exact names first (over every role), then names by their words."""
@@ -212,7 +218,7 @@ class Slot:
     """How one parameter may be filled: candidate values, each with how it was chosen."""
 
     name: str
-    options: list[tuple[str, Any]]  # (how, value or factory)
+    options: list[tuple[str, Any, dict[str, Any]]]  # (how, value or factory, how as data)
     keyword: bool = False  # pass by keyword (a keyword-only parameter, or after a skipped one)
 
 
@@ -238,25 +244,25 @@ def plan_slots(function: Any, params: list[dict[str, Any]], passed: dict[str, An
             continue
         sig_param = signature.parameters.get(name) if signature else None
         has_default = param.get("has_default") or (sig_param is not None and sig_param.default is not inspect.Parameter.empty)
-        options: list[tuple[str, Any]] = []
+        options: list[tuple[str, Any, dict[str, Any]]] = []
         role = book.role_for(name, param.get("annotation", ""))
         if name in passed and (role is None or name in prefer_run or not isinstance(passed[name], (int, float))):
-            options.append((f"{passed[name]!r}, as the run passes it", passed[name]))
+            options.append((f"{passed[name]!r}, as the run passes it", passed[name], {"passed": passed[name]}))
         if role is not None:
-            options += [(f"{role.name} {how}", value) for how, value in role.variants]
+            options += [(f"{role.name} {how}", value, {"role": role.key, "variant": how}) for how, value in role.variants]
         config_class = _config_class(param.get("annotation", ""), module)
         if not options and config_class is not None:
             options.append((f"{config_class.__name__} with the code's defaults",
-                            factory(lambda c=config_class: build_config(c, config_answer))))
+                            factory(lambda c=config_class: build_config(c, config_answer)), {"config": config_class.__name__}))
         if not options and _config_like(name):
             options.append((f"a stand-in for `{name}` answering its options",
-                            factory(lambda n=name: RoleNamespace(config_answer, n))))
+                            factory(lambda n=name: RoleNamespace(config_answer, n)), {"namespace": []}))
         if has_default:
-            options.append(("its default", NO_VALUE))
+            options.append(("its default", NO_VALUE, {"default": True}))
         if not options:
             why = unresolved.get(name) or unresolved.get("*") or "no call site on the run's path passes it"
             raise BindError(f"cannot bind `{name}`: no role sleuth can supply matches it and it has no default ({why})")
-        keyword = keyword or kind == "keyword" or (options[0][1] is NO_VALUE)
+        keyword = keyword or kind == "keyword"
         slots.append(Slot(name, options, keyword))
     return slots
 
@@ -302,8 +308,10 @@ def call_piece(function: Any, slots: list[Slot], accept: Callable[[Any, dict[str
         kwargs: dict[str, Any] = {}
         chosen: dict[str, Any] = {}
         how: dict[str, str] = {}
+        binding: dict[str, dict[str, Any]] = {}
         keyword = False
-        for slot, description, value in combo:
+        for slot, description, value, meta in combo:
+            binding[slot.name] = dict(meta)
             if value is NO_VALUE:
                 keyword = True
                 continue
@@ -324,7 +332,10 @@ def call_piece(function: Any, slots: list[Slot], accept: Callable[[Any, dict[str
         rejected = accept(result, chosen)
         if rejected is None:
             trial.outcome = "ok"
-            return Call(result, chosen, how, trials)
+            for name, value in chosen.items():
+                if isinstance(value, RoleNamespace):
+                    binding[name]["namespace"] = sorted(set(value._asked))
+            return Call(result, chosen, how, trials, binding)
         trial.outcome = f"result rejected: {rejected}"
     last = trials[-1].outcome if trials else "no argument set to try"
     raise BindError(f"no call was accepted ({len(trials)} tried; last: {last})", )

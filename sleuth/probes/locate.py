@@ -110,6 +110,10 @@ class Piece:
     found_by: str = ""
     used_by: str = ""
     chain: int = 0  # pieces of one chain (a builder and the helper it calls) share it; the child tries them in order
+    # For a drafter (or a module a piece lives on): its forward's parameters and the attributes that hold its
+    # layers, rotary module, embedding and output head (what `sleuth probe init` wires the protocol to).
+    module_info: dict[str, Any] = field(default_factory=dict)
+    call_sites: list[str] = field(default_factory=list)  # `line` (path:line) where the training path calls it
 
     @property
     def where(self) -> str:
@@ -758,14 +762,16 @@ def locate(code: Path, config: dict[str, Any] | None = None, entry_modules: tupl
         if kind is not None and _piece_root(index, func).node not in index.drivers:
             found[kind].append((func, f"what {func.qualname} computes"))
     for name, defs in index.classes.items():
-        if index.is_module_class(name) and _holds_vocab_modules(defs[0][0]):
+        if index.is_module_class(name) and (_holds_vocab_modules(defs[0][0]) or _holds_layers(defs[0][0])):
             init = index.methods(name).get("__init__")
             if init is not None:
-                found["drafter"].append((init, f"class {name} builds embedding / output modules"))
+                what = "embedding / output modules" if _holds_vocab_modules(defs[0][0]) else "a stack of layers"
+                found["drafter"].append((init, f"class {name} builds {what}"))
     for func in index.functions:  # builders returning such a module (build_drafter(config) -> Drafter(...))
         built = {call_name(r) for r in _returns(func.node) if isinstance(r, ast.Call)} | {
             call_name(n.value) for n in ast.walk(func.node) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)}
-        if any(f.owner is not None and f.owner.name in built for f, _w in found["drafter"]) and func.node.name != "__init__":
+        if any(f.owner is not None and f.owner.name in built for f, _w in found["drafter"]) and func.node.name != "__init__" \
+                and func.node not in index.drivers:
             found["drafter"].append((func, f"{func.qualname} builds the drafter module"))
 
     chain = 0
@@ -908,6 +914,11 @@ def _builders_above(index: _Index, func: _Function, kind: str) -> list[_Function
     return found
 
 
+def _holds_layers(cls: ast.ClassDef) -> bool:
+    """A module class that builds a ModuleList of layers (a drafter, or a stack inside one)."""
+    return any(isinstance(n, ast.Call) and call_name(n) == "ModuleList" for n in ast.walk(cls))
+
+
 def _holds_vocab_modules(cls: ast.ClassDef) -> bool:
     """An nn.Module class that builds an embedding or an output projection (what must stay frozen)."""
     for node in ast.walk(cls):
@@ -939,8 +950,47 @@ def _piece(index: _Index, settings: _Settings, func: _Function, kind: str, why: 
         defs = index.classes.get(cls)
         if defs:
             piece.class_modules[cls] = index.module_names[defs[0][1].path]
+    if kind == "drafter":
+        built = owner or next((call_name(r) for r in _returns(func.node) if isinstance(r, ast.Call)
+                               and call_name(r) in index.classes), None) or next(
+            (call_name(n.value) for n in ast.walk(func.node) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+             and call_name(n.value) in index.classes and index.is_module_class(call_name(n.value))), None)
+        if not built or not index.is_module_class(built):
+            return None  # a drafter is a module; a trainer class that freezes one is not
+        piece.module_info = _module_layout(index, built)
     _bind_call_sites(index, settings, func, piece)
     return piece
+
+
+def _module_layout(index: _Index, cls: str) -> dict[str, Any]:
+    """What a module class holds, read from its __init__ and forward: which attribute is its ModuleList of
+    layers, its rotary module, its embedding and its output head, and its forward's parameters."""
+    layout: dict[str, Any] = {"class": cls, "module": index.module_names[index.classes[cls][0][1].path]}
+    init = index.methods(cls).get("__init__")
+    forward = index.methods(cls).get("forward")
+    if forward is not None:
+        layout["forward"] = [p.name for p in _params(forward.node)]
+        layout["forward_where"] = f"{forward.unit.path}:{forward.node.lineno}"
+        layout["returns_logits"] = any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "self" and set(tokens(n.func.attr)) & {"head", "unembed"}
+            for r in _returns(forward.node) for n in ast.walk(r))
+    for node in ast.walk(init.node) if init is not None else []:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute)
+                and isinstance(node.targets[0].value, ast.Name) and node.targets[0].value.id == "self"
+                and isinstance(node.value, ast.Call)):
+            continue
+        attr, made = node.targets[0].attr, call_name(node.value)
+        if made == "ModuleList" and "layers" not in layout:
+            layout["layers"] = attr
+        elif set(tokens(made)) & {"rotary", "rope"} and "rotary" not in layout:
+            layout["rotary"] = attr
+        elif made == "Embedding" and "embed" not in layout:
+            layout["embed"] = attr
+        elif made == "Linear" and (set(tokens(attr)) & {"head", "unembed"} or set(tokens(
+                " ".join(ast.unparse(a) for a in node.value.args[1:2]))) & {"vocab", "vocabulary"}) and "head" not in layout:
+            layout["head"] = attr
+    return layout
 
 
 def _params(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[Param]:
@@ -976,6 +1026,9 @@ def _bind_call_sites(index: _Index, settings: _Settings, func: _Function, piece:
     for call, caller in index.call_sites.get(func.node, []):
         if caller is None or index.training_path(caller) is None:
             continue
+        statement = index.an.enclosing(call, (ast.stmt,)) or call
+        text = " ".join(ast.unparse(statement).split())
+        piece.call_sites.append(f"`{text[:140]}` ({caller.unit.path}:{call.lineno})")
         if any(isinstance(a, ast.Starred) for a in call.args) or any(kw.arg is None for kw in call.keywords):
             piece.unresolved.setdefault("*", f"{caller.qualname} passes *args / **kwargs at {caller.unit.path}:{call.lineno}")
             continue

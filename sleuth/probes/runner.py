@@ -49,6 +49,7 @@ class ProbeOutcome:
     seconds: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     error: str | None = None  # why no experiment ran (then every verdict is unknown with this reason)
+    answer: dict[str, Any] | None = None  # the worker's whole answer (`sleuth probe` reads more of it)
 
 
 def plan_for_run(run_dir: Path, code_dir: Path | None, name: str) -> ProbePlan:
@@ -156,6 +157,7 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
         else:
             if out_path.is_file():
                 answer = json.loads(out_path.read_text())
+                outcome.answer = answer
                 outcome.info = answer.get("subject")
                 outcome.seconds = answer.get("seconds") or {}
                 outcome.error = answer.get("error")

@@ -87,6 +87,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     expectations = Expectations.from_json(spec.get("expectations"))
     try:
         loaded = load_subject(spec)
+        if spec.get("mode") == "check":  # `sleuth probe check`: the entry's conformance, no experiment
+            from sleuth.probes.conformance import check_subject
+
+            answer["checks"] = check_subject(loaded, seed)
+            return answer
         if spec["subject"] == "generic":  # located pieces called one by one (sleuth/probes/adapters/generic.py)
             return loaded.run(answer, expectations, seed, started)
         # Every protocol method is optional: one the entry lacks makes the experiments needing it unknown.

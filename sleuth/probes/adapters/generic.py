@@ -43,6 +43,7 @@ class PieceReport:
     called: str = ""
     detail: str = ""
     decided: list[str] = field(default_factory=list)
+    binding: dict[str, Any] = field(default_factory=dict)  # param -> how it was bound (binding.Call.binding)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -113,6 +114,7 @@ class GenericSubject:
             report = PieceReport(kind, f"{piece['path']}:{piece['line']}", piece["qualname"], piece["found_by"],
                                  piece.get("used_by", ""))
             self.reports.append(report)
+            self.last_call = None
             try:
                 produced = getattr(self, f"_probe_{kind}")(piece, report)
             except BindError as exc:
@@ -123,6 +125,8 @@ class GenericSubject:
                 report.detail += " | " + traceback.format_exc(limit=3).strip().splitlines()[-1][:200]
                 continue
             report.outcome = "measured"
+            if self.last_call is not None:
+                report.binding = self.last_call.binding
             report.decided = sorted({v.invariant for v in produced if v.status in ("match", "mismatch")})
             for later in members[index + 1:]:
                 self.reports.append(PieceReport(kind, f"{later['path']}:{later['line']}", later["qualname"],
@@ -234,7 +238,7 @@ class GenericSubject:
         slots = plan_slots(function, piece["params"], piece.get("passed") or {}, piece.get("unresolved") or {}, book,
                            self._answer(scene), set(prefer_run), module)
         call = _call_piece(function, slots, accept)
-        self.last_function = function
+        self.last_function, self.last_call = function, call
         return call, (f"{self_how}; " if self_how else "") + call.described()
 
     def _block_for(self, piece: dict[str, Any]) -> int:
@@ -285,6 +289,8 @@ class GenericSubject:
                 continue
             rule = px.measure_layer_rule(call, k_run)
             report.called = f"{depth_name}=L, {count_name}=k for " + ", ".join(rule.observed)
+            report.binding = {depth_name: {"role": "target_depth"}, **({count_name: {"role": "layer_count", "k": k_run}}
+                                                                       if count_name else {})}
             self.layer_rule = (rule, report)
             return []
         raise BindError("no binding of the depth and the count gives k ids (" + "; ".join(errors[:2]) + ")")
@@ -569,6 +575,7 @@ class GenericSubject:
             return None if _find_optimizer(result) is not None else "no optimizer in the result"
 
         call = _call_piece(function, slots, accept)
+        self.last_call = call
         return _find_optimizer(call.result), (f"{self_how}; " if self_how else "") + call.described()
 
     # --- layer ids: the rule and how its ids index the hidden states ------------------------------------------
