@@ -109,7 +109,7 @@ def init_command(
                            err=True)
             else:
                 measured = outcome.info
-        status = write_entry(plan, measured, code.resolve(), target)
+        status = write_entry(plan, measured, code, target)
         typer.echo(f"wrote {target}")
         for method, state in status.items():
             typer.echo(f"  {method:<13} {state}")

@@ -351,7 +351,8 @@ def subject(context: dict[str, Any]) -> Subject:
                  ("num_kv_heads", "n_kv", "kv_heads"): "target.num_kv_heads",
                  ("head_dim", "hd"): "target.head_dim", ("ffn", "intermediate_size", "mlp", "d_ff"): "target.intermediate_size",
                  ("layers", "num_layers", "n_layers", "depth"): "DRAFT_LAYERS",
-                 ("taps", "num_taps", "n_feat", "num_features", "k", "n_taps"): "len(LAYER_IDS or [1, 3, 5])",
+                 ("taps", "num_taps", "n_feat", "num_features", "k", "n_taps", "num_context_layers", "num_target_layers",
+                  "n_context_layers", "num_selected_layers"): "len(LAYER_IDS or [1, 3, 5])",
                  ("config", "cfg", "target_config"): "target.qwen3_config(num_hidden_layers=DRAFT_LAYERS)"}
         for names, expr in table.items():
             if lower in names:
@@ -372,7 +373,7 @@ def subject(context: dict[str, Any]) -> Subject:
         line = f"{indent}{target} = {self.call(piece, binding)}  # {piece['path']}:{piece['line']}"
         for site in (piece.get("call_sites") or [])[:1]:
             # what the training step does with it (a negation, a reshape) is for the entry to repeat
-            line += f"\n{indent}# TODO(sleuth): check against your training step: {site}"
+            line += f"\n{indent}# your training step: {site}"
         return line
 
     def _draft_logits(self) -> str:

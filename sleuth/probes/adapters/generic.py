@@ -220,6 +220,7 @@ class GenericSubject:
             "draft_layers": [names("num_layers", "n_layers", "layers", "num_draft_layers", "n_draft_layers",
                                    "num_hidden_layers", "depth", "n_layer")],
             "num_features": [names("num_taps", "taps", "n_feat", "num_features", "k", "n_taps", "num_target_layers",
+                                   "num_context_layers", "n_context_layers", "num_selected_layers", "num_aux_layers",
                                    "n_features", "num_aux", "num_selected")],
             "hf_config": [names("config", "cfg", "target_config", "model_config", "hf_config", "tc", "dcfg", "qwen_config")],
             "layer_ids": [names("layer_ids", "target_layer_ids", "taps_ids", "selected_layers", "aux_layer_ids")],
@@ -493,9 +494,6 @@ class GenericSubject:
         scene = px.make_scene(self.block)
         drafter, built = self._drafter(scene)
         vocab_params = _vocab_parameters(drafter, scene)
-        if not vocab_params:
-            raise BindError(f"the drafter built by {built} holds no embeddings or lm_head of its own (it uses the "
-                            "target's, which its own freezing covers)")
         executed: set[tuple[str, int]] = set()
         freezes = []
         with _record_calls(executed):
@@ -507,6 +505,13 @@ class GenericSubject:
                 except Exception as exc:
                     report.detail += f"{freeze['qualname']} not run ({_one_line(exc)}); "
             optimizer, called = self._optimizer(piece, scene, drafter)
+        if not vocab_params:
+            report.called = called
+            return [px.verdict("dflash.frozen_embed_head", "optimizer", report.where, called,
+                               hypothesis="one optimizer step leaves the drafter's embeddings and lm_head unchanged",
+                               expected="embeddings and lm_head unchanged",
+                               reason=f"the drafter built by {built} holds no embeddings or lm_head of its own (it uses "
+                                      "the target's: whether the target is frozen is read statically)")]
         grad_sites = self.plan.get("grad_sites") or []
         unrun = [site for site in grad_sites if (site.split(":")[0], int(site.split(":")[1])) not in executed]
         report.called = called + (f"; after {', '.join(freezes)}" if freezes else "")
