@@ -110,13 +110,16 @@ def init_command(
             else:
                 measured = outcome.info
         status = write_entry(plan, measured, code, target)
+        root = (code if code.is_dir() else code.parent).resolve()
         typer.echo(f"wrote {target}")
+        if target.resolve().parent != root:
+            typer.echo(f"note: {target} is outside {root}, the import root its imports need: move it there", err=True)
         for method, state in status.items():
             typer.echo(f"  {method:<13} {state}")
         todos = sum(1 for s in status.values() if s != "wired")
-        typer.echo(f"{todos} method(s) to finish (TODO(sleuth) in the file); then: sleuth probe check --probe-entry "
-                   f"{target.stem}:subject --code {target.parent}" if todos else
-                   f"every method is wired; check it: sleuth probe check --probe-entry {target.stem}:subject --code {target.parent}")
+        check = f"sleuth probe check --probe-entry {target.stem}:subject --code {code}"
+        typer.echo(f"{todos} method(s) to finish (TODO(sleuth) in the file); then: {check}" if todos else
+                   f"every method is wired; check it: {check}")
 
     _guard(run)
 
