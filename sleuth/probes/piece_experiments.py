@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from sleuth.probes.binding import Role, RoleBook, factory, has, names
+from sleuth.probes.binding import COMMON_VOCABULARY, LOSS_VOCABULARY, Role, RoleBook, factory
 from sleuth.probes.experiments import reference_layer_ids
 from sleuth.probes.protocol import ProbeTarget
 from sleuth.probes.target import RMS_EPS, rms_norm
@@ -184,52 +184,6 @@ def scene_roles(scene: Scene, gamma: Any = None) -> dict[str, Role]:
     if gamma is not None:
         roles["gamma"] = Role("gamma", [(f"{gamma:g}", gamma)])
     return roles
-
-
-_COUNT = ("num", "n", "max", "count", "total", "len", "size", "k")
-COMMON_VOCABULARY = {
-    "anchor_valid": [names("anchor_valid", "valid", "valid_anchors", "anchor_mask", "keep")],
-    "anchors_per_query": [names("anchor_of_query", "q_anchor", "query_anchor", "anchor_per_query", "anchor_q",
-                                "qa", "q_anchors")],
-    "doc_of_query": [names("doc_of_query", "q_doc", "query_doc", "q_seg", "seg_of_query")],
-    "num_anchors": [names("num_anchors", "n_anchors", "max_anchors", "k_anchors", "anchors_per_row", "n_blocks",
-                          "num_blocks")],
-    "anchors": [has("anchor", "anchors", "anc", "starts", without=_COUNT + ("valid", "mask", "of", "per", "q", "query")),
-                names("start", "starts", "block_starts", "anchor_idx", "anchor_pos", "a_pos", "anchor_positions")],
-    "block_size": [names("block", "blk", "b", "bs", "block_size", "block_len", "blocksize", "block_length", "draft_len",
-                         "n_draft", "spec_len", "blk_size", "block_sz"), has("block", without=("mask", "ids", "id", "pos"))],
-    "q_len": [names("q_len", "num_queries", "n_q", "query_len")],
-    "kv_len": [names("kv_len", "k_len", "key_len", "num_keys")],
-    "seq_len": [names("seq_len", "seqlen", "s", "ctx_len", "n_ctx", "context_len", "total_len", "seq_length", "length",
-                      "t", "num_tokens", "ctx", "n_tokens", "row_len", "seq")],
-    "cu_seqlens": [has("cu"), names("cu_seqlens", "offsets", "doc_offsets", "boundaries", "doc_starts", "doc_bounds")],
-    "doc_ids": [names("doc", "docs", "doc_ids", "document_ids", "documents", "segment_ids", "seg", "seg_ids", "segs",
-                      "sample_ids", "doc_of_key", "doc_id", "seq_ids"), has("doc", "document", "segment", "seg")],
-    "position_ids": [names("position_ids", "pos_ids", "positions", "pos", "ctx_pos", "pos_id", "position", "row_pos",
-                           "base_pos"), has("position", "positions", "pos")],
-    "input_ids": [names("input_ids", "ids", "tokens", "toks", "token_ids", "stream", "tok", "x_ids", "seq_ids")],
-    "loss_mask": [names("loss_mask", "label_mask", "labels_mask", "supervised")],
-    "target_logits": [names("target_logits", "teacher_logits", "verifier_logits", "logits", "flat_logits", "t_logits",
-                            "full_logits", "tgt_logits", "teacher", "all_logits"), has("logits")],
-    "hidden_states": [names("hidden_states", "hs", "all_hidden", "all_hidden_states", "hidden", "states", "target_hidden",
-                            "aux_hidden_states", "outputs", "feats_all", "layer_outputs")],
-    "layer_ids": [names("layer_ids", "taps", "layers", "target_layer_ids", "layer_idx", "selected", "ids_to_select",
-                        "aux_layer_ids", "layer_indices")],
-    "lm_head": [names("lm_head", "head", "output_embeddings", "unembed", "out_proj", "output_layer")],
-    "final_norm": [names("final_norm", "norm", "ln_f", "final_layernorm", "norm_f", "out_norm")],
-    "embed": [names("embed", "embed_tokens", "embedding", "embeddings", "tok_emb", "wte")],
-    "mask_token_id": [names("mask_token_id", "mask_id", "mask_token")],
-    "vocab_size": [names("vocab_size", "vocab", "v", "n_vocab", "num_tokens_vocab")],
-    "hidden_size": [names("hidden_size", "hidden", "d", "d_model", "dim", "h", "model_dim", "embed_dim")],
-    "num_heads": [names("num_heads", "heads", "n_heads", "n_head", "num_attention_heads")],
-    "num_kv_heads": [names("num_kv_heads", "n_kv", "kv_heads", "n_kv_heads", "num_key_value_heads")],
-    "head_dim": [names("head_dim", "hd", "d_head")],
-    "intermediate_size": [names("intermediate_size", "ffn", "mlp", "d_ff", "ff", "ffn_dim", "mlp_dim")],
-    "device": [names("device")],
-    "dtype": [names("dtype")],
-    "generator": [names("g", "gen", "generator", "rng")],
-    "gamma": [names("gamma", "decay_gamma", "loss_decay_gamma", "tau", "decay")],
-}
 
 
 def book(roles: dict[str, Role], extra: dict[str, list] | None = None, drop: tuple[str, ...] = ()) -> RoleBook:
@@ -739,19 +693,6 @@ def loss_roles(scene: Scene, inputs: LossInputs) -> dict[str, Role]:
                                            ("[A] all true", factory(lambda: torch.ones(a, dtype=torch.bool))),
                                            ("[A, B] ones", factory(lambda: torch.ones(a, b)))]),
     }
-
-
-LOSS_VOCABULARY = {
-    "teacher_probs": [names("probs", "target_probs", "teacher_probs", "p_teacher", "soft_targets", "q")],
-    "teacher_slots": [names("teacher", "teacher_logits", "target_logits", "verifier_logits", "tgt_logits", "t_logits",
-                            "soft", "teacher_out", "target_out")],
-    "labels": [names("labels", "targets", "target", "tgt", "target_ids", "y", "label_ids", "teacher_ids", "label", "gold")],
-    "weights": [names("weights", "w", "loss_weights", "slot_weights", "decay", "wts", "position_weights", "weight")],
-    "slot_valid": [names("valid", "anchor_valid", "mask", "loss_mask", "valid_mask", "slot_mask", "keep")],
-    "draft_logits": [names("logits", "draft_logits", "draft", "pred", "preds", "student_logits", "scores", "output", "outputs",
-                           "out", "student", "draft_out", "y_hat", "yhat", "prediction", "predictions"),
-                     has("logits", without=("target", "teacher", "verifier", "tgt", "full", "all", "t"))],
-}
 
 
 def gradient(call: Any, z: Tensor) -> Tensor | str:

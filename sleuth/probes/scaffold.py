@@ -16,6 +16,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from sleuth.probes.binding import COMMON_VOCABULARY, LOSS_VOCABULARY, Role, RoleBook
+
 # role key -> variant -> the expression the entry passes (inside draft_logits / loss: `batch`, `hooks`, `self`)
 _ROW = {"[N, ...]": "{x}", "[...] (one row)": "{x}[0]"}
 ROLE_EXPRESSIONS: dict[str, dict[str, str]] = {
@@ -151,6 +153,9 @@ class Writer:
             passed = (piece.get("passed") or {}).get(name)
             if passed is not None:
                 return repr(passed)
+            guessed = self._guess(name, piece["kind"])
+            if guessed is not None:
+                return guessed
             param = next(p for p in piece["params"] if p["name"] == name)
             if param.get("has_default"):
                 return None
@@ -168,6 +173,18 @@ class Writer:
         role, variant = meta.get("role"), meta.get("variant", "*")
         table = ROLE_EXPRESSIONS.get(role or "", {})
         return table.get(variant) or table.get("*") or f'_todo("pass `{name}` ({role})")'
+
+    def _guess(self, name: str, kind: str) -> str | None:
+        """Without a measured call (`--no-run`): the role the parameter's name asks for, in its first shape,
+        marked for the reader to check."""
+        vocabulary = {**(LOSS_VOCABULARY if kind == "loss" else {}), **COMMON_VOCABULARY}
+        book = RoleBook({key: Role(key, [("*", None)]) for key in vocabulary}, vocabulary)
+        role = book.role_for(name)
+        if role is None:
+            return None
+        table = ROLE_EXPRESSIONS.get(role.key, {})
+        expr = table.get("*") or next(iter(table.values()), None)
+        return f"{expr}  # check: the shape {name} takes" if expr and "\n" in expr else expr
 
     def option(self, attr: str) -> str:
         if attr in ("block_size", "block", "block_len", "blk"):
@@ -398,7 +415,7 @@ def subject(context: dict[str, Any]) -> Subject:
         if any(u == "positions" for u in uses.values()) or not forward:
             lines.append(self._step("positions", "block_positions"))
             lines.append("    positions = torch.cat([batch.position_ids, block_positions.reshape(n, -1)], dim=1)  "
-                         "# TODO(sleuth): check: what your drafter's positions hold")
+                         "# check: sleuth joins the context's and the block's positions")
         if not forward:
             lines.append('    hidden = _todo("call your drafter on x, features, positions and mask")')
             self.status["draft_logits"] = "TODO: the drafter's call"
@@ -439,6 +456,10 @@ def subject(context: dict[str, Any]) -> Subject:
             return "\n".join(lines) + "\n"
         piece, binding = found
         roles = {meta.get("role") for meta in binding.values() if isinstance(meta, dict)}
+        if not binding:  # read statically: the roles the parameters' names ask for
+            vocabulary = {**LOSS_VOCABULARY, **COMMON_VOCABULARY}
+            book = RoleBook({key: Role(key, [("*", None)]) for key in vocabulary}, vocabulary)
+            roles = {getattr(book.role_for(p["name"]), "key", None) for p in piece["params"]}
         if roles & {"teacher_slots", "teacher_probs", "labels"}:
             lines.append(self._step("teacher", "teacher"))
         if "weights" in roles:
@@ -458,7 +479,10 @@ def subject(context: dict[str, Any]) -> Subject:
             self.status["train_step"] = "TODO: the optimizer"
         else:
             piece, binding = found
-            lines.append(f"    optimizer = {self.call(piece, binding, {p['name']: 'self.drafter' for p in piece['params'] if (binding.get(p['name']) or {}).get('role') == 'drafter'})}"
+            drafter_params = {p["name"]: "self.drafter" for p in piece["params"]
+                              if (binding.get(p["name"]) or {}).get("role") == "drafter" or (not binding and p["name"] in
+                                  ("drafter", "model", "draft", "net", "module", "draft_model", "student", "m"))}
+            lines.append(f"    optimizer = {self.call(piece, binding, drafter_params)}"
                          f"  # {piece['path']}:{piece['line']}")
             self.status["train_step"] = "wired" if "_todo(" not in lines[-1] else "TODO: see the _todo calls"
         lines += ["    identity = SimpleNamespace(block_embeddings=lambda x: x, draft_logits=lambda x: x)",
