@@ -85,7 +85,12 @@ def plan_for_code(code: Path, config: dict[str, Any] | None) -> ProbePlan:
     # Any other trainer: its pieces are located statically and called one by one (sleuth/probes/locate.py).
     from sleuth.probes.locate import generic_spec
 
-    return ProbePlan(f"located pieces of {code}", spec=generic_spec(code, config))
+    spec = generic_spec(code, config)
+    if not spec["plan"]["pieces"]:
+        return ProbePlan(f"code at {code}", reason=f"{code} is neither speculators nor SpecForge source, and sleuth "
+                         "located no DFlash piece in it to call; give --probe-entry module:function "
+                         "(`sleuth probe init --code PATH` writes one)")
+    return ProbePlan(f"located pieces of {code}", spec=spec)
 
 
 def check_entry(entry: str) -> None:

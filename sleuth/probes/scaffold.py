@@ -209,7 +209,14 @@ class Writer:
         k_run = next((v for v in (rule[0].get("passed") or {}).values() if isinstance(v, int)), 3) if rule else 3
         fixed = self._fixed_layer_ids()
         depth = max(fixed[1]) + 3 if fixed and not rule else 8  # a fixed list was chosen for a target of L = max + 3
-        if rule and len(rule[0]["params"]) >= 2:
+        namespace = next((meta.get("namespace") for meta in (rule[1] if rule else {}).values()
+                          if isinstance(meta, dict) and "namespace" in meta), None)
+        if rule and namespace:
+            depth_words = ("num_hidden_layers", "num_layers", "n_layers", "num_target_layers", "target_depth", "depth")
+            fields = ", ".join(f"{a}={'NUM_TARGET_LAYERS' if a in depth_words else k_run}" for a in namespace)
+            layer_line = (f"LAYER_IDS = {self.ref(rule[0])}({rule[0]['params'][0]['name']}=SimpleNamespace({fields}))"
+                          "  # the trainer's own rule, at the probe target's depth")
+        elif rule and len(rule[0]["params"]) >= 2:
             layer_line = (f"LAYER_IDS = {self.ref(rule[0])}({rule[0]['params'][0]['name']}=NUM_TARGET_LAYERS, "
                           f"{rule[0]['params'][1]['name']}={k_run})  # the trainer's own rule, at the probe target's depth")
         elif fixed:

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from sleuth.probes import piece_experiments as px
-from sleuth.probes.binding import NO_VALUE, BindError, Call, factory, import_module, names, plan_slots, resolve
+from sleuth.probes.binding import NO_VALUE, BindError, Call, RoleNamespace, factory, import_module, names, plan_slots, resolve
+from sleuth.probes.binding import _config_like as _config_like_name
 from sleuth.probes.binding import call_piece as _call_piece
 from sleuth.probes.verdict import PROBED_INVARIANTS, Expectations, Verdict
 
@@ -92,6 +93,11 @@ class GenericSubject:
             "pieces": [r.to_json() for r in self.reports],
             "missing": self.plan.get("missing") or {},
         }
+        if not any(r.outcome == "measured" for r in self.reports):
+            # nothing was called: that is no experiment, not a clean bill (the report must not read as one)
+            tried = [f"{r.qualname}: {r.detail}" for r in self.reports if r.detail][:2]
+            answer["error"] = ("no located piece could be called" + (f" ({'; '.join(tried)})" if tried else
+                               ": sleuth found no function of the trainer that computes a DFlash piece on its own"))
         answer["seconds"]["total"] = round(time.perf_counter() - started, 3)
         return answer
 
@@ -264,6 +270,8 @@ class GenericSubject:
                             "count": [names("k", "n", "count", "num_taps", "n_taps", "num_draft_layers", "num_features",
                                             "taps", "n_select", "num_aux", "num_select", "n_draft_layers", "num_layers_to_select",
                                             "num_selected", "n_feat")]}, drop=tuple(px.COMMON_VOCABULARY))
+        if len(required) == 1 and _config_like_name(required[0]["name"]):
+            return self._layer_rule_from_config(function, required[0]["name"], book, report)
         if len(required) > 2 or not ints:
             raise BindError(f"{piece['qualname']} takes {len(required)} required parameters; a layer rule takes the "
                             "target's depth and a count")
@@ -295,6 +303,39 @@ class GenericSubject:
             self.layer_rule = (rule, report)
             return []
         raise BindError("no binding of the depth and the count gives k ids (" + "; ".join(errors[:2]) + ")")
+
+    def _layer_rule_from_config(self, function: Any, name: str, book: Any, report: PieceReport) -> list[Verdict]:
+        """`select_layers(config)`: the rule reads the depth and the count off a config; the stand-in answers
+        the depth- and count-named options, the others from the code's settings."""
+        settings = self.settings
+        k_run = next((v for key, v in settings.items() if book.vocabulary["count"][0](key.lower(), set())
+                      and isinstance(v, int) and not isinstance(v, bool)), None)
+        asked: set[str] = set()
+
+        def call(depth: int, k: int) -> list[int]:
+            def answer(option: str) -> Any:
+                asked.add(option)
+                if book.vocabulary["depth"][0](option.lower(), set()):
+                    return depth
+                if book.vocabulary["count"][0](option.lower(), set()):
+                    return k
+                return settings.get(option, NO_VALUE)
+
+            out = function(RoleNamespace(answer, name))
+            return out.tolist() if isinstance(out, Tensor) else list(out)
+
+        try:
+            if not all(len(call(d, k)) == k for d, k in px.LAYER_TESTS):
+                raise BindError(f"`{name}` answering the depth and the count does not give k ids")
+        except BindError:
+            raise
+        except Exception as exc:
+            raise BindError(f"calling it with a stand-in `{name}` failed: {_one_line(exc)}") from None
+        rule = px.measure_layer_rule(call, k_run)
+        report.called = f"{name} = a stand-in answering {', '.join(sorted(asked))} for " + ", ".join(rule.observed)
+        report.binding = {name: {"namespace": sorted(asked)}}
+        self.layer_rule = (rule, report)
+        return []
 
     def _probe_features(self, piece: dict[str, Any], report: PieceReport) -> list[Verdict]:
         scene = px.make_scene(self.block)
