@@ -584,13 +584,9 @@ class GenericSubject:
     def _drafter(self, scene: px.Scene) -> tuple[nn.Module, str]:
         errors = []
         for piece in [p for p in self.plan.get("pieces") or [] if p["kind"] == "drafter"]:
-            try:
-                if piece["name"] == "__init__":
-                    function, _m, _h = self._callable(piece, scene)
-                    built, how = self.construct(function, scene)
-                else:
-                    function, _m, _h = self._callable(piece, scene)
-                    built, how = self.construct(function, scene)
+            try:  # a drafter class (its constructor) or a builder function, called with tiny sizes
+                function, _module, _how = self._callable(piece, scene)
+                built, how = self.construct(function, scene)
             except Exception as exc:
                 errors.append(f"{piece['qualname']}: {_one_line(exc)}")
                 continue
