@@ -2,13 +2,16 @@
 trainers, in two modes: static reading alone (the default for --code) and `--probe` with no adapter (the
 trainer's pieces located and called, sleuth/probes/locate.py).
 
-A corpus is a directory of cases, one directory each, holding the trainer's files and `expected.yaml` with
-`planted: [invariant ids]` (an empty list for a clean case). Every run is the real CLI in its own process:
+A corpus is a directory of cases, one directory each, holding the trainer's files and either `expected.yaml`
+with `planted: [invariant ids]` (an empty list for a clean case), or one `MANIFEST.yaml` at the corpus root
+(`trainers: {name: {planted: [{invariant: id, ...}], clean: true}}`, the blind corpus's form). Every run is the
+real CLI in its own process:
 
     PYTHONPATH=. .venv/bin/python bench/anyprobe_corpus.py tests/fixtures/anyprobe [--mode static|probe|both]
                                                           [--json out.json] [--table]
 
-Counted per case and in total, over the invariants the probes decide (sleuth.probes.verdict.PROBED_INVARIANTS):
+Counted per case and in total, over every invariant the report has (a planted defect the probes do not decide
+is still found or missed by static reading):
     found        a planted defect reported `mismatch`
     silent       a planted defect reported `match` (for static reading: read as static agreement, which the
                  report does not claim but which would have hidden the defect)
@@ -31,14 +34,21 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from sleuth.probes.verdict import PROBED_INVARIANTS  # noqa: E402
-
 
 def planted_of(case: Path) -> list[str]:
-    spec = yaml.safe_load((case / "expected.yaml").read_text()) or {}
-    return list(spec.get("planted") or [])
+    if (case / "expected.yaml").is_file():
+        spec = yaml.safe_load((case / "expected.yaml").read_text()) or {}
+        return list(spec.get("planted") or [])
+    manifest = yaml.safe_load((case.parent / "MANIFEST.yaml").read_text()) or {}
+    entry = (manifest.get("trainers") or {}).get(case.name) or {}
+    return [p["invariant"] for p in entry.get("planted") or []]
+
+
+def cases_of(corpus: Path) -> list[Path]:
+    if (corpus / "MANIFEST.yaml").is_file():
+        names = (yaml.safe_load((corpus / "MANIFEST.yaml").read_text()) or {}).get("trainers") or {}
+        return sorted(corpus / name for name in names if (corpus / name).is_dir())
+    return sorted(p for p in corpus.iterdir() if (p / "expected.yaml").is_file())
 
 
 def diagnose(case: Path, probe: bool, out: Path) -> dict:
@@ -59,9 +69,10 @@ def score(report: dict, planted: list[str], probe: bool) -> dict:
                 "false_alarms": {}, "measured": []}
     statuses, observed, measured = {}, {}, []
     for finding in report["findings"]:
-        if finding["id"] not in PROBED_INVARIANTS:
-            continue
-        status = "match" if finding.get("static_agreement") and finding["status"] == "unknown" else finding["status"]
+        # static reading alone: agreement it does not claim still counts as vouching (it would hide a defect);
+        # with probes, the report's status is the claim
+        status = "match" if not probe and finding.get("static_agreement") and finding["status"] == "unknown" \
+            else finding["status"]
         statuses[finding["id"]] = status
         observed[finding["id"]] = finding.get("observed") or ""
         probe_evidence = next((e for e in finding["evidence"] if e["kind"] == "probe"), None)
@@ -85,7 +96,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--table", action="store_true", help="print a markdown table per case (for BENCHMARKS.md)")
     args = parser.parse_args(argv)
-    cases = sorted(p for p in args.corpus.iterdir() if (p / "expected.yaml").is_file())
+    cases = cases_of(args.corpus)
     modes = ["static", "probe"] if args.mode == "both" else [args.mode]
     results: dict[str, dict[str, dict]] = {m: {} for m in modes}
     started = time.perf_counter()

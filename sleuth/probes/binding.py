@@ -245,7 +245,7 @@ def plan_slots(function: Any, params: list[dict[str, Any]], passed: dict[str, An
         sig_param = signature.parameters.get(name) if signature else None
         has_default = param.get("has_default") or (sig_param is not None and sig_param.default is not inspect.Parameter.empty)
         options: list[tuple[str, Any, dict[str, Any]]] = []
-        role = book.role_for(name, param.get("annotation", ""))
+        role = None if _mapping_annotation(param.get("annotation", "")) else book.role_for(name, param.get("annotation", ""))
         if name in passed and (role is None or name in prefer_run or not isinstance(passed[name], (int, float))):
             options.append((f"{passed[name]!r}, as the run passes it", passed[name], {"passed": passed[name]}))
         if role is not None:
@@ -254,7 +254,7 @@ def plan_slots(function: Any, params: list[dict[str, Any]], passed: dict[str, An
         if not options and config_class is not None:
             options.append((f"{config_class.__name__} with the code's defaults",
                             factory(lambda c=config_class: build_config(c, config_answer)), {"config": config_class.__name__}))
-        if not options and _config_like(name):
+        if not options and (_config_like(name) or _mapping_annotation(param.get("annotation", ""))):
             options.append((f"a stand-in for `{name}` answering its options",
                             factory(lambda n=name: RoleNamespace(config_answer, n)), {"namespace": []}))
         if has_default:
@@ -276,8 +276,13 @@ def _signature(function: Any) -> inspect.Signature | None:
 
 def _config_like(name: str) -> bool:
     return name.lower() in {"cfg", "config", "conf", "args", "opts", "options", "hparams", "settings", "params_cfg",
-                            "opt", "hp", "flags", "training_args", "train_cfg", "model_cfg"} or name.lower().endswith(
-        ("_cfg", "_config", "_args"))
+                            "opt", "hp", "flags", "training_args", "train_cfg", "model_cfg", "c", "hps", "run",
+                            "dcfg", "tcfg", "s", "h"} or name.lower().endswith(("_cfg", "_config", "_args", "_hp"))
+
+
+def _mapping_annotation(annotation: str) -> bool:
+    """`h: dict`, `args: argparse.Namespace`, `cfg: Mapping[str, Any]`: options looked up by name."""
+    return bool(annotation) and any(w in annotation for w in ("dict", "Dict", "Mapping", "Namespace"))
 
 
 def _config_class(annotation: str, module: Any) -> type | None:
@@ -368,7 +373,10 @@ COMMON_VOCABULARY = {
     "input_ids": [names("input_ids", "ids", "tokens", "toks", "token_ids", "stream", "tok", "x_ids", "seq_ids")],
     "loss_mask": [names("loss_mask", "label_mask", "labels_mask", "supervised")],
     "target_logits": [names("target_logits", "teacher_logits", "verifier_logits", "logits", "flat_logits", "t_logits",
-                            "full_logits", "tgt_logits", "teacher", "all_logits"), has("logits")],
+                            "full_logits", "tgt_logits", "teacher", "all_logits", "top1", "predicted"),
+                      has("logits", "teacher", "top1", without=("mask", "valid", "ids", "weights"))],
+    "stand_in_target": [names("target", "model", "verifier", "target_model", "teacher_model", "base_model", "tgt_model")],
+    "step_index": [names("step", "global_step", "batch_idx", "it", "iteration", "epoch", "batch_index")],
     "hidden_states": [names("hidden_states", "hs", "all_hidden", "all_hidden_states", "hidden", "states", "target_hidden",
                             "aux_hidden_states", "outputs", "feats_all", "layer_outputs")],
     "layer_ids": [names("layer_ids", "taps", "layers", "target_layer_ids", "layer_idx", "selected", "ids_to_select",

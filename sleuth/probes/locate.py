@@ -182,6 +182,7 @@ class _Index:
                             and not self.users(f)}
         self.training = self.drivers
         self.module_names: dict[str, str] = {}  # unit path -> the module name it is imported by
+        self.registered: dict[str, list[_Function]] = {}  # registry key -> the functions registered under it
 
     def _collect(self, node: ast.AST, unit: Unit, owner: ast.ClassDef | None, outer: Any, names: list[str]) -> None:
         for child in ast.iter_child_nodes(node):
@@ -336,7 +337,9 @@ class _Index:
             for deco in func.node.decorator_list:
                 if isinstance(deco, ast.Call) and deco.args and isinstance(deco.args[0], ast.Constant) \
                         and isinstance(deco.args[0].value, str):
-                    registered.setdefault(deco.args[0].value, []).append(func)
+                    for key in deco.args:  # @register("ce", "xent", "hard_ce"): one function, several names
+                        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                            registered.setdefault(key.value, []).append(func)
                     for decorator in self.named(call_name(deco)):  # `LOSSES[name] = fn` inside register()
                         registries |= {leaf_name(n.value) for n in ast.walk(decorator.node)
                                        if isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Store)}
@@ -349,20 +352,33 @@ class _Index:
                     registries |= {leaf_name(t) for t in parent.targets}
                 for key, value in pairs:
                     registered.setdefault(key.value, []).extend(self.named(leaf_name(value)))
+        self.registered = registered
         if not registered:
             return
-        for sub in self.an.by_type.get(ast.Subscript, []):
-            if isinstance(sub.slice, ast.Constant) or not isinstance(sub.ctx, ast.Load) or leaf_name(sub.value) not in registries:
-                continue
-            caller = self.enclosing(sub)
+        lookups = [(sub, sub.slice, None) for sub in self.an.by_type.get(ast.Subscript, [])
+                   if not isinstance(sub.slice, ast.Constant) and isinstance(sub.ctx, ast.Load)
+                   and leaf_name(sub.value) in registries]
+        lookups += [(call, call.args[0], call.args[1] if len(call.args) > 1 else None)
+                    for call in self.an.by_type.get(ast.Call, [])
+                    if call_name(call) == "get" and isinstance(call.func, ast.Attribute) and call.args
+                    and leaf_name(call.func.value) in registries]
+        for node, key_expr, default in lookups:
+            caller = self.enclosing(node)
             if caller is None:
                 continue
-            answer = settings.resolve(sub.slice)
-            keys = [answer[0]] if isinstance(answer, tuple) and isinstance(answer[0], str) else list(registered)
-            if not any(k in registered for k in keys):
-                continue
-            for key in keys:
-                for target in registered.get(key, []):
+            key = _registry_key(settings, key_expr)
+            if key is None:
+                keys = list(registered)  # a key sleuth cannot resolve: any registered function may run
+            elif key in registered:
+                keys = [key]
+            elif default is not None:  # `.get(name, LOSSES[DEFAULT_LOSS])`: the fallback runs
+                fallback = default.slice if isinstance(default, ast.Subscript) else None
+                resolved = _registry_key(settings, fallback) if fallback is not None else None
+                keys = [resolved] if resolved in registered else []
+            else:
+                keys = []
+            for chosen in keys:
+                for target in registered.get(chosen, []):
                     self.callees[caller.node].add(target.node)
 
     def training_path(self, func: _Function) -> str | None:
@@ -469,7 +485,7 @@ class _Settings:
                 return self.resolve(reached[0][0], depth + 1)
             if reached and not reached[0]:  # a parameter: what its callers pass, else its default
                 func = reached[1].node
-                args = self.an.call_site_arguments(func, node.id)
+                args = _call_site_arguments(self.an, func, node.id)
                 answers = [self.resolve(a, depth + 1) for a in args[:3]]
                 values = {json.dumps(a[0], default=repr) for a in answers if isinstance(a, tuple)}
                 if answers and len(values) == 1 and all(isinstance(a, tuple) for a in answers):
@@ -488,6 +504,54 @@ _UNREAD = object()
 
 def _is_missing(value: Any) -> bool:
     return type(value).__name__ == "Missing"
+
+
+def _call_site_arguments(an: Analyzer, func: ast.AST | None, param: str) -> list[ast.expr]:
+    """What the callers of `func` pass for `param`, leaving out calls of what it returns (`get_loss(name)(x, y)`
+    calls get_loss once, with `name`; the outer call is of the function it returned)."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return []
+    positional = [a.arg for a in func.args.posonlyargs + func.args.args]
+    if positional and positional[0] in {"self", "cls"}:
+        positional = positional[1:]
+    callee = func.name
+    if callee == "__init__":
+        cls = an.parents.get(func)
+        callee = cls.name if isinstance(cls, ast.ClassDef) else ""
+    found = []
+    for call in an.calls_named(callee):
+        if isinstance(call.func, ast.Call):
+            continue
+        arg = next((kw.value for kw in call.keywords if kw.arg == param), None)
+        if arg is None and param in positional:
+            i = positional.index(param)
+            if i < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[: i + 1]):
+                arg = call.args[i]
+        if arg is not None:
+            found.append(arg)
+    return found
+
+
+_STRING_METHODS = {"strip": str.strip, "lower": str.lower, "upper": str.upper, "casefold": str.casefold,
+                   "lstrip": str.lstrip, "rstrip": str.rstrip}
+
+
+def _registry_key(settings: _Settings, expr: ast.AST) -> str | None:
+    """The string a registry is looked up with: resolved, with the string methods applied to it on the way
+    (`name.strip().lower().replace("-", "_")`), or None."""
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+        inner = _registry_key(settings, expr.func.value)
+        if inner is None:
+            return None
+        method = expr.func.attr
+        if method in _STRING_METHODS and not expr.args:
+            return _STRING_METHODS[method](inner)
+        if method == "replace" and len(expr.args) == 2 and all(isinstance(a, ast.Constant) and isinstance(a.value, str)
+                                                               for a in expr.args):
+            return inner.replace(expr.args[0].value, expr.args[1].value)
+        return None
+    answer = settings.resolve(expr)
+    return answer[0] if isinstance(answer, tuple) and isinstance(answer[0], str) else None
 
 
 def _literal(node: ast.AST | None) -> Any:
@@ -761,6 +825,12 @@ def locate(code: Path, config: dict[str, Any] | None = None, entry_modules: tupl
         kind = _shape_kind(func)
         if kind is not None and _piece_root(index, func).node not in index.drivers:
             found[kind].append((func, f"what {func.qualname} computes"))
+    registered = {id(f.node): f for funcs in index.registered.values() for f in funcs}
+    if any(_shape_kind(f) == "loss" for f in registered.values()):
+        # a registry of losses: whichever one the configured key picks is the loss, whatever it computes
+        for func in registered.values():
+            if _shape_kind(func) != "loss":
+                found["loss"].append((func, f"{func.qualname} is registered beside the losses"))
     for name, defs in index.classes.items():
         if index.is_module_class(name) and (_holds_vocab_modules(defs[0][0]) or _holds_layers(defs[0][0])):
             init = index.methods(name).get("__init__")
@@ -786,6 +856,9 @@ def locate(code: Path, config: dict[str, Any] | None = None, entry_modules: tupl
             reason = _not_a_piece(index, top, kind, why)
             if reason:
                 rejected.append(f"{top.qualname} ({top.unit.path}:{top.node.lineno}) {reason}")
+                if kind == "positions" and "loss" in _sinks(index, top):
+                    # an anchor + j gather whose value the loss trains toward: the slot targets
+                    found["teacher"].append((top, f"what {top.qualname} computes (its value is the loss's targets)"))
                 continue
             if kind == "features" and top.node.name == "__init__" and top.owner is not None:
                 forward = index.methods(top.owner.name).get("forward")

@@ -73,6 +73,20 @@ def test_each_mask_defect_is_a_mismatch_of_its_rule_only(defect, invariant, obse
     assert all(v.status == "match" for k, v in verdicts.items() if k != invariant)
 
 
+def test_a_block_seeing_another_document_breaks_the_same_document_rule():
+    def doc_le(anchors, doc, block):  # doc[kv] <= doc[q] instead of ==
+        s, q = doc.shape[0], anchors.shape[0] * block
+        owner = torch.arange(q) // block
+        anchor = anchors[owner]
+        context = (torch.arange(s)[None] < anchor[:, None]) & (doc[None] <= doc[anchor][:, None])
+        return torch.cat([context, owner[:, None] == owner[None]], 1)
+
+    verdicts = judged_mask(doc_le)
+    assert verdicts["dflash.context_excludes_anchor"].status == "mismatch"
+    assert "another document's context" in verdicts["dflash.context_excludes_anchor"].observed
+    assert verdicts["dflash.blocks_isolated"].status == "match"
+
+
 def test_a_mask_mod_factory_is_evaluated_on_every_pair():
     def factory(anchors, doc_ids, block, seq_len):
         def mask_mod(b, h, q_idx, kv_idx):
@@ -95,10 +109,11 @@ def test_a_mask_without_document_ids_is_judged_on_one_document_rows():
 
     reading = px.read_mask(px.dense_mask(_call(no_docs, scene, lambda r, a: None).result, scene), scene, documents=False)
     alone = {v.invariant: v for v in px.judge_mask(reading, scene, False, None, "here", "")}
-    assert alone["dflash.blocks_isolated"].status == "match"  # rows hold one document: nothing to leak across
+    assert alone["dflash.context_excludes_anchor"].status == "match"  # rows hold one document: nothing to leak across
     packed = {v.invariant: v for v in px.judge_mask(reading, scene, False, "`doc_ids` at train.py:9", "here", "")}
-    assert packed["dflash.blocks_isolated"].status == "unknown"
-    assert "takes no document ids" in packed["dflash.blocks_isolated"].reason
+    assert packed["dflash.context_excludes_anchor"].status == "unknown"  # same document only: not exercised
+    assert "takes no document ids" in packed["dflash.context_excludes_anchor"].reason
+    assert packed["dflash.blocks_isolated"].status == "match"  # other blocks and later context were exercised
 
 
 def _weights_verdicts(weights, block, gamma_given=None, block_known=True):
@@ -205,11 +220,11 @@ def test_the_loss_kind_and_its_own_weights_from_the_gradient():
 def test_a_parameter_no_role_fits_is_not_bound_and_says_why():
     scene = px.make_scene(4)
 
-    def needs_a_model(model, anchors):
+    def needs_a_tokenizer(tokenizer, anchors):
         return anchors
 
-    with pytest.raises(BindError, match="cannot bind `model`"):
-        _call(needs_a_model, scene, lambda r, a: None)
+    with pytest.raises(BindError, match="cannot bind `tokenizer`"):
+        _call(needs_a_tokenizer, scene, lambda r, a: None)
 
 
 def test_trial_calls_find_the_shape_a_function_accepts():

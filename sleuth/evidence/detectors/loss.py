@@ -587,7 +587,8 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                 if is_zero_sel:
                     parent = an.parents.get(node)
                     if not (isinstance(parent, ast.Call) and call_name(parent) in {"where", "masked_fill"} and
-                            len(parent.args) >= 2 and (_is_zero(parent.args[1]) or call_name(parent) == "masked_fill")):
+                            len(parent.args) >= 2 and (_is_zero(parent.args[1]) or call_name(parent) == "masked_fill")) \
+                            and not _removed_by_complement(an, node):
                         continue
                 if not _in_loss_context(an, node) or not _in_weight_expression(an, node):
                     continue
@@ -773,6 +774,30 @@ def _other_branch_assignments(an: Analyzer, ref: ast.AST) -> list[tuple[ast.AST,
                 if name and name in an.functions and name != "partial":
                     out.append((alt, name))
     return out
+
+
+def _removed_by_complement(an: Analyzer, node: ast.AST) -> bool:
+    """`w - w * (k == 0)`, `w * (1 - (k == 0))`, `w * ~(k == 0)`: the weights with the selected slot taken away,
+    which is `w * (k != 0)` written as a complement."""
+    current, child = an.parents.get(node), node
+    while isinstance(current, ast.Attribute) and current.value is child and current.attr in {
+            "float", "to", "type_as", "long", "int", "double", "half"}:
+        call = an.parents.get(current)  # (k == 0).float()
+        if not (isinstance(call, ast.Call) and call.func is current):
+            return False
+        current, child = an.parents.get(call), call
+    if isinstance(current, ast.UnaryOp) and isinstance(current.op, ast.Invert):
+        return isinstance(an.parents.get(current), ast.BinOp) and isinstance(an.parents.get(current).op, ast.Mult)
+    if isinstance(current, ast.BinOp) and isinstance(current.op, ast.Sub) and current.right is child \
+            and const_number(current.left) == 1:
+        outer = an.parents.get(current)
+        return isinstance(outer, ast.BinOp) and isinstance(outer.op, ast.Mult)
+    if isinstance(current, ast.BinOp) and isinstance(current.op, ast.Mult):
+        other = current.left if current.right is child else current.right
+        outer = an.parents.get(current)
+        return (isinstance(outer, ast.BinOp) and isinstance(outer.op, ast.Sub) and outer.right is current
+                and ast.unparse(outer.left) == ast.unparse(other))
+    return False
 
 
 def _is_zero_prefix(node: ast.AST) -> bool:
@@ -1255,7 +1280,7 @@ def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
             parent = an.parents.get(parent)
         assigned = [leaf_name(t) for t in getattr(parent, "targets", [])]
         in_anchor_code = (func is not None and (set(tokens(func.name)) & (ANCHOR_TOKENS | {"anchor"}) or func.name in producers)) or any(
-            "anchor" in name_tags(n) for n in assigned)
+            "anchor" in name_tags(n) for n in assigned) or _helper_of_anchor_code(an, func, producers)
         if not in_anchor_code:
             continue
         replace = kwarg(node, "replace")
@@ -1276,6 +1301,19 @@ def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
             readings.append(reading_at(an, "dflash.anchor_sampling", "with replacement", node, 0.7,
                                      detail=f"anchors drawn with {name}: duplicates possible, not the reference rule"))
     return readings
+
+
+def _helper_of_anchor_code(an: Analyzer, func: ast.AST | None, producers: set[str]) -> bool:
+    """A helper the anchor sampler calls to draw its indices (`candidates[choose(n, k, gen)]`): its draw is the
+    anchors' draw, whatever the helper is called."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    for call in an.calls_named(func.name):
+        caller = an.enclosing_function(call)
+        if isinstance(caller, (ast.FunctionDef, ast.AsyncFunctionDef)) and caller is not func and (
+                set(tokens(caller.name)) & (ANCHOR_TOKENS | {"anchor"}) or caller.name in producers):
+            return True
+    return False
 
 
 def _uses_uniform_noise(an: Analyzer, node: ast.Call) -> bool:

@@ -166,25 +166,31 @@ class GenericSubject:
             return getattr(instance, piece["name"]), module, how
         raise BindError("; ".join(errors) or f"no concrete class to call {piece['qualname']} on")
 
-    def _instance(self, cls: type, scene: px.Scene) -> tuple[Any, str]:
+    def _instance(self, cls: type, scene: px.Scene, answer: Any = None) -> tuple[Any, str]:
         """An object to call a method on: a module built from its constructor with tiny sizes, else the class's
-        instance without __init__, whose missing attributes are answered from the roles and settings."""
-        if isinstance(cls, type) and issubclass(cls, nn.Module):
+        instance without __init__, whose missing attributes are answered from the roles and settings (a config
+        attribute, `self.cfg`, by a stand-in answering its options)."""
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and answer is None:
             instance, how = self.construct(cls, scene)
             return instance, f"self = {cls.__name__}({how})"
-        answer = self._answer(scene)
+        answer = answer or self._answer(scene)
         roles = px.scene_roles(scene, self.gamma)
 
         def fallback(obj: Any, name: str) -> Any:
             if name.startswith("__"):
                 raise AttributeError(name)
-            role = px.book(roles).role_for(name)
-            if role is not None:
-                value = role.variants[0][1]
-                return value() if getattr(value, "_sleuth_factory", False) else value
-            value = answer(name)
-            if value is NO_VALUE:
-                raise AttributeError(f"self.{name}: set by {cls.__name__}.__init__, which the probe does not run")
+            if _config_like_name(name):
+                value = RoleNamespace(answer, f"self.{name}")
+            else:
+                role = px.book(roles).role_for(name)
+                if role is not None:
+                    value = role.variants[0][1]
+                    value = value() if getattr(value, "_sleuth_factory", False) else value
+                else:
+                    value = answer(name)
+                    if value is NO_VALUE:
+                        raise AttributeError(f"self.{name}: set by {cls.__name__}.__init__, which the probe does not run")
+            obj.__dict__[name] = value  # the same object every time (self.target is one model, as in the run)
             return value
 
         stand_in = type(f"Probed{cls.__name__}", (cls,), {"__getattr__": fallback})
@@ -215,7 +221,7 @@ class GenericSubject:
         roles["num_features"] = px.Role("selected target layers", [("3", 3)])
         roles["hf_config"] = px.Role("a Qwen3Config of the target's sizes",
                                      [("Qwen3Config(hidden 32, 2 layers)", factory(lambda: _hf_config(t, 2)))])
-        roles["stand_in_target"] = px.Role("a stand-in causal LM", [("the probe's target", factory(lambda: StandInTarget(scene)))])
+        roles["stand_in_target"] = px.Role("a stand-in causal LM", [("the probe's target", factory(lambda: px.StandInTarget(scene)))])
         for name, value in (extra or {}).items():
             roles[name] = px.Role(name, [(f"the {name} built above", value)])
         extra_vocabulary = {
@@ -272,6 +278,8 @@ class GenericSubject:
                                             "num_selected", "n_feat")]}, drop=tuple(px.COMMON_VOCABULARY))
         if len(required) == 1 and _config_like_name(required[0]["name"]):
             return self._layer_rule_from_config(function, required[0]["name"], book, report)
+        if not required and piece.get("owner"):  # `self.layer_ids()`: the rule reads the depth and count off self.cfg
+            return self._layer_rule_from_self(piece, scene, book, report)
         if len(required) > 2 or not ints:
             raise BindError(f"{piece['qualname']} takes {len(required)} required parameters; a layer rule takes the "
                             "target's depth and a count")
@@ -303,6 +311,43 @@ class GenericSubject:
             self.layer_rule = (rule, report)
             return []
         raise BindError("no binding of the depth and the count gives k ids (" + "; ".join(errors[:2]) + ")")
+
+    def _layer_rule_from_self(self, piece: dict[str, Any], scene: px.Scene, book: Any, report: PieceReport) -> list[Verdict]:
+        asked: set[str] = set()
+        current: dict[str, int] = {}
+
+        def answer(option: str) -> Any:
+            asked.add(option)
+            if book.vocabulary["depth"][0](option.lower(), set()):
+                return current["depth"]
+            if book.vocabulary["count"][0](option.lower(), set()):
+                return current["k"]
+            return self.settings.get(option, NO_VALUE)
+
+        modules = self.plan.get("modules") or {}
+        cls_name = (piece.get("concrete") or [piece["owner"]])[0]
+        cls_module, _ = import_module((piece.get("class_modules") or {}).get(cls_name, piece["module"]),
+                                      modules.get((piece.get("class_modules") or {}).get(cls_name, piece["module"]), {}))
+        instance, _how = self._instance(getattr(cls_module, cls_name), scene, answer)
+
+        def call(depth: int, k: int) -> list[int]:
+            current.update(depth=depth, k=k)
+            out = getattr(instance, piece["name"])()
+            return out.tolist() if isinstance(out, Tensor) else list(out)
+
+        try:
+            ok = all(len(call(d, k)) == k for d, k in px.LAYER_TESTS)
+        except Exception as exc:
+            raise BindError(f"calling it on a stand-in self failed: {_one_line(exc)}") from None
+        if not ok:
+            raise BindError("self's depth and count options do not give k ids")
+        k_run = next((v for key, v in self.settings.items() if book.vocabulary["count"][0](key.lower(), set())
+                      and isinstance(v, int) and not isinstance(v, bool)), None)
+        rule = px.measure_layer_rule(call, k_run)
+        report.called = f"self = a {cls_name} whose options answer {', '.join(sorted(asked))}, for " + ", ".join(rule.observed)
+        report.binding = {"self": {"namespace": sorted(asked)}}
+        self.layer_rule = (rule, report)
+        return []
 
     def _layer_rule_from_config(self, function: Any, name: str, book: Any, report: PieceReport) -> list[Verdict]:
         """`select_layers(config)`: the rule reads the depth and the count off a config; the stand-in answers
@@ -338,40 +383,68 @@ class GenericSubject:
         return []
 
     def _probe_features(self, piece: dict[str, Any], report: PieceReport) -> list[Verdict]:
+        """Perturb each hidden state in turn (in the tuple handed over, or behind a stand-in target): which layers
+        the gather reads, and, when its output is the concatenation itself ([..., k*H]), where each one lands."""
         scene = px.make_scene(self.block)
         ids = px.reference_layer_ids(px.NUM_TARGET_LAYERS, 3)
         roles = px.scene_roles(scene, self.gamma)
 
+        def features(result: Any) -> Tensor | None:
+            if isinstance(result, (tuple, list)):
+                result = next((r for r in result if isinstance(r, Tensor) and r.is_floating_point()), None)
+            return result if isinstance(result, Tensor) and result.is_floating_point() else None
+
         def accept(result: Any, args: dict[str, Any]) -> str | None:
-            return None if isinstance(result, Tensor) and result.is_floating_point() else "not a feature tensor"
+            return None if features(result) is not None else "not a feature tensor"
 
         call, called = self._bind_and_call(piece, scene, px.book(roles), accept)
+        report.called = called
         function = self.last_function
-        base = call.result.detach()
-        read = []
+        if not any((meta or {}).get("role") == "layer_ids" for meta in call.binding.values()):
+            raise BindError(f"{piece['qualname']} selects its own layers (no layer ids are passed in): which layers "
+                            "it should read is not known here")
+        base = features(call.result).detach()
+        read, columns = [], {}
         for layer in range(len(scene.hidden_states)):
+            noise = 3.0 * torch.randn(scene.hidden_states[layer].shape, generator=torch.Generator().manual_seed(layer))
             args = dict(call.arguments)
             for name, value in args.items():
                 if isinstance(value, tuple) and len(value) == len(scene.hidden_states):
                     noisy = list(value)
-                    noisy[layer] = noisy[layer] + 3.0 * torch.randn(noisy[layer].shape, generator=torch.Generator().manual_seed(layer))
+                    noisy[layer] = noisy[layer] + noise.reshape(noisy[layer].shape)
                     args[name] = tuple(noisy)
-            out = function(**args)
-            if (out.detach() - base).abs().max().item() > 1e-6 * max(base.abs().max().item(), 1e-12):
+                elif isinstance(value, px.StandInTarget):
+                    noisy = list(scene.hidden_states)
+                    noisy[layer] = noisy[layer] + noise
+                    value.hidden_states = tuple(noisy)
+            out = features(function(**args)).detach()
+            for value in args.values():
+                if isinstance(value, px.StandInTarget):
+                    value.hidden_states = scene.hidden_states
+            moved = (out - base).abs().reshape(-1, out.shape[-1]).amax(0)
+            if moved.max().item() > 1e-6 * max(base.abs().max().item(), 1e-12):
                 read.append(layer)
-        report.called = called
+                columns[layer] = (moved > 0).nonzero().flatten().tolist()
         self.layer_reads = (ids, read, report)
         v = px.verdict("dflash.fc_input_layers", "features", report.where, called,
-                       hypothesis=f"the gather reads all {len(ids)} selected layers",
+                       hypothesis=f"the gather reads all {len(ids)} selected layers, concatenated layer after layer",
                        threshold="a layer is read when perturbing it changes the output",
                        measurement=f"hidden_states read: {read} (ids given {ids})", expected=f"{len(ids)} of {len(ids)} read",
                        measured={"read": read, "ids": ids},
                        exercised=f"each of the {len(scene.hidden_states)} hidden states perturbed in turn")
-        if len(read) == len(ids):
-            v.status, v.observed = "match", f"all {len(ids)} selected layers read"
-        else:
+        h = scene.hidden
+        if len(read) != len(ids):
             v.status, v.observed = "mismatch", f"{len(read)} of {len(ids)} selected layers read (hidden_states {read})"
             v.fix = "Concatenate every selected layer into fc: Linear(k*H, H) over all k target_layer_ids."
+        elif base.shape[-1] == len(ids) * h and any(columns[layer] != list(range(j * h, (j + 1) * h))
+                                                     for j, layer in enumerate(read)):
+            v.status = "mismatch"
+            v.observed = ("all selected layers read, but not concatenated layer after layer: each layer's features land "
+                          f"in columns {columns[read[0]][:4]}... (interleaved), not in a block of {h}")
+            v.fix = "Concatenate the selected layers on the last dim (cat, not stack + flatten)."
+        else:
+            v.status, v.observed = "match", f"all {len(ids)} selected layers read" + (
+                ", each in its own block of columns" if base.shape[-1] == len(ids) * h else "")
         return [v]
 
     def _probe_mask(self, piece: dict[str, Any], report: PieceReport) -> list[Verdict]:
@@ -520,7 +593,9 @@ class GenericSubject:
 
         call, called = self._bind_and_call(piece, scene, book, accept)
         report.called = called
-        takes_weights = any(book.role_for(p["name"]) is roles["weights"] for p in piece["params"])
+        # weights passed in, or per-slot losses the caller weighs: slot 0 and gamma are decided where they are applied
+        per_slot = isinstance(call.result, Tensor) and call.result.numel() == inputs.logits.shape[0] * inputs.logits.shape[1]
+        takes_weights = per_slot or any(book.role_for(p["name"]) is roles["weights"] for p in piece["params"])
         known = self._block_known(piece, scene.block)
         if not full_row:
             return px.judge_loss(grads[-1], inputs, scene, takes_weights, self.expectations, report.where, called, known)
@@ -533,6 +608,7 @@ class GenericSubject:
 
     def _probe_optimizer(self, piece: dict[str, Any], report: PieceReport) -> list[Verdict]:
         scene = px.make_scene(self.block)
+        self.trainer_objects: dict[str, Any] = {}  # class name -> the one stand-in object its methods run on
         drafter, built = self._drafter(scene)
         vocab_params = _vocab_parameters(drafter, scene)
         executed: set[tuple[str, int]] = set()
@@ -555,6 +631,12 @@ class GenericSubject:
                                       "the target's: whether the target is frozen is read statically)")]
         grad_sites = self.plan.get("grad_sites") or []
         unrun = [site for site in grad_sites if (site.split(":")[0], int(site.split(":")[1])) not in executed]
+        if unrun:  # the path's other freezing steps, run on the same objects (a hook on the trainer, a function of it)
+            owner = getattr(getattr(self, "last_function", None), "__self__", None)
+            with _record_calls(executed):
+                for site in unrun:
+                    self._run_grad_site(site, owner, scene, drafter, report)
+            unrun = [site for site in grad_sites if (site.split(":")[0], int(site.split(":")[1])) not in executed]
         report.called = called + (f"; after {', '.join(freezes)}" if freezes else "")
         before = {name: p.detach().clone() for name, p in vocab_params.items()}
         for p in drafter.parameters():
@@ -581,18 +663,59 @@ class GenericSubject:
             v.status, v.observed = "match", "embeddings and lm_head unchanged; the drafter's other weights train"
         return [v]
 
+    def _run_grad_site(self, site: str, owner: Any, scene: px.Scene, drafter: nn.Module, report: PieceReport) -> None:
+        """Run a function on the path that sets requires_grad: a method of the trainer object the optimizer came
+        from (on that object), or a function taking the drafter."""
+        file, _line, qualname = site.split(":", 2)
+        parts = qualname.split(".")
+        try:
+            if len(parts) == 2 and owner is not None and parts[0] in {c.__name__ for c in type(owner).__mro__}:
+                method = getattr(owner, parts[1])
+                import inspect
+
+                if not [p for p in inspect.signature(method).parameters.values() if p.default is p.empty]:
+                    method()
+            elif len(parts) == 1:
+                module = next((sys.modules[name] for name, info in (self.plan.get("modules") or {}).items()
+                               if info.get("file") == file and name in sys.modules), None)
+                function = getattr(module, parts[0], None) if module is not None else None
+                params = [{"name": n, "kind": "positional", "has_default": False, "annotation": ""}
+                          for n in (function.__code__.co_varnames[: function.__code__.co_argcount] if function else [])]
+                if function is not None:
+                    self._call_with_drafter(function, {"params": params}, scene, drafter)
+        except Exception as exc:
+            report.detail += f"{qualname} not run ({_one_line(exc)}); "
+
     def _drafter(self, scene: px.Scene) -> tuple[nn.Module, str]:
+        """The drafter as the run builds it: its builder (a trainer's method on the shared stand-in object, or a
+        function) before its bare constructor, whose embedding / head arguments would be sleuth's."""
         errors = []
-        for piece in [p for p in self.plan.get("pieces") or [] if p["kind"] == "drafter"]:
-            try:  # a drafter class (its constructor) or a builder function, called with tiny sizes
-                function, _module, _how = self._callable(piece, scene)
-                built, how = self.construct(function, scene)
+        pieces = [p for p in self.plan.get("pieces") or [] if p["kind"] == "drafter"]
+        pieces.sort(key=lambda p: p["name"] == "__init__")
+        for piece in pieces:
+            try:
+                if piece.get("owner") and piece["name"] != "__init__":
+                    built, how = self._shared_method(piece, scene)(), "its own method"
+                else:  # a drafter class (its constructor) or a builder function, called with tiny sizes
+                    function, _module, _how = self._callable(piece, scene)
+                    built, how = self.construct(function, scene)
             except Exception as exc:
                 errors.append(f"{piece['qualname']}: {_one_line(exc)}")
                 continue
             if isinstance(built, nn.Module):
                 return built, f"{piece['qualname']}({how})"
         raise BindError("no drafter module could be built (" + ("; ".join(errors[:2]) or "none located") + ")")
+
+    def _shared_method(self, piece: dict[str, Any], scene: px.Scene) -> Any:
+        """The method bound to the one stand-in object of its concrete class (shared by the optimizer experiment's
+        steps, as the run's steps share `self`)."""
+        modules = self.plan.get("modules") or {}
+        cls_name = (piece.get("concrete") or [piece["owner"]])[0]
+        if cls_name not in self.trainer_objects:
+            module_name = (piece.get("class_modules") or {}).get(cls_name, piece["module"])
+            cls_module, _ = import_module(module_name, modules.get(module_name, {}))
+            self.trainer_objects[cls_name], _how = self._instance(getattr(cls_module, cls_name), scene)
+        return getattr(self.trainer_objects[cls_name], piece["name"])
 
     def _call_with_drafter(self, function: Any, piece: dict[str, Any], scene: px.Scene, drafter: nn.Module) -> Any:
         book = self._constructor_book(scene, {"drafter": drafter})
@@ -601,7 +724,10 @@ class GenericSubject:
         return _call_piece(function, slots, lambda result, _a: None)
 
     def _optimizer(self, piece: dict[str, Any], scene: px.Scene, drafter: nn.Module) -> tuple[Any, str]:
-        function, module, self_how = self._callable(piece, scene)
+        if piece.get("owner") and piece["name"] != "__init__" and not piece.get("owner_is_module"):
+            function, module, self_how = self._shared_method(piece, scene), None, "self = the stand-in trainer object"
+        else:
+            function, module, self_how = self._callable(piece, scene)
         if self_how and piece.get("owner"):
             instance = function.__self__
             for attr in ("drafter", "model", "draft", "net", "module", "draft_model", "student"):
@@ -617,7 +743,7 @@ class GenericSubject:
             return None if _find_optimizer(result) is not None else "no optimizer in the result"
 
         call = _call_piece(function, slots, accept)
-        self.last_call = call
+        self.last_call, self.last_function = call, function
         return _find_optimizer(call.result), (f"{self_how}; " if self_how else "") + call.described()
 
     # --- layer ids: the rule and how its ids index the hidden states ------------------------------------------
@@ -714,9 +840,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _hf_config(target: Any, layers: int) -> Any:
-    config = target.qwen3_config(num_hidden_layers=layers)
-    config._attn_implementation = "eager"
-    return config
+    return px.hf_config(target, layers)
 
 
 def _vocab_parameters(module: nn.Module, scene: px.Scene) -> dict[str, nn.Parameter]:
@@ -801,29 +925,3 @@ class _record_calls:
 
     def __exit__(self, *exc: Any) -> None:
         sys.setprofile(self.previous)
-
-
-class StandInTarget(nn.Module):
-    """What a trainer needs from a Hugging Face causal LM, answering with the scene's tensors."""
-
-    def __init__(self, scene: px.Scene) -> None:
-        super().__init__()
-        modules = px.target_modules(scene)
-        self.config = _hf_config(scene.target, scene.target.num_layers)
-        self.model = nn.Module()
-        self.model.embed_tokens = modules["embed"]
-        self.model.norm = modules["norm"]
-        self.lm_head = modules["lm_head"]
-        self.scene = scene
-        self.requires_grad_(False)
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.embed_tokens
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
-
-    def forward(self, *_args: Any, **_kwargs: Any) -> SimpleNamespace:
-        scene = self.scene
-        return SimpleNamespace(logits=scene.logits, hidden_states=scene.hidden_states,
-                               last_hidden_state=scene.hidden_states[-1])
