@@ -103,7 +103,7 @@ class Subject:
         # your training step: `hidden = drafter(block, gather_context(out.hidden_states, layer_ids), positions, block_visibility(anchors, batch['doc_ids'], b))` (anyprobe/tiny_dflash.py:181)
         block_positions = tiny_dflash.block_position_ids(position_ids=batch.position_ids, anchors=batch.anchors, block_size=BLOCK_SIZE)  # anyprobe/tiny_dflash.py:56
         # your training step: `positions = torch.cat([batch['position_ids'], block_position_ids(batch['position_ids'], anchors, b)], dim=1)` (anyprobe/tiny_dflash.py:179)
-        positions = torch.cat([batch.position_ids, block_positions.reshape(n, -1)], dim=1)  # TODO(sleuth): check: what your drafter's positions hold
+        positions = torch.cat([batch.position_ids, block_positions.reshape(n, -1)], dim=1)  # check: sleuth joins the context's and the block's positions
         hidden = self.drafter(block_embeddings=x, context_features=features, position_ids=positions, visible=mask)  # Drafter.forward (anyprobe/tiny_dflash.py:145)
         return hooks.draft_logits(self.lm_head(hidden)).view(n, a, BLOCK_SIZE, -1)
 

@@ -943,7 +943,31 @@ class Analyzer:
             found = self.defs_of(node)
             if found and found[0] and len(found[0]) == 1:
                 return self.literal(found[0][0], depth + 1)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and self._parsed_args(node.value):
+            default = self.argparse_defaults().get(node.attr)  # args.hs_offset: the option's default
+            return self.literal(default, depth + 1) if default is not None else MISSING
         return MISSING
+
+    def argparse_defaults(self) -> dict[str, ast.expr]:
+        """dest -> default expression of every `add_argument` call in the analysed code (`--hs-offset` -> hs_offset)."""
+        def compute() -> dict[str, ast.expr]:
+            found: dict[str, ast.expr] = {}
+            for call in self.calls_named("add_argument"):
+                flags = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                dest = kwarg(call, "dest")
+                name = dest.value if isinstance(dest, ast.Constant) else next(
+                    (f.lstrip("-").replace("-", "_") for f in flags if f.startswith("--")), None)
+                default = kwarg(call, "default")
+                if name and default is not None:
+                    found.setdefault(name, default)
+            return found
+        return self.memo("argparse-defaults", compute)
+
+    def _parsed_args(self, node: ast.Name) -> bool:
+        """Whether a name holds what `parser.parse_args()` returned."""
+        found = self.defs_of(node)
+        return bool(found and found[0] and all(isinstance(d, ast.Call) and call_name(d) in {"parse_args", "parse_known_args"}
+                                               for d in found[0]))
 
 
 VARIANT = "<variant branch>"
