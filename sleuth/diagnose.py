@@ -111,7 +111,7 @@ AGENT_STEPS = frozenset({
     "read-run", "regression", "load-playbook", "resolve-reference", "read-config", "locate-checkpoint",
     "locate-code", "check-invariants", "look-for-evidence", "recheck-invariants", "merge-findings",
     "check-contract", "rank-findings", "draw-chart", "write-report", "run-probes", "apply-probes",
-    "check-speculators-config",
+    "check-speculators-config", "located-piece",
 })
 
 

@@ -368,6 +368,36 @@ class Analyzer:
             self.by_type.setdefault(ast.Compare, []).append(compare)
             self.all_nodes.append(compare)
 
+    def overridden_everywhere(self, scope: str | None) -> bool:
+        """Whether a method (`Class.method`, a reading's scope) never runs: its class is abstract (an
+        unimplemented @abstractmethod remains) and every subclass in the analysed code overrides the method.
+        A base class's correct hook never vouches for the override that runs instead."""
+        if not scope or "." not in scope:
+            return False
+        parts = scope.split(".")
+        owner, method = parts[-2], parts[-1]
+        classes = self.memo("classes-by-name", lambda: {n.name: n for n in self.by_type.get(ast.ClassDef, [])})
+        if owner not in classes:
+            return False
+        subclasses = [c for c in classes.values() if owner in {leaf_name(b) for b in c.bases}]
+        if not subclasses or not self._abstract_class(owner, classes):
+            return False
+
+        def defines(cls: ast.ClassDef) -> bool:
+            return any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == method for s in cls.body)
+
+        return all(defines(c) for c in subclasses)
+
+    def _abstract_class(self, name: str, classes: dict[str, ast.ClassDef], depth: int = 0) -> bool:
+        cls = classes.get(name)
+        if cls is None or depth > 8:
+            return False
+        for stmt in cls.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    leaf_name(d) == "abstractmethod" for d in stmt.decorator_list):
+                return True
+        return any(self._abstract_class(leaf_name(b), classes, depth + 1) for b in cls.bases)
+
     def memo(self, key: object, compute):  # noqa: ANN001, ANN201 - any zero-argument callable
         """A value computed once per analysis (detectors that share work, e.g. fc and fc_norm)."""
         if key not in self._cache:
@@ -913,7 +943,31 @@ class Analyzer:
             found = self.defs_of(node)
             if found and found[0] and len(found[0]) == 1:
                 return self.literal(found[0][0], depth + 1)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and self._parsed_args(node.value):
+            default = self.argparse_defaults().get(node.attr)  # args.hs_offset: the option's default
+            return self.literal(default, depth + 1) if default is not None else MISSING
         return MISSING
+
+    def argparse_defaults(self) -> dict[str, ast.expr]:
+        """dest -> default expression of every `add_argument` call in the analysed code (`--hs-offset` -> hs_offset)."""
+        def compute() -> dict[str, ast.expr]:
+            found: dict[str, ast.expr] = {}
+            for call in self.calls_named("add_argument"):
+                flags = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                dest = kwarg(call, "dest")
+                name = dest.value if isinstance(dest, ast.Constant) else next(
+                    (f.lstrip("-").replace("-", "_") for f in flags if f.startswith("--")), None)
+                default = kwarg(call, "default")
+                if name and default is not None:
+                    found.setdefault(name, default)
+            return found
+        return self.memo("argparse-defaults", compute)
+
+    def _parsed_args(self, node: ast.Name) -> bool:
+        """Whether a name holds what `parser.parse_args()` returned."""
+        found = self.defs_of(node)
+        return bool(found and found[0] and all(isinstance(d, ast.Call) and call_name(d) in {"parse_args", "parse_known_args"}
+                                               for d in found[0]))
 
 
 VARIANT = "<variant branch>"

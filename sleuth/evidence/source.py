@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sleuth.evidence.ast_index import (
@@ -23,6 +23,7 @@ from sleuth.evidence.ast_index import (
     load_units,
     parse_texts,
 )
+from sleuth.evidence.harness import harness_units
 from sleuth.evidence.registry import code_detectors
 
 __all__ = ["CodeReading", "SourceError", "SourceFacts", "Unit", "analyse_path", "analyse_texts", "analyse_units"]
@@ -33,22 +34,28 @@ class SourceFacts:
     readings: dict[str, list[CodeReading]]
     errors: list[SourceError]
     files: list[str]
+    # Files left out because they are a probe harness, not the implementation (path -> why).
+    excluded: dict[str, str] = field(default_factory=dict)
 
 
-def analyse_units(units: list[Unit], errors: list[SourceError] | None = None) -> SourceFacts:
+def analyse_units(units: list[Unit], errors: list[SourceError] | None = None, *,
+                  entry_modules: tuple[str, ...] = ()) -> SourceFacts:
+    """Every detector over `units`, less the probe harness among them (sleuth/evidence/harness.py)."""
     errors = list(errors or [])
+    excluded = harness_units(units, entry_modules)
+    units = [u for u in units if u.path not in excluded]
     readings: dict[str, list[CodeReading]] = {}
     if units:
         an = Analyzer(units)
         errors += an.too_deep
         for key, entry in code_detectors().items():
             try:
-                readings[key] = _dedupe(entry.func(an))
+                readings[key] = _dedupe(entry.func(an), an)
             except RecursionError:
                 errors.append(SourceError("<analysis>", f"{key}: analysis too deep"))
                 readings[key] = []
     skipped = {e.path for e in errors}
-    return SourceFacts(readings, errors, [u.path for u in units if u.path not in skipped])
+    return SourceFacts(readings, errors, [u.path for u in units if u.path not in skipped], excluded)
 
 
 # Other algorithms' code (EAGLE, Domino, DSpark, DFlash2...) never counts as DFlash evidence: the patterns
@@ -56,11 +63,13 @@ def analyse_units(units: list[Unit], errors: list[SourceError] | None = None) ->
 _in_variant_file = in_variant_file
 
 
-def _dedupe(readings: list[CodeReading]) -> list[CodeReading]:
+def _dedupe(readings: list[CodeReading], an: Analyzer | None = None) -> list[CodeReading]:
     seen, out = set(), []
     for r in readings:
         if _in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or "") or r.mode == "variant":
             continue
+        if an is not None and an.overridden_everywhere(r.scope):
+            continue  # a base class's hook that every subclass overrides never runs
         key = (r.path, r.line, str(r.value), r.mode)
         if key not in seen:
             seen.add(key)
@@ -68,9 +77,9 @@ def _dedupe(readings: list[CodeReading]) -> list[CodeReading]:
     return out
 
 
-def analyse_path(code: Path) -> SourceFacts:
+def analyse_path(code: Path, entry_modules: tuple[str, ...] = ()) -> SourceFacts:
     units, errors = load_units(code)
-    return analyse_units(units, errors)
+    return analyse_units(units, errors, entry_modules=entry_modules)
 
 
 def analyse_texts(texts: Iterable[tuple[str, str, str | None]]) -> SourceFacts:

@@ -122,7 +122,7 @@ def detect(path: Path) -> str | None:
 
 def read_specforge_run(path: Path) -> Any:
     """A sleuth `RunInfo` for a SpecForge directory, or None when `path` is not one."""
-    from sleuth.runs import RunInfo
+    from sleuth.run_info import RunInfo
 
     kind = detect(path)
     if kind is None:

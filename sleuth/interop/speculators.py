@@ -136,7 +136,7 @@ def read_speculators_run(path: Path) -> Any:
     A from_pretrained directory (config + weights only) is left to the generic reader, which knows
     exported drafters; its config is still checked in speculators' conventions (`interop` is set).
     """
-    from sleuth.runs import RunInfo
+    from sleuth.run_info import RunInfo
 
     kind = detect(path)
     if kind is None or kind == "pretrained":

@@ -123,7 +123,9 @@ class _Run:
             with self.trace.step("analyse-code", path=str(self.code)) as step:
                 self._code_facts = analyse_path(self.code)
                 bad = ", ".join(f"{e.path} ({e.message})" for e in self._code_facts.errors)
-                step.outcome = f"{len(self._code_facts.files)} file(s) parsed statically" + (f"; not analysed: {bad}" if bad else "")
+                harness = ", ".join(f"{path} ({why})" for path, why in self._code_facts.excluded.items())
+                step.outcome = f"{len(self._code_facts.files)} file(s) parsed statically" + (
+                    f"; not analysed: {bad}" if bad else "") + (f"; not the implementation: {harness}" if harness else "")
         return self._code_facts
 
     # --- checkpoint ------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ Policy (consent, like `trust_remote_code`: code runs when the user asked, or whe
     point; any other run's code runs only with `--probe`; `--no-probe` turns probing off. A run recorded
     before the entry point existed gets `unknown` probe verdicts saying so;
   * `--code PATH`: probed only with `--probe` (running code the user pointed at is their decision);
-    speculators and SpecForge sources are recognised by their layout, anything else needs `--probe-entry`;
+    speculators and SpecForge sources are recognised by their layout; any other trainer is probed without an
+    adapter: its pieces are located statically and called one by one (sleuth/probes/locate.py) on a copy of
+    its tree, isolated like every other subject, each a `located-piece` step in the trace;
   * `--probe-entry module:function`: the user's own protocol object, probed (it is an explicit request);
   * fetched reference code is never run: probes only ever touch the code under diagnosis.
 Whatever runs, runs isolated (runner.py, sandbox.py); before it runs, `announce` hears what will run, in
@@ -115,6 +117,13 @@ def probe_findings(
             step.outcome = (f"{plan.subject}: {len(outcome.verdicts)} verdicts, {decided} decided; experiments "
                             f"{experiments:.2f} s, imports and set-up {setup:.2f} s, process {outcome.wall_s:.2f} s"
                             f"{isolation}")
+    for piece in (outcome.info or {}).get("pieces") or []:  # probes without an adapter: where, how, what decided
+        with trace.step("located-piece", kind=piece["kind"], where=piece["where"], piece=piece["qualname"],
+                        found_by=piece["found_by"], used_by=piece["used_by"]) as step:
+            decided = f"; decides {', '.join(i.split('.', 1)[1] for i in piece['decided'])}" if piece.get("decided") else ""
+            step.outcome = f"{piece['qualname']} ({piece['where']}): {piece['outcome']}" + (
+                f", called with {piece['called']}" if piece.get("called") else "") + (
+                f": {piece['detail']}" if piece.get("detail") else "") + decided
     merged, changed = apply_probes(findings, outcome, trace)
     with trace.step("apply-probes", changed=changed) as step:
         step.outcome = (f"the probe decided {', '.join(changed)} against the static reading" if changed

@@ -101,6 +101,10 @@ class ProbeOutcome:
     code_files: int = 0
     isolation: Isolation | None = None
     notes: list[str] = field(default_factory=list)  # what the copy left out, the isolation's fallback, ...
+    # Beyond verdicts (validated like them, answer.ProbeAnswer): `sleuth probe check`'s one line per method,
+    # and the protocol methods an entry does not provide (method -> why).
+    checks: dict[str, str] | None = None
+    not_provided: dict[str, str] = field(default_factory=dict)
 
     @property
     def ran(self) -> bool:
@@ -144,8 +148,34 @@ def plan_for_code(code: Path, config: dict[str, Any] | None) -> ProbePlan:
                 spec = {"subject": kind, "package_dir": str(candidate), "sys_path": [str(candidate.parent)],
                         "context": {"config": config}}
                 return ProbePlan(f"{kind} at {candidate}", spec=spec, copy=CodeCopy(candidate.parent, only=package))
-    return ProbePlan(f"code at {code}", reason=f"{code} is neither speculators nor SpecForge source and no "
-                     "--probe-entry module:function was given, so sleuth has no way to run it")
+    # Any other trainer: its pieces are located statically and called one by one (sleuth/probes/locate.py).
+    from sleuth.probes.locate import locate
+
+    located = locate(code, config)
+    if not located.pieces:
+        return ProbePlan(f"code at {code}", reason=f"{code} is neither speculators nor SpecForge source, and sleuth "
+                         "located no DFlash piece in it to call; give --probe-entry module:function "
+                         "(`sleuth probe init --code PATH` writes one)")
+    return plan_for_located(code, located, config)
+
+
+def plan_for_located(code: Path, located: Any, config: dict[str, Any] | None) -> ProbePlan:
+    """The located pieces of `code` (a locate.Located), called in the child on a copy of the tree they are in.
+    The copy holds every import root the pieces need: a package's root is the folder above its top
+    `__init__.py`, which can be above `code` itself (then only the branch that leads to `code` is copied)."""
+    code = Path(code).resolve()
+    base = code if code.is_dir() else code.parent
+    plan = located.to_json()
+    spec = {"subject": "generic", "plan": plan, "sys_path": list(located.sys_path), "context": {"config": config}}
+    above = [Path(root) for root in located.sys_path if Path(root) == base or Path(root) in base.parents]
+    top = min(above, key=lambda root: len(root.parts)) if above else base
+    if top != base:
+        copy = CodeCopy(top, only=base.relative_to(top).parts[0], python_only=True)
+    elif code.is_file():
+        copy = CodeCopy(base, only=code.name, python_only=True)
+    else:
+        copy = CodeCopy(base, python_only=True)
+    return ProbePlan(f"located pieces of {code}", spec=spec, copy=copy)
 
 
 def check_entry(entry: str) -> None:
@@ -253,10 +283,10 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
             last = safe_text((finished.stderr_tail.strip().splitlines() or [""])[-1].strip())[:300]
             ending = finished.ending(limits)
             return _failed(outcome, f"the probe process ended without an answer ({last or ending})")
-        if not answer.verdicts and not answer.error:
+        if not answer.verdicts and not answer.error and answer.checks is None:
             return _failed(outcome, "the probe's answer holds no verdict and no error: no experiment ran")
-        outcome.info, outcome.seconds, outcome.error = answer.subject, answer.seconds, answer.error
-        outcome.verdicts = answer.verdicts
+        outcome.info, outcome.seconds, outcome.error = answer.subject_info(), answer.seconds, answer.error
+        outcome.verdicts, outcome.checks, outcome.not_provided = answer.verdicts, answer.checks, answer.not_provided
     finally:
         box.remove()
         outcome.wall_s = round(time.perf_counter() - started, 3)
@@ -308,15 +338,26 @@ def _fill_box(plan: ProbePlan, box: Box, outcome: ProbeOutcome) -> dict[str, Any
         files = copy_code(plan.copy, box.code, outcome.notes)
         outcome.code_files, outcome.code_sha256 = len(files), tree_sha256(files)
         host_root = str(plan.copy.source)
-        spec["sys_path"] = [str(box.code) if root == host_root else root for root in spec.get("sys_path") or []]
-        for key in ("package_dir",):
-            if key in spec:
-                spec[key] = _moved(spec[key], host_root, box.code)
-        spec["require_under"] = {name: _moved(path, host_root, box.code)
-                                 for name, path in (spec.get("require_under") or {}).items()}
+
+        def moved(path: str) -> str:
+            return _moved(path, host_root, box.code)
+
+        # Every path the child is given names the copy: it never reads the user's tree (a root outside the
+        # copy is dropped, not handed over).
+        roots = [moved(root) for root in spec.get("sys_path") or []]
+        spec["sys_path"] = [root for root in roots if _inside(root, box.code)]
+        if "package_dir" in spec:
+            spec["package_dir"] = moved(spec["package_dir"])
+        spec["require_under"] = {name: moved(path) for name, path in (spec.get("require_under") or {}).items()}
         context = spec.get("context") or {}
         if context.get("code"):
-            context["code"] = _moved(context["code"], host_root, box.code)
+            context["code"] = moved(context["code"])
+        located = spec.get("plan")
+        if isinstance(located, dict):  # the generic subject: the located pieces' modules, by file
+            located["root"] = moved(located.get("root") or host_root)
+            located["sys_path"] = [root for root in map(moved, located.get("sys_path") or []) if _inside(root, box.code)]
+            for info in (located.get("modules") or {}).values():
+                info["file"] = moved(info.get("file") or "")
     if plan.run_dir is not None:
         for name in RUN_FILES:
             _copy_run_file(plan.run_dir / name, box.run / name, outcome.notes)
@@ -326,6 +367,10 @@ def _fill_box(plan: ProbePlan, box: Box, outcome: ProbeOutcome) -> dict[str, Any
     (box.lib / "sleuth" / "__init__.py").write_bytes((SLEUTH_PACKAGE / "__init__.py").read_bytes())
     copy_code(CodeCopy(SLEUTH_PACKAGE, only="probes"), box.lib / "sleuth", [], worker=True)
     return spec
+
+
+def _inside(path: str, root: Path) -> bool:
+    return path == str(root) or path.startswith(str(root).rstrip("/") + "/")
 
 
 def _moved(path: str, host_root: str, box_root: Path) -> str:

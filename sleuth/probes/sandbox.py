@@ -350,16 +350,30 @@ def run_confined(argv: list[str], *, box: Box, env: dict[str, str], read_paths: 
     raise SandboxError("no isolation level could start the probe: " + "; ".join(skipped))
 
 
-def planned_level() -> str:
-    """The level the next probe will get (unless its set-up fails), in words, for the consent message."""
+def _planned() -> str | None:
     requested = os.environ.get(ISOLATION_ENV, "auto").strip().lower() or "auto"
     for level in (ISOLATION_LEVELS if requested == "auto" else (requested,)):
         if _unavailable(level) is None:
-            if level == "process":
-                return ("process only (no namespaces on this machine: the code can reach the network and your "
-                        "files; scratch HOME, no secrets in its environment, limits, killed at the end)")
-            return f"{level} (no network, read-only view without your home or the run, own PID namespace, no privileges)"
-    return f"none available ({requested})"
+            return level
+    return None
+
+
+def planned_level() -> str:
+    """The level the next probe will get (unless its set-up fails), in words, for the consent message."""
+    level = _planned()
+    if level is None:
+        return f"none available ({os.environ.get(ISOLATION_ENV, 'auto')})"
+    if level == "process":
+        return ("process only (no namespaces on this machine: the code can reach the network and your "
+                "files; scratch HOME, no secrets in its environment, limits, killed at the end)")
+    return f"{level} (no network, read-only view without your home or the run, own PID namespace, no privileges)"
+
+
+def weak_isolation_warning() -> str | None:
+    """What the user must hear before code runs at the process level; None where namespaces isolate it."""
+    if _planned() != "process":
+        return None
+    return ("this machine allows only process-level isolation: the code can reach the network and your files")
 
 
 def _unavailable(level: str) -> str | None:
@@ -585,4 +599,4 @@ def _tail(path: Path) -> str:
 
 __all__ = ["ISOLATION_ENV", "ISOLATION_LEVELS", "Box", "Finished", "InterpreterFacts", "Isolation", "Limits",
            "SandboxError", "child_environment", "describe_level", "filesystem_ops", "interpreter_facts",
-           "planned_level", "read_paths_for", "run_confined"]
+           "planned_level", "read_paths_for", "run_confined", "weak_isolation_warning"]

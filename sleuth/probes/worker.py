@@ -79,6 +79,10 @@ def load_subject(spec: dict[str, Any]) -> Any:
         from sleuth.probes.adapters.specforge import SpecForgeSubject
 
         return SpecForgeSubject(spec["package_dir"], spec.get("context") or {})
+    if kind == "generic":
+        from sleuth.probes.adapters.generic import GenericSubject
+
+        return GenericSubject(spec)
     raise ValueError(f"unknown probe subject kind {kind!r}")
 
 
@@ -86,6 +90,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from sleuth.probes.experiments import EXPERIMENTS, Lab, randomize_drafter
+    from sleuth.probes.protocol import PROBE_NEEDS, NotProvided, PartialSubject, check_description
     from sleuth.probes.target import make_target
     from sleuth.probes.verdict import DECIDES, Expectations, Verdict
 
@@ -94,30 +99,57 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     answer: dict[str, Any] = {"subject": None, "verdicts": [], "error": None, "python": sys.executable,
                               "torch": torch.__version__, "seconds": {}}
     started = time.perf_counter()
+    expectations = Expectations.from_json(spec.get("expectations"))
     try:
-        subject = load_subject(spec)
-        info = dict(subject.describe())
+        loaded = load_subject(spec)
+        if spec.get("mode") == "check":  # `sleuth probe check`: the entry's conformance, no experiment
+            from sleuth.probes.conformance import check_subject
+
+            answer["checks"] = check_subject(loaded, seed)
+            return answer
+        if spec["subject"] == "generic":  # located pieces called one by one (sleuth/probes/adapters/generic.py)
+            return loaded.run(answer, expectations, seed, started)
+        # Every protocol method is optional: one the entry lacks makes the experiments needing it unknown.
+        subject = PartialSubject(loaded)
+        absent = {method: NotProvided(method) for method in subject.missing()}  # method -> why
+        info = check_description(subject.describe())
         answer["subject"] = info
         target = make_target(int(info["num_target_layers"]), seed)
         torch.manual_seed(seed)
-        subject.build(target)
-        randomize_drafter(subject, target, seed + 7)
-        lab = Lab(subject, info, target, Expectations.from_json(spec.get("expectations")), seed)
-        again = lab.logits()
-        if not torch.equal(again, lab.baseline):
-            raise RuntimeError("the drafter's logits differ between two identical calls: its forward is not deterministic")
+        lab = Lab(subject, info, target, expectations, seed)
+        for step in ("build", "parameters", "draft_logits"):
+            if step in absent or (step != "build" and "build" in absent):
+                continue
+            try:
+                if step == "build":
+                    subject.build(target)
+                elif step == "parameters":
+                    randomize_drafter(subject, target, seed + 7)
+                elif not torch.equal(lab.logits(), lab.baseline):
+                    raise RuntimeError("the drafter's logits differ between two identical calls: its forward is not "
+                                       "deterministic")
+            except NotProvided as exc:
+                absent[exc.method] = exc
     except Exception as exc:
-        answer["error"] = f"cannot set up the subject: {_one_line(exc)}"
+        answer["error"] = f"cannot set up the subject: {exc.reason if isinstance(exc, NotProvided) else _one_line(exc)}"
         answer["traceback"] = traceback.format_exc(limit=8)
         answer["seconds"]["setup"] = round(time.perf_counter() - started, 3)
         return answer
     answer["seconds"]["setup"] = round(time.perf_counter() - started, 3)
+    answer["not_provided"] = {method: exc.reason for method, exc in sorted(absent.items())}
     for name, experiment in EXPERIMENTS.items():
         start = time.perf_counter()
+        lacking = [absent[m] for m in PROBE_NEEDS.get(name, ()) if m in absent]
         try:
+            if lacking:
+                raise lacking[0]
             verdicts = experiment(lab)
         except Exception as exc:
-            reason = f"the experiment failed: {_one_line(exc)}"
+            if isinstance(exc, NotProvided):
+                absent.setdefault(exc.method, exc)
+                reason = exc.reason
+            else:
+                reason = f"the experiment failed: {_one_line(exc)}"
             verdicts = [Verdict(invariant=i, status="unknown", experiment=name, hypothesis="", perturbed="",
                                 measurement="", threshold="", reason=reason) for i in DECIDES[name]]
         seconds = round(time.perf_counter() - start, 3)

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from trainer.config import TrainConfig, resolve_for_target
 from trainer.data.datasets import load_documents, pack_documents
 from trainer.hidden_states.cache import FORMAT_VERSION, HiddenStateError, read_manifest, shard_name, write_manifest
+from trainer.run.fidelity_gate import check_target_fidelity
 from trainer.target.frozen import FrozenTarget
 
 # The recomputed teacher logits must equal the model's own; float32 on one machine gives 0 exactly.
@@ -51,8 +52,6 @@ def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: tor
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     target = FrozenTarget.load(config.target, device, dtype, mask_token_id=config.mask_token_id)
     config = resolve_for_target(config, target.num_layers)
-    from trainer.run.loop import check_target_fidelity  # lazy: the run loop imports this package
-
     # The same check a run makes (and the packing it picks), before any state is stored.
     fidelity = check_target_fidelity(config, target, announce=rank == 0)
     layers = stored_layers(config, target.num_layers)

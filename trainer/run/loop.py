@@ -33,6 +33,7 @@ from trainer.run.checkpoint import (
     save_checkpoint,
 )
 from trainer.run.distributed import Distributed, init_distributed
+from trainer.run.fidelity_gate import check_target_fidelity
 from trainer.run.optim import build_optimizer
 from trainer.run.sharding import (
     ShardedOptimizerLoader,
@@ -54,7 +55,7 @@ from trainer.run.rundir import (
     now_iso,
 )
 from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
-from trainer.target.fidelity import FidelityRecord, check_lengths, choose_packing, token_stream
+from trainer.target.fidelity import FidelityRecord
 from trainer.target.frozen import PACKING_MODES, FrozenTarget
 
 
@@ -560,43 +561,6 @@ def absolute_inputs(config: TrainConfig) -> dict[str, str]:
         if value != "embedded" and not (key == "target" and value in BUILT_IN_TARGETS):
             update[key] = str(Path(value).expanduser().resolve())
     return update
-
-
-def check_target_fidelity(config: TrainConfig, target: FrozenTarget, announce: bool = True) -> FidelityRecord:
-    """Measure the packed target forward against the model's own on a held-out document longer than any
-    window, choose how rows are packed, and refuse to train above the tolerance unless allowed."""
-    heldout = load_documents(config.data, target.tokenizer, split="heldout")
-    lead, length = check_lengths(target, config.seq_len)
-    stream = token_stream([doc.input_ids for doc in heldout], lead + length)
-    record = choose_packing(target, stream, lead, config.target_fidelity_tolerance, config.target_packing)
-    if announce and record.packing == "per_document" and config.target_packing == "auto":
-        failed = ", ".join(
-            f"{mode} {max(diffs.values()):.3g}" if "error" not in diffs else f"{mode} ({diffs['error']})"
-            for mode, diffs in record.tried.items()
-        )
-        print(
-            f"note: {type(target.model).__name__} cannot be packed exactly ({failed}); every document goes "
-            "through the target alone (exact, slower)",
-            file=sys.stderr,
-        )
-    if not record.passed:
-        summary = (
-            f"the target's packed forward differs from its own forward on a {record.tokens}-token held-out document "
-            f"(max abs hidden diff {record.max_abs_hidden_diff:.3g}, logit diff {record.max_abs_logit_diff:.3g}, "
-            f"tolerance {record.tolerance:.3g}, packing {record.packing})"
-        )
-        if not config.allow_target_fidelity_failure:
-            remedy = (
-                "set target_packing: auto" if config.target_packing != "auto"
-                else "even each document alone differs from it, so raise target_fidelity_tolerance"
-            )
-            raise RunError(
-                f"{summary}: the drafter would learn states the target never produces; {remedy}, or set "
-                "allow_target_fidelity_failure: true to train anyway"
-            )
-        if announce:
-            print(f"warning: {summary}; training anyway (allow_target_fidelity_failure)", file=sys.stderr)
-    return record
 
 
 def _check_same_inputs(run: RunDir, target_fingerprint: str, data_fingerprint: str) -> None:

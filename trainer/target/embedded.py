@@ -187,7 +187,7 @@ def _build_lock(dest: Path) -> Iterator[None]:
         dest.parent.mkdir(parents=True, exist_ok=True)
         handle = lock_path.open("w")
     except OSError as exc:
-        from trainer.target.frozen import TargetError
+        from trainer.target.errors import TargetError
 
         raise TargetError(
             f"cannot write the embedded target cache {dest.parent}: {exc.strerror}; "
@@ -328,7 +328,6 @@ def _qwen3_5_config(recipe: BuildRecipe, tokenizer: Any, vocab: int) -> Any:
 
 def causal_lm_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Next-token cross-entropy over packed rows, never across a document boundary or into padding."""
-    from trainer.target.frozen import packed_attention_mask
 
     doc_ids = batch["doc_ids"]  # [N, S]
     mask = packed_attention_mask(doc_ids, model.config._attn_implementation, torch.float32)
@@ -412,3 +411,21 @@ def _lr_factor(step: int, steps: int, warmup: int) -> float:
     progress = (step - warmup) / max(1, steps - warmup)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
+
+def packed_attention_mask(doc_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """Block-diagonal causal mask for packed rows: [N, S] doc ids -> [N, 1, S, S].
+
+    Query i sees key j when j <= i and both are in the same document. Padding (doc id -1) sees only
+    itself, so no row of the softmax is empty (an all-masked row gives NaN in SDPA). SDPA takes a
+    bool mask (True = attend); eager attention adds the mask to the scores, so it needs 0 / -inf-like.
+    """
+    n, s = doc_ids.shape
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # [N, S, S]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()  # [S, S]
+    allowed = same_doc & causal & (doc_ids[:, None, :] >= 0)
+    allowed |= torch.eye(s, dtype=torch.bool, device=doc_ids.device)
+    allowed = allowed[:, None, :, :]  # [N, 1, S, S]
+    if attn_implementation == "sdpa":
+        return allowed
+    additive = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
+    return additive.masked_fill(~allowed, torch.finfo(dtype).min)

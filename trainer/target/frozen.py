@@ -37,6 +37,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from trainer.target.errors import TargetError
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 # Weight files larger than this are fingerprinted by size, header and sampled chunks instead of every
@@ -49,34 +51,11 @@ PackingMode = Literal["positions", "layer_masks", "varlen", "per_document"]
 PACKING_MODES: tuple[PackingMode, ...] = ("positions", "layer_masks", "varlen", "per_document")
 
 
-class TargetError(Exception):
-    """The target cannot be used; the message is one line saying why and what to do."""
-
-
 def varlen_available(device: torch.device) -> bool:
     """Whether the "varlen" way can run here: flash-linear-attention's kernels are Triton, CUDA only."""
     import importlib.util
 
     return device.type == "cuda" and importlib.util.find_spec("fla") is not None
-
-
-def packed_attention_mask(doc_ids: Tensor, attn_implementation: str, dtype: torch.dtype) -> Tensor:
-    """Block-diagonal causal mask for packed rows: [N, S] doc ids -> [N, 1, S, S].
-
-    Query i sees key j when j <= i and both are in the same document. Padding (doc id -1) sees only
-    itself, so no row of the softmax is empty (an all-masked row gives NaN in SDPA). SDPA takes a
-    bool mask (True = attend); eager attention adds the mask to the scores, so it needs 0 / -inf-like.
-    """
-    n, s = doc_ids.shape
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # [N, S, S]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()  # [S, S]
-    allowed = same_doc & causal & (doc_ids[:, None, :] >= 0)
-    allowed |= torch.eye(s, dtype=torch.bool, device=doc_ids.device)
-    allowed = allowed[:, None, :, :]  # [N, 1, S, S]
-    if attn_implementation == "sdpa":
-        return allowed
-    additive = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
-    return additive.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def fingerprint_model_dir(path: Path) -> str:
