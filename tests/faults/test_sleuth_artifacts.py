@@ -426,3 +426,29 @@ def test_a_correct_run_read_against_a_reference_checkout_gets_no_false_alarm_fro
     finding = next(f for f in report["findings"] if f["id"] == "dflash.target_logits_source")
     assert finding["status"] != "mismatch", finding
     assert finding["expected"] is None or "final?" not in finding["expected"], finding
+
+
+def test_a_candidate_run_that_cannot_be_read_is_skipped_with_a_note(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever reading a sibling run raises, the run under diagnosis is diagnosed; the sibling is listed."""
+    from sleuth_helpers import invoke, isolate
+
+    import sleuth.diagnose as agent
+
+    isolate(tmp_path, monkeypatch, url=(tmp_path / "no-upstream.git").as_uri(), allowed_hosts=[])
+    runs = tmp_path / "runs"
+    write_run(runs, "broken", created="2026-10-01T10:00:00+00:00")
+    run = write_run(runs, "v5")
+    real_read = agent.read_run
+
+    def read(path: Path):  # noqa: ANN202 - RunInfo
+        if path.name == "broken":
+            raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
+        return real_read(path)
+
+    monkeypatch.setattr(agent, "read_run", read)
+    code, out, err, exc = invoke(["diagnose", "--run", str(run), "--offline", "--no-probe", "--format", "json",
+                                  "--out", str(tmp_path / "out")])
+    assert exc is None and code in (0, 1), err
+    candidates = {c["name"]: c for c in json.loads(out)["regression"]["candidates"]}
+    assert "cannot be read, skipped (RecursionError" in candidates["broken"]["reason"], candidates
