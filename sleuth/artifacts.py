@@ -128,10 +128,9 @@ def regular_file(path: Path, *, within: Path | None = None) -> bool:
         return False
     except (OSError, ValueError) as exc:
         raise ArtifactError(path, f"cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
-    if within is not None and os.path.islink(path) and not is_within(path, within):
-        raise ArtifactError(path, f"is a link leading outside {shown(within)}; not followed")
     if within is not None and not is_within(path, within):
-        raise ArtifactError(path, f"lies outside {shown(within)} through a linked folder; not followed")
+        # The file, or a folder on its way, is a link that leads out of the directory it belongs to.
+        raise ArtifactError(path, f"is a link leading outside {shown(within)}; not followed")
     if not stat.S_ISREG(info.st_mode):
         raise ArtifactError(path, f"is {_kind(info.st_mode)}, not a regular file")
     return True
@@ -371,7 +370,7 @@ def list_dir(path: Path, *, limit: int = 10_000) -> list[Path]:
 
 
 def find_files(root: Path, matches: Any, *, max_depth: int, max_entries: int = 20_000,
-               within: Path | None = None, skip_dirs: frozenset[str] | set[str] = frozenset()) -> tuple[list[Path], bool]:
+               skip_dirs: frozenset[str] | set[str] = frozenset()) -> tuple[list[Path], bool]:
     """Regular files under `root` whose name `matches(name)`: no link followed (files or folders), at most
     `max_depth` folders down and `max_entries` entries looked at, folders named in `skip_dirs` left out.
     (files, True when a bound cut it short)."""
@@ -399,8 +398,6 @@ def find_files(root: Path, matches: Any, *, max_depth: int, max_entries: int = 2
                     found.append(Path(entry.path))
             except OSError:
                 continue
-    if within is not None:
-        found = [p for p in found if is_within(p, within)]
     return sorted(found), False
 
 

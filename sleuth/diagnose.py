@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sleuth.artifacts import shown
 from sleuth.findings import Finding, TraceStep
 from sleuth.investigation.inputs import (  # noqa: F401 - re-exported: usable on their own
     InputDiscovery,
@@ -35,7 +36,6 @@ from sleuth.investigation.report_builder import (  # noqa: F401 - re-exported
     write_diagnosis,
 )
 from sleuth.investigation.request import DEFAULT_PLAYBOOK, DEFAULT_REFERENCE, DiagnoseError, DiagnoseRequest
-from sleuth.artifacts import shown
 from sleuth.regression import Candidate, Regression, RegressionRefused, find_regression
 from sleuth.runs import RunError, RunInfo, list_run_dirs, read_run, resolve_run_dir
 from sleuth.trace import Trace

@@ -213,9 +213,7 @@ def read(path: Path, kind: str) -> SpecForgeRun:
 
 def metrics_rows(run: SpecForgeRun) -> list[dict[str, Any]]:
     """Per-step training curves from SpecForge's tensorboard files; else the best checkpoint's eval numbers."""
-    from sleuth.interop.tensorboard import read_tagged_scalars
-
-    from sleuth.interop.tensorboard import find_event_files
+    from sleuth.interop.tensorboard import find_event_files, read_tagged_scalars
 
     root = run.path if run.kind == "output_dir" else run.path.parent
     files, note = find_event_files(root / "runs", near=run.path)

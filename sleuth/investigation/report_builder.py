@@ -26,12 +26,10 @@ def write_diagnosis(inv: Any, findings: list[Finding]) -> tuple[Report, Path, di
     """Build the Report from an investigation's state and write report.md/json/sarif, fix.yaml, chart.png,
     trace.jsonl into its report directory; (report, out_dir, files)."""
     from sleuth import __version__
-    from sleuth.report import count_findings, write_report
+    from sleuth.artifacts import prepare_dir, shown
+    from sleuth.report import count_findings, printable_report, write_report
     from sleuth.report.chart import write_chart
     from sleuth.report.model import Inputs, Report
-
-    from sleuth.artifacts import prepare_dir, shown
-    from sleuth.report import printable_report
 
     out_dir = out_dir_of(inv)
     try:

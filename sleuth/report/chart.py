@@ -62,9 +62,9 @@ def write_chart(path: Path, series: Series, *, main_label: str) -> str:
 
 def _draw(path: Path, series: Series, metrics: list[str], main_label: str, key: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    from sleuth.artifacts import printable
     from matplotlib.figure import Figure
+
+    from sleuth.artifacts import printable, write_atomic
     from sleuth.regression import rolling_median
 
     # Fixed margins rather than constrained layout: the layout solver doubles the drawing time.
@@ -103,8 +103,7 @@ def _draw(path: Path, series: Series, metrics: list[str], main_label: str, key: 
     figure.subplots_adjust(left=0.25 / len(metrics), right=0.98, bottom=0.16, top=0.9, wspace=0.3)
     # Rendered in memory, then written aside and renamed (sleuth.artifacts.write_atomic): a report viewer
     # never shows half a chart, and a chart.png that is a link or a FIFO is replaced, not written through.
-    from sleuth.artifacts import write_atomic
-
+    path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", metadata={_KEY_NAME: key})
     write_atomic(path, buffer.getvalue())

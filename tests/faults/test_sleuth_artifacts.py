@@ -368,8 +368,8 @@ def test_a_300_mb_train_command_is_not_read_into_memory(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=180)
     assert done.returncode in (0, 1), done.stderr[-2000:]
     peak_kib = int(done.stderr.rsplit("PEAK", 1)[1].split()[0])
-    # torch, matplotlib and tensorboard alone take ~400 MB; the file would add 600 MB or more.
-    assert peak_kib < 800 * 1024, f"peak RSS {peak_kib >> 10} MiB"
+    # Measured on 2 CPU cores: 68 MiB read bounded, 637 MiB when the whole file was read and decoded.
+    assert peak_kib < 300 * 1024, f"peak RSS {peak_kib >> 10} MiB"
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert any("train_command.txt" in p and "bytes" in p for p in report["run"]["problems"]), report["run"]["problems"]
     assert text  # the record's settings were real before the padding
