@@ -43,8 +43,9 @@ MAX_JSON_BYTES = 16 * 1024 * 1024
 # Deeper than any config or state file is written (a multimodal HF config nests 3-4 levels); shallow
 # enough that no recursive reader downstream (flatten, json.dumps, pydantic) meets Python's recursion limit.
 MAX_JSON_DEPTH = 64
-# int64 has 19 digits, a float's repr at most 24 characters; a longer number literal is damage.
-MAX_NUMBER_CHARS = 40
+# int64 has 19 digits, a float's repr at most 24 characters; a literal past 64 (a 400-digit integer overflows
+# float(), a 5000-digit one takes seconds to convert) is damage, not a value.
+MAX_NUMBER_CHARS = 64
 # A text file that is a record or an argv (train_command.txt, checkpoints/latest): its head is all there is.
 MAX_RECORD_BYTES = 1024 * 1024
 

@@ -33,7 +33,6 @@ from typing import Any
 from sleuth.artifacts import (
     OBJECT,
     SEQUENCE,
-    ArtifactError,
     check_shape,
     exists,
     is_dir,
