@@ -9,6 +9,7 @@ An unparseable file becomes an error entry; the other files are still analysed.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,18 +36,35 @@ class SourceFacts:
     files: list[str]
 
 
-def analyse_units(units: list[Unit], errors: list[SourceError] | None = None) -> SourceFacts:
+# Static reading of one tree stops starting detectors after this long (the one running finishes): files are
+# bounded too (ast_index.MAX_FILES, MAX_TOTAL_BYTES), so a tree that still takes this long is not a trainer's.
+# Our own trainer's code/ takes about a second.
+STATIC_READING_BUDGET_S = 60.0
+
+
+def analyse_units(units: list[Unit], errors: list[SourceError] | None = None, *,
+                  started: float | None = None, budget_s: float = STATIC_READING_BUDGET_S) -> SourceFacts:
     errors = list(errors or [])
     readings: dict[str, list[CodeReading]] = {}
+    started = time.monotonic() if started is None else started
     if units:
         an = Analyzer(units)
         errors += an.too_deep
+        not_run: list[str] = []
         for key, entry in code_detectors().items():
+            if time.monotonic() - started > budget_s:
+                not_run.append(key)
+                readings[key] = []
+                continue
             try:
                 readings[key] = _dedupe(entry.func(an))
             except RecursionError:
                 errors.append(SourceError("<analysis>", f"{key}: analysis too deep"))
                 readings[key] = []
+        if not_run:
+            errors.append(SourceError("<analysis>", f"static reading stopped at its {budget_s:g} s bound: "
+                                      f"{len(not_run)} rule reader(s) not run ({', '.join(not_run[:4])}"
+                                      f"{', ...' if len(not_run) > 4 else ''})"))
     skipped = {e.path for e in errors}
     return SourceFacts(readings, errors, [u.path for u in units if u.path not in skipped])
 
@@ -68,9 +86,10 @@ def _dedupe(readings: list[CodeReading]) -> list[CodeReading]:
     return out
 
 
-def analyse_path(code: Path) -> SourceFacts:
+def analyse_path(code: Path, *, budget_s: float = STATIC_READING_BUDGET_S) -> SourceFacts:
+    started = time.monotonic()
     units, errors = load_units(code)
-    return analyse_units(units, errors)
+    return analyse_units(units, errors, started=started, budget_s=budget_s)
 
 
 def analyse_texts(texts: Iterable[tuple[str, str, str | None]]) -> SourceFacts:
