@@ -331,9 +331,11 @@ def _config_observation(inv: Invariant, run: _Run) -> tuple[Observation | None, 
         reading: ConfigReading | None = read_config(spec.reader, run.config, spec.keys, run.meta)
         if reading is None:
             present = lookup(run.config, spec.keys)
-            if present is not None:
+            if present is not None and present[1] is not None:
                 # The key is there but its value is not one this rule knows (wrong type, unknown word):
-                # what ran is unreadable, and the code's default must not stand in for it.
+                # what ran is unreadable, and the code's default must not stand in for it. A null is
+                # different: it is the config saying "the code decides" (target_layer_ids null = the rule
+                # derived from the target's depth), so the code's reading stands.
                 problem = f"{run.config_source}:{present[0]} = {_text(present[1])[:80]!r} is not a valid value for this rule"
                 step.outcome = problem
                 return None, [CONFIG_VALUE_INVALID + problem]
