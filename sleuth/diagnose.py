@@ -15,11 +15,13 @@ so tests can drive the agent with fakes; by default the real ones are imported l
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sleuth.artifacts import shown
 from sleuth.findings import Finding, TraceStep
 from sleuth.investigation.inputs import (  # noqa: F401 - re-exported: usable on their own
     InputDiscovery,
@@ -34,7 +36,7 @@ from sleuth.investigation.report_builder import (  # noqa: F401 - re-exported
     write_diagnosis,
 )
 from sleuth.investigation.request import DEFAULT_PLAYBOOK, DEFAULT_REFERENCE, DiagnoseError, DiagnoseRequest
-from sleuth.regression import Regression, RegressionRefused, find_regression
+from sleuth.regression import Candidate, Regression, RegressionRefused, find_regression
 from sleuth.runs import RunError, RunInfo, list_run_dirs, read_run, resolve_run_dir
 from sleuth.trace import Trace
 
@@ -200,15 +202,19 @@ class _Investigation(InputDiscovery):
                 regression = find_regression(info, [], baseline)
                 others = [baseline]
             else:
-                others = []
+                others, unreadable = [], []
                 for path in list_run_dirs(runs_dir):
                     if path.resolve() == info.path.resolve():
                         continue
                     try:
                         others.append(read_run(path))
-                    except RunError:
-                        continue
-                regression = find_regression(info, others)
+                    except Exception as exc:  # noqa: BLE001 - a damaged sibling never stops this run's diagnosis
+                        if os.environ.get("SLEUTH_DEBUG") and not isinstance(exc, RunError):
+                            raise
+                        why = _one_line(exc) if isinstance(exc, RunError) else f"{type(exc).__name__}: {_one_line(exc)}"
+                        unreadable.append(Candidate(name=shown(path.name), path=str(path), comparable=False,
+                                                    reason=f"cannot be read, skipped ({why[:200]})"))
+                regression = find_regression(info, others, skipped=unreadable)
             step.outcome = f"{regression.verdict}: {regression.summary}"
         self.regression = regression
         # The chart shows the chosen baseline first, then the other comparable runs, best first.

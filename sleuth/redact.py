@@ -72,7 +72,9 @@ class RedactingWriter(io.TextIOBase):
         self._stream = stream
 
     def write(self, text: str) -> int:
-        self._stream.write(redact(text))
+        from sleuth.artifacts import printable  # a non-UTF-8 file name: spelled out, not a UnicodeEncodeError
+
+        self._stream.write(printable(redact(text)))
         return len(text)
 
     def flush(self) -> None:

@@ -29,11 +29,15 @@ class RunInfo:
     config: dict[str, Any] | None = None
     metrics: list[dict[str, Any]] = field(default_factory=list)
     metrics_sha256: str | None = None
+    config_sha256: str | None = None  # of config.json's bytes, as read: fix.yaml says which config it patches
     eval_report: dict[str, Any] | None = None
     checkpoint: Path | None = None
     checkpoint_step: int | None = None
     code_dir: Path | None = None
     problems: list[str] = field(default_factory=list)
+    # Problems that leave the checks unable to say the run is clean (a settings record that cannot be read,
+    # a field of the wrong type): the diagnosis exits 1 for them, as for a mismatch. Also in `problems`.
+    input_problems: list[str] = field(default_factory=list)
     # What another trainer's reader (sleuth.interop) read, for checks in that trainer's conventions.
     interop: Any = None
 

@@ -459,14 +459,50 @@ def _checked_weights(spec: DrafterSpec, weights_file: Path, run: RunDir) -> dict
 # --- writing ---------------------------------------------------------------------------------------------------
 
 
+# Every export's model.safetensors carries this in its metadata (`exported_by`): the mark `--force` looks for.
+EXPORT_MARK = "dflash-trainer"
+
+
 def check_out_dir(out: Path, force: bool) -> list[str]:
-    """Refuse a non-empty `out` unless force. Returns the entries there that an export does not write."""
+    """Refuse a non-empty `out` unless force; with force, refuse anything but an export of ours (a run, a
+    Hugging Face model, another tool's files). Returns the entries there that an export does not write."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if entries and not force:
         raise ExportError(f"--out {out} is not empty; pass --force to overwrite the export in it")
-    return [name for name in entries if name not in EXPORT_FILES]
+    if entries:
+        problem = _not_an_export(out, entries)
+        if problem is not None:
+            raise ExportError(f"--out {out} {problem}; --force only replaces an earlier `trainer export` output")
+    return [name for name in entries if name not in EXPORT_FILES and not _is_staging(name)]
+
+
+def _is_staging(name: str) -> bool:
+    return name in {f".{file}.partial" for file in EXPORT_FILES}
+
+
+def _not_an_export(out: Path, entries: list[str]) -> str | None:
+    """Why `out` is not a directory `trainer export` wrote (None when it is): its model.safetensors must
+    carry our mark. A run directory (config.json, checkpoints/), a model directory or another run's files
+    are never replaced, so `--out <the run itself> --force` cannot overwrite a run's config.json."""
+    if any(marker in entries for marker in ("run.json", "checkpoints", "metrics.jsonl", "code")):
+        return "is a run directory"
+    if all(_is_staging(name) for name in entries):
+        return None  # only what a killed export left behind
+    weights = out / WEIGHTS_FILE
+    if WEIGHTS_FILE not in entries or weights.is_symlink() or not weights.is_file():
+        return f"holds no {WEIGHTS_FILE} written by trainer export"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as handle:
+            exported_by = (handle.metadata() or {}).get("exported_by", "")
+    except Exception:  # safetensors raises several types for a damaged file: not ours to replace either way
+        return f"holds a {WEIGHTS_FILE} that is not readable as an export of ours"
+    if not exported_by.startswith(EXPORT_MARK):
+        return f"holds a {WEIGHTS_FILE} that trainer export did not write (a model of its own, another tool's)"
+    return None
 
 
 def export_run(
@@ -530,7 +566,7 @@ def export_run(
     metadata = {
         "format": "pt",  # transformers' from_pretrained expects it
         "layout": export_format,
-        "exported_by": f"dflash-trainer {trainer.__version__}",
+        "exported_by": f"{EXPORT_MARK} {trainer.__version__}",  # the mark `--force` requires to replace it
         "run": run.name,
         "step": str(checkpoint.step),
     }

@@ -31,6 +31,9 @@ from pathlib import Path
 Mode = str  # "hardcoded" | "default" | "switch"
 
 MAX_FILES = 400
+# All files together: a trainer's source is a few MiB at most (ours: 0.4 MiB); a tree past this (a code/ that
+# is the Python library) would take many minutes to analyse. What is left out is named.
+MAX_TOTAL_BYTES = 4 * 1024 * 1024
 # The analysis recurses over the tree: deeper files (generated code, long chained expressions) are skipped
 # with an error entry, far below Python's recursion limit, so one odd file never stops the others.
 MAX_TREE_DEPTH = 120
@@ -73,37 +76,51 @@ class Unit:
 
 
 def iter_python_files(root: Path) -> Iterator[Path]:
+    """The .py files under `root` (or `root` itself), sorted, skipping environment folders. No link is
+    followed (a file or folder that is a link may point anywhere) and only regular files are listed (a FIFO
+    named like a module would block the read forever)."""
+    from sleuth.artifacts import find_files
+
     if root.is_file():
         yield root
         return
-    count = 0
-    for path in sorted(root.rglob("*.py")):
-        if any(part in SKIP_DIRS for part in path.relative_to(root).parts):
-            continue
-        count += 1
-        if count > MAX_FILES:
-            return
-        yield path
+    files, _ = find_files(root, lambda name: name.endswith(".py"), max_depth=32, max_entries=200_000,
+                          skip_dirs=SKIP_DIRS)
+    yield from files
 
 
 def load_units(code: Path) -> tuple[list[Unit], list[SourceError]]:
-    """Parse every .py file under `code` (or the one file); never imports them."""
+    """Parse every .py file under `code` (or the one file); never imports them. At most MAX_FILES files and
+    MAX_TOTAL_BYTES together; what is left out is an error entry that says so."""
+    from sleuth.artifacts import ArtifactError, read_bytes, shown
+
     code = Path(code)
     texts: list[tuple[str, str, str | None]] = []
     errors: list[SourceError] = []
     if not code.exists():
-        return [], [SourceError(str(code), "path does not exist")]
+        return [], [SourceError(shown(code), "path does not exist")]
     base = code if code.is_dir() else code.parent
+    total, left_out = 0, 0
     for path in iter_python_files(code):
         label = str(path.relative_to(base)) if code.is_dir() else path.name
-        label = str(Path(code.name) / label) if code.is_dir() else str(code)
+        label = shown(Path(code.name) / label) if code.is_dir() else shown(code)
+        if len(texts) >= MAX_FILES or total >= MAX_TOTAL_BYTES:
+            left_out += 1
+            continue
         try:
-            if path.stat().st_size > MAX_FILE_BYTES:
-                errors.append(SourceError(label, "file too large to analyse"))
-                continue
-            texts.append((label, path.read_text(encoding="utf-8", errors="replace"), None))
+            data = read_bytes(path, max_bytes=MAX_FILE_BYTES)
+        except ArtifactError as exc:
+            errors.append(SourceError(label, "file too large to analyse" if "bytes, more than" in exc.reason
+                                      else exc.reason))
+            continue
         except OSError as exc:
             errors.append(SourceError(label, f"cannot read: {exc.strerror or exc}"))
+            continue
+        total += len(data)
+        texts.append((label, data.decode("utf-8", errors="replace"), None))
+    if left_out:
+        errors.append(SourceError(shown(code), f"static reading is bounded to {MAX_FILES} files and "
+                                  f"{MAX_TOTAL_BYTES >> 20} MiB: {left_out} more .py file(s) not read"))
     units, parse_errors = parse_texts(texts)
     return units, errors + parse_errors
 

@@ -9,6 +9,7 @@ An unparseable file becomes an error entry; the other files are still analysed.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,22 +39,39 @@ class SourceFacts:
     excluded: dict[str, str] = field(default_factory=dict)
 
 
+# Static reading of one tree stops starting detectors after this long (the one running finishes): files are
+# bounded too (ast_index.MAX_FILES, MAX_TOTAL_BYTES), so a tree that still takes this long is not a trainer's.
+# Our own trainer's code/ takes about a second.
+STATIC_READING_BUDGET_S = 60.0
+
+
 def analyse_units(units: list[Unit], errors: list[SourceError] | None = None, *,
-                  entry_modules: tuple[str, ...] = ()) -> SourceFacts:
+                  entry_modules: tuple[str, ...] = (), started: float | None = None,
+                  budget_s: float = STATIC_READING_BUDGET_S) -> SourceFacts:
     """Every detector over `units`, less the probe harness among them (sleuth/evidence/harness.py)."""
     errors = list(errors or [])
     excluded = harness_units(units, entry_modules)
     units = [u for u in units if u.path not in excluded]
     readings: dict[str, list[CodeReading]] = {}
+    started = time.monotonic() if started is None else started
     if units:
         an = Analyzer(units)
         errors += an.too_deep
+        not_run: list[str] = []
         for key, entry in code_detectors().items():
+            if time.monotonic() - started > budget_s:
+                not_run.append(key)
+                readings[key] = []
+                continue
             try:
                 readings[key] = _dedupe(entry.func(an), an)
             except RecursionError:
                 errors.append(SourceError("<analysis>", f"{key}: analysis too deep"))
                 readings[key] = []
+        if not_run:
+            errors.append(SourceError("<analysis>", f"static reading stopped at its {budget_s:g} s bound: "
+                                      f"{len(not_run)} rule reader(s) not run ({', '.join(not_run[:4])}"
+                                      f"{', ...' if len(not_run) > 4 else ''})"))
     skipped = {e.path for e in errors}
     return SourceFacts(readings, errors, [u.path for u in units if u.path not in skipped], excluded)
 
@@ -77,9 +95,11 @@ def _dedupe(readings: list[CodeReading], an: Analyzer | None = None) -> list[Cod
     return out
 
 
-def analyse_path(code: Path, entry_modules: tuple[str, ...] = ()) -> SourceFacts:
+def analyse_path(code: Path, entry_modules: tuple[str, ...] = (), *,
+                 budget_s: float = STATIC_READING_BUDGET_S) -> SourceFacts:
+    started = time.monotonic()
     units, errors = load_units(code)
-    return analyse_units(units, errors, entry_modules=entry_modules)
+    return analyse_units(units, errors, entry_modules=entry_modules, started=started, budget_s=budget_s)
 
 
 def analyse_texts(texts: Iterable[tuple[str, str, str | None]]) -> SourceFacts:

@@ -34,6 +34,7 @@ class RunSummary(BaseModel):
     metrics_rows: int = 0
     checkpoint: str | None = None
     checkpoint_step: int | None = None
+    config_sha256: str | None = Field(None, description="sha256 of the config.json bytes diagnosed (fix.yaml records it)")
     problems: list[str] = Field(default_factory=list)
 
 

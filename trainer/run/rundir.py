@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -91,7 +92,11 @@ def check_inside(path: Path, root: Path) -> None:
 def read_bytes(path: Path, root: Path, limit: int = MAX_RECORD_BYTES) -> bytes:
     check_inside(path, root)
     try:
-        size = path.stat().st_size
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode):
+            # A FIFO would block the read forever, a device never end: neither is a run file.
+            raise RunError(f"{path} is not a regular file; refusing to read it")
+        size = info.st_size
         if size > limit:
             raise RunError(f"{path} is {size} bytes, more than any run file holds ({limit}); refusing to read it")
         return path.read_bytes()
