@@ -50,7 +50,6 @@ MAX_NUMBER_CHARS = 64
 MAX_RECORD_BYTES = 1024 * 1024
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 class ArtifactError(ValueError):
@@ -91,8 +90,9 @@ def printable_data(value: Any) -> Any:
 def shown(name: Path | str | bytes) -> str:
     """A path or name for a one-line message: printable, control characters (a newline, an escape
     sequence in a file name) escaped, so a name can neither break the line nor drive the terminal."""
-    text = os.fsdecode(name) if isinstance(name, bytes) else str(name)
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", printable(text))
+    from sleuth.escape import escape_unsafe  # the terminal's escaping (bidi, invisible characters too)
+
+    return escape_unsafe(os.fsdecode(name) if isinstance(name, bytes) else str(name))
 
 
 # --- opening ----------------------------------------------------------------------------------------------

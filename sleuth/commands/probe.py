@@ -30,9 +30,10 @@ def _fail(message: str) -> typer.Exit:
     from rich.console import Console
     from rich.text import Text
 
+    from sleuth.escape import terminal
     from sleuth.redact import RedactingWriter
 
-    Console(file=RedactingWriter(sys.stderr), highlight=False).print(Text("error: ", style="red") + Text(message),
+    Console(file=RedactingWriter(sys.stderr), highlight=False).print(Text("error: ", style="red") + Text(terminal(message)),
                                                                      soft_wrap=True)
     return typer.Exit(EXIT_ERROR)
 
