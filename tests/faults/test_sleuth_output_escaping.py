@@ -280,3 +280,52 @@ def test_non_finite_numbers_never_reach_a_json_file(tmp_path: Path) -> None:
     assert written["trace"][0]["inputs"]["gamma"] is None and written["trace"][1]["duration_s"] is None
     assert written["trace"][1]["inputs"] == {"t": None}
     strict_json(files["report.sarif"].read_text())
+
+
+class _Terminal:
+    """A stream that says it is a terminal, so rich colours its output and the writer keeps those colours."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_terminal_summary_reads_values_as_text_and_the_writer_gates_the_rest() -> None:
+    """A probe's text that is rich markup stays text in the summary table (on main a cell was parsed as markup:
+    `[/]` was a MarkupError, an internal error, and `[link=...]` an OSC 8 hyperlink). And what a renderer
+    forgets to escape is still gated by the console's writer: on a terminal rich's own colours (SGR) pass, an
+    OSC title, a cursor move, a bidi override and a zero-width space do not."""
+    from rich.console import Console
+    from rich.text import Text
+
+    from sleuth.findings import Finding
+    from sleuth.redact import RedactingWriter
+    from sleuth.report.model import Report
+    from sleuth.report.text import print_text
+
+    markup = "[/] [link=https://x.test/]click[/link] [bold red]loud"
+    finding = Finding(id="dflash.fc_input_layers", status="mismatch", severity="critical", confidence=0.9,
+                      title="fc", observed=markup, expected="all")
+    report = Report(generated_at="2026-12-01T00:00:00+00:00", findings=[finding], counts={"mismatch": 1})
+    screen = _Terminal()
+    console = Console(file=RedactingWriter(screen), force_terminal=True, color_system="standard", width=200,
+                      highlight=False)
+    print_text(report, console)
+    assert markup in screen.text and "\x1b]8;" not in screen.text, screen.text
+
+    screen = _Terminal()
+    console = Console(file=RedactingWriter(screen), force_terminal=True, color_system="standard", width=200)
+    console.print(Text("ok ", style="red") + Text("\x1b]0;title\x1b\\\x1b[2K\x1b[1G\u202e\u200bname"))
+    assert "\x1b[31m" in screen.text  # rich's red
+    shown = "".join(part for part in re.split(r"\x1b\[[0-9;]*m", screen.text))
+    assert not any(is_unsafe(ch) for ch in shown.replace("\n", "")), repr(screen.text)
+    assert "\\x1b]0;title\\x1b\\\\x1b[2K\\x1b[1G\\u202e\\u200bname" in shown, repr(screen.text)
