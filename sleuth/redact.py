@@ -74,7 +74,8 @@ class RedactingWriter(io.TextIOBase):
 
     It is also the terminal's last gate: every field is escaped where it is rendered (sleuth.escape.terminal),
     and whatever still reaches the stream has its unsafe code points (controls, ESC, bidi, invisible format
-    characters) escaped, newlines apart; on a terminal rich's own colour sequences pass, nothing else does."""
+    characters) escaped, newlines apart; where rich colours (a terminal, FORCE_COLOR) its colour sequences (SGR)
+    pass, no other sequence does."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
@@ -83,12 +84,17 @@ class RedactingWriter(io.TextIOBase):
         from sleuth.escape import escape_unsafe
 
         redacted = redact(text)
-        pieces = _SGR.split(redacted) if self.isatty() else [redacted]
-        colours = _SGR.findall(redacted) if self.isatty() else []
+        coloured = self._coloured()
+        pieces = _SGR.split(redacted) if coloured else [redacted]
+        colours = _SGR.findall(redacted) if coloured else []
         # newlines are the console's own line structure; a newline inside a field was escaped where it was rendered
         gated = ["\n".join(escape_unsafe(line) for line in piece.split("\n")) for piece in pieces]
         self._stream.write("".join(part for pair in zip(gated, [*colours, ""]) for part in pair))
         return len(text)
+
+    def _coloured(self) -> bool:
+        # When rich colours its output: on a terminal, or forced as rich itself reads the environment (CI logs)
+        return self.isatty() or bool(os.environ.get("FORCE_COLOR")) or os.environ.get("TTY_COMPATIBLE") == "1"
 
     def flush(self) -> None:
         self._stream.flush()

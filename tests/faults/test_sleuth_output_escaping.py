@@ -81,7 +81,7 @@ def env(tmp_path: Path) -> dict[str, str]:
         "SLEUTH_CONFIG_FILE": str(tmp_path / "no-config.yaml"), "HOME": str(tmp_path / "home"),
         "OMP_NUM_THREADS": "1", "COLUMNS": "80", "PYTHONDONTWRITEBYTECODE": "1",
     })
-    for name in ("SLEUTH_DEBUG", "SLEUTH_SPECULATORS_PATH", "GITHUB_TOKEN", "NO_COLOR"):
+    for name in ("SLEUTH_DEBUG", "SLEUTH_SPECULATORS_PATH", "GITHUB_TOKEN", "NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE"):
         environment.pop(name, None)
     return environment
 
