@@ -12,8 +12,8 @@ such field through it (never a whole rendered document, which would also escape 
 - markdown (`markdown`, `markdown_code`): the terminal's escaping with every kind of line break collapsed to
   one space (a table cell, a list item stay one line), then markdown and HTML escaped, so no value can open a
   heading, a quote, a list, a link, an image, a table cell, emphasis or an HTML tag: `&`, `<`, `>` become
-  entities, the inline metacharacters get a backslash, and a leading `#`, `-`, `+`, `=` or `1.` is escaped
-  where a value starts a list item. `markdown_code` writes a code span that no backtick in the value closes.
+  entities, the inline metacharacters (`#` included) get a backslash, and a leading `-`, `+`, `=` or `1.`
+  is escaped where a value starts a list item. `markdown_code` writes a code span that no backtick in the value closes.
 - YAML (`terminal_data`): fix.yaml's strings are the terminal's escaping of the values, so the file always
   parses back with `yaml.safe_load` and shows what was escaped.
 - JSON (`dumps`, `json_text`): strict JSON (RFC 8259): a number that is not finite (NaN, ±Infinity) is written
@@ -113,8 +113,7 @@ def markdown(text: object, *, limit: int | None = None) -> str:
     line = _limited(_one_line(text), limit)
     line = line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     line = _MD_INLINE.sub(r"\\\1", line)
-    return _MD_LEADING.sub(lambda m: m[1] + "\\" + m[2] if len(m[2]) == 1 else m[1] + m[2][:-1] + "\\" + m[2][-1],
-                           line)
+    return _MD_LEADING.sub(lambda m: m[1] + m[2][:-1] + "\\" + m[2][-1], line)  # "-" -> "\\-", "1." -> "1\\."
 
 
 def markdown_code(text: object, *, in_table: bool = False, limit: int | None = None) -> str:

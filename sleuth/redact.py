@@ -65,7 +65,7 @@ def redact_data(value: object) -> object:
     return value
 
 
-# The only escape sequence sleuth's own console output holds: rich's colours (SGR), on a terminal only.
+# The only escape sequence sleuth's own console output holds: rich's colours (SGR), when it colours.
 _SGR = re.compile(r"\x1b\[[0-9;]*m")
 
 
