@@ -77,7 +77,8 @@ def render_fix_yaml(report: Report, report_path: str) -> str:
     document, comments = build_fix(report, report_path)
     header = [f"# sleuth diagnosis of {terminal(report.subject)}: the config patch for its mismatches."]
     header += [f"# {line}" for line in comments]
-    body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    # one line per value, never folded: a long name cannot put text at the start of a line either
+    body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, allow_unicode=True, width=2**31 - 1)
     return "\n".join(header) + "\n" + body
 
 

@@ -190,6 +190,12 @@ def test_names_from_runs_are_escaped_in_every_sink(tmp_path: Path, whose: str) -
     fix_text = (out / "fix.yaml").read_text(encoding="utf-8")
     assert_terminal_safe(fix_text, "fix.yaml")
     fix = yaml.safe_load(fix_text)
+    # one line per top-level value (a long name is not folded onto lines of its own), comments only sleuth's
+    top = [line.split(":", 1)[0] for line in fix_text.splitlines() if line and not line[0].isspace()
+           and not line.startswith("#")]
+    assert top == list(fix), top
+    assert all(line.startswith("# sleuth diagnosis of") or line.startswith("# mismatches") or
+               line.startswith("# needs a code change") for line in fix_text.splitlines() if line.startswith("#"))
     assert set(fix) == {"diagnosed_run", "diagnosed_run_path", "diagnosed_config_sha256", "report", "config_patch",
                         "code_changes"}, fix
     assert fix["diagnosed_run"] == naive_terminal(HOSTILE if whose == "hostile run" else "mine")
