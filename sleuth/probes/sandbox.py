@@ -443,8 +443,13 @@ def run_confined(argv: list[str], *, box: Box, env: dict[str, str], read_paths: 
             continue
         # Only a weaker level says what it fell back from: bwrap and namespaces isolate alike.
         fallback = ("; ".join(skipped) or None) if level == "process" else None
-        finished = _launch(level, argv, box=box, env=env, read_paths=read_paths, timeout_s=timeout_s,
-                           limits=limits, fallback=fallback)
+        try:
+            finished = _launch(level, argv, box=box, env=env, read_paths=read_paths, timeout_s=timeout_s,
+                               limits=limits, fallback=fallback)
+        except SandboxError as exc:
+            if requested != "auto" or not skipped:
+                raise
+            raise SandboxError("no isolation level could start the probe: " + "; ".join([*skipped, f"{level}: {exc}"]))
         if finished is not None:
             return finished
         reason = _FAILED_LEVELS.get(level, "set-up failed")
