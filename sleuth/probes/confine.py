@@ -11,7 +11,9 @@ code under diagnosis exists in the process. Two of them:
     unshare --mount --net --pid --ipc --uts --fork --kill-child [--user --map-root-user] -- \\
         <python> -I -S confine.py root PLAN.json
         inside fresh namespaces: build the file system view, become the unprivileged child user in a user
-        namespace of its own, drop every privilege, then exec the worker.
+        namespace of its own, drop every privilege, then exec the worker;
+    bwrap ... -- <python> -I -S <box>/lib/sleuth/probes/confine.py keyring -- COMMAND...
+        inside bubblewrap (which does the rest): a fresh session keyring, then exec COMMAND.
 
 PLAN.json (written by sandbox.py) lists the operations that make the new root: directories and
 symlinks on a small tmpfs, the read-only binds (the system, the probe interpreter and its sys.path), the
@@ -198,6 +200,17 @@ def apply_limits(limits: dict) -> None:
 
 def main(argv: list[str]) -> int:
     step, argv = argv[0], argv[1:]
+    if step == "keyring":  # inside bubblewrap, which leaves the user's session keyring attached
+        problem = new_session_keyring()
+        if problem is not None:
+            print(f"sleuth-confine: cannot leave the user's session keyring: {problem}", file=sys.stderr)
+            return 125
+        command = argv[1:]  # after "--"
+        try:
+            os.execv(command[0], command)
+        except OSError as exc:
+            print(f"sleuth-confine: cannot start {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+            return 127
     if step == "limits":
         try:
             apply_limits(json.loads(argv[0]))

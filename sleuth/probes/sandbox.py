@@ -145,6 +145,8 @@ def describe_level(level: str, limits: Limits, fallback: str | None = None,
                          fallback=fallback, uid=identity[0] if identity else os.getuid(), user_namespace=None,
                          keyring="fresh" if identity is not None else "the user's")
     shown["scratch_bytes"] = limits.scratch_bytes
+    if level == "bwrap":  # only ever as a user (see _unavailable): bwrap's own user namespace, the user's uid
+        got = {"uid": os.getuid(), "user_namespace": "own", "session_keyring": "fresh", **got}
     return Isolation(level, network="closed (own network namespace, no interface up)",
                      filesystem="read-only view of the system and the probe interpreter (host-global /proc parts "
                                 "read-only); a size-capped scratch tmpfs and the answer file the only writable "
@@ -493,6 +495,10 @@ def _unavailable(level: str) -> str | None:
     if sys.platform != "linux":
         return "Linux namespaces only"
     if level == "bwrap":
+        if os.geteuid() == 0:
+            # bwrap run by root keeps the child host uid 0 (its --uid maps onto the caller's): root-owned files
+            # and host-global sysctls answer to that. sleuth's own set-up makes the child nobody.
+            return "sleuth is root: the namespaces level runs the child as nobody, bwrap would keep it root"
         return None if shutil.which("bwrap") else "bubblewrap (bwrap) is not installed"
     if not shutil.which("unshare"):
         return "util-linux unshare is not installed"
@@ -601,9 +607,6 @@ def _bwrap_command(argv: list[str], box: Box, read_paths: list[str], marker_fd: 
     limits = limits or Limits()
     command = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
                "--cap-drop", "ALL", "--hostname", "sleuth-probe"]
-    identity = child_ids()
-    if identity is not None:  # a root sleuth: the child is nobody inside its user namespace too
-        command += ["--unshare-user", "--uid", str(identity[0]), "--gid", str(identity[1])]
     for op in filesystem_ops(read_paths, box.box, (box.answer,)):
         if op[0] == "dir":
             command += ["--dir", op[1]]
@@ -617,7 +620,9 @@ def _bwrap_command(argv: list[str], box: Box, read_paths: list[str], marker_fd: 
     # The root bwrap builds is a tmpfs: read-only once the binds are in, as confine.py leaves its own.
     command += ["--dev", "/dev", "--proc", "/proc", "--remount-ro", "/", "--chdir", str(box.work),
                 "--info-fd", str(marker_fd)]
-    return [*command, "--", *argv]
+    # The worker through confine.py's copy in the box (the view holds no other): a fresh session keyring first.
+    confine = box.lib / "sleuth" / "probes" / CONFINE.name
+    return [*command, "--", argv[0], "-I", "-S", str(confine), "keyring", "--", *argv]
 
 
 def _spawn(command: list[str], level: str, *, box: Box, env: dict[str, str], timeout_s: float, limits: Limits,

@@ -663,8 +663,9 @@ def test_a_failing_namespace_set_up_falls_back_and_says_so(tmp_path, monkeypatch
     monkeypatch.setattr(sandbox, "_FAILED_LEVELS", {})
     monkeypatch.delenv(sandbox.ISOLATION_ENV, raising=False)
     outcome = probe_entry(entry_code(tmp_path, "answer(verdicts=[ONE_VERDICT])\n"))
-    skipped = ("bwrap: bwrap: setting up the namespaces: Operation not permitted; "
-               "namespaces: unshare: setting up the namespaces: Operation not permitted")
+    bwrap = ("sleuth is root: the namespaces level runs the child as nobody, bwrap would keep it root"
+             if os.geteuid() == 0 else "bwrap: setting up the namespaces: Operation not permitted")
+    skipped = f"bwrap: {bwrap}; namespaces: unshare: setting up the namespaces: Operation not permitted"
     identity = sandbox.child_ids()
     if identity is not None and sandbox._unreachable_for(identity, [sys.executable, sys.prefix, sys.base_prefix]):
         # A root sleuth whose interpreter nobody cannot read: the process level refuses too, and says all of it.
@@ -698,6 +699,8 @@ def test_the_read_only_view_recreates_links_and_binds_physical_paths_only(tmp_pa
     assert ["--symlink", str(tmp_path / "real"), str(tmp_path / "venv")] == command[command.index("--symlink"):
                                                                                    command.index("--symlink") + 3]
     assert "--ro-bind" in command and command[-4:] == ["--", "python", "-m", "w"]
+    assert command[-10:-4] == ["--", "python", "-I", "-S", str(tmp_path / "box" / "lib" / "sleuth" / "probes" /
+                                                               "confine.py"), "keyring"]  # a fresh session keyring
     assert command[command.index("--info-fd") + 1] == "7"
     assert command.index("--remount-ro") > max(i for i, part in enumerate(command) if part == "--ro-bind")
     answer = str(tmp_path / "box" / "answer.json")
