@@ -208,8 +208,15 @@ class Box:
         if identity is None:
             return
         self.root.chmod(0o711)
-        for path in (self.scratch, self.home, self.tmp, self.work, self.answer):
+        for folder, _dirs, names in os.walk(self.box):  # whatever sleuth's umask made of the copies
+            os.chmod(folder, 0o755)
+            for name in names:
+                os.chmod(os.path.join(folder, name), 0o644)
+        for path in (self.scratch, self.home, self.tmp, self.work):
             os.chown(path, *identity)
+            os.chmod(path, 0o700)
+        os.chown(self.answer, *identity)
+        os.chmod(self.answer, 0o600)
 
     @property
     def box(self) -> Path:
