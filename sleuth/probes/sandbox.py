@@ -726,11 +726,22 @@ def _end_session(process: subprocess.Popen, before: set[int], *, adopt_orphans: 
             except ChildProcessError:
                 pass  # not ours: its own parent reaps it
         time.sleep(0.01)
+    if adopt_orphans:  # orphans that had already exited came back as zombies: reap them (no process is left)
+        me = os.getpid()
+        for pid, (ppid, _sid, _pgid) in _process_table(zombies=True).items():
+            if ppid == me and pid not in before and pid != process.pid:
+                with _LOCK:
+                    if pid in _LIVE:
+                        continue
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
     return swept
 
 
-def _process_table() -> dict[int, tuple[int, int, int]]:
-    """pid -> (ppid, session, process group) for every process visible in /proc."""
+def _process_table(*, zombies: bool = False) -> dict[int, tuple[int, int, int]]:
+    """pid -> (ppid, session, process group) for every process visible in /proc (zombies only if asked)."""
     table: dict[int, tuple[int, int, int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -741,7 +752,7 @@ def _process_table() -> dict[int, tuple[int, int, int]]:
         except OSError:
             continue
         fields = raw[raw.rfind(b")") + 2:].split()
-        if fields[0] == b"Z":
+        if fields[0] == b"Z" and not zombies:
             continue
         table[int(entry.name)] = (int(fields[1]), int(fields[3]), int(fields[2]))
     return table

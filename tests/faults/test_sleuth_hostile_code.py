@@ -942,3 +942,29 @@ answer(error=json.dumps(seen))
     assert seen["scratch"] == "No space left on device" and seen["box"] == "Read-only file system", seen
     assert "unlimited" not in seen["nproc"], seen
     assert outcome.isolation.limits["scratch_bytes"] == 8 * 2**20
+
+
+def test_an_orphan_that_exited_before_the_probe_ended_is_reaped_not_left_behind(tmp_path):
+    from sleuth.probes import sandbox
+
+    box = sandbox.Box.create()
+    try:
+        box.hand_over(sandbox.child_ids())
+        env = sandbox.child_environment(box, sys.executable, 1)
+        # The grandchild leaves the session and exits at once: a zombie of the child, then an orphan of sleuth's.
+        sandbox._spawn(["/bin/sh", "-c", "setsid sh -c 'exit 0' & exec sleep 1"], "process", box=box, env=env,
+                       timeout_s=60, limits=sandbox.Limits(), pass_fds=(), fallback=None)
+    finally:
+        box.remove()
+    me = str(os.getpid()).encode()
+    zombies = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                raw = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            fields = raw[raw.rfind(b")") + 2:].split()
+            if fields[0] == b"Z" and fields[1] == me:
+                zombies.append(entry.name)
+    assert zombies == []
