@@ -146,15 +146,16 @@ def describe_level(level: str, limits: Limits, fallback: str | None = None,
                          keyring="fresh" if identity is not None else "the user's")
     shown["scratch_bytes"] = limits.scratch_bytes
     if level == "bwrap":  # only ever as a user (see _unavailable): bwrap's own user namespace, the user's uid
-        got = {"uid": os.getuid(), "user_namespace": "own", "session_keyring": "fresh", **got}
+        got = {"user_namespace": "own", "session_keyring": "fresh", **got}
+    host_uid = identity[0] if identity else os.getuid()
     return Isolation(level, network="closed (own network namespace, no interface up)",
                      filesystem="read-only view of the system and the probe interpreter (host-global /proc parts "
                                 "read-only); a size-capped scratch tmpfs and the answer file the only writable "
                                 "paths; home, run and other files not visible",
                      processes="own PID namespace, all killed at the end",
-                     privileges=f"uid {got.get('uid', '?')} in a user namespace ({got.get('user_namespace', '?')}), "
-                                "all capabilities dropped, no_new_privs", limits=shown, fallback=fallback,
-                     uid=identity[0] if identity else os.getuid(), user_namespace=got.get("user_namespace"),
+                     privileges=f"uid {host_uid} as the host sees it, user namespace: "
+                                f"{got.get('user_namespace', 'unknown')}; all capabilities dropped, no_new_privs",
+                     limits=shown, fallback=fallback, uid=host_uid, user_namespace=got.get("user_namespace"),
                      keyring=got.get("session_keyring"))
 
 
