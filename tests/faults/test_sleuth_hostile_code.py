@@ -669,8 +669,9 @@ def test_a_failing_namespace_set_up_falls_back_and_says_so(tmp_path, monkeypatch
     identity = sandbox.child_ids()
     if identity is not None and sandbox._unreachable_for(identity, [sys.executable, sys.prefix, sys.base_prefix]):
         # A root sleuth whose interpreter nobody cannot read: the process level refuses too, and says all of it.
-        assert outcome.error.startswith(f"no isolation level could start the probe: {skipped}; process: at the "
-                                        f"process level a root sleuth runs the probe as uid {identity[0]}"), outcome.error
+        expected = (f"no isolation level could start the probe: {skipped}; process: at the process level a root "
+                    f"sleuth runs the probe as uid {identity[0]}")
+        assert outcome.error.startswith(expected), outcome.error
     else:
         assert outcome.error is None and outcome.isolation.level == "process"
         assert outcome.isolation.fallback == skipped
@@ -797,7 +798,8 @@ def test_at_the_process_level_a_root_sleuths_child_is_nobody_and_cannot_touch_sl
         env = sandbox.child_environment(box, sys.executable, 1)
         # A shell, not Python: nobody can run /bin/sh wherever this machine keeps its Python.
         # kill -0: the permission check of SIGSTOP / SIGKILL, without stopping the test should it pass.
-        script = (f"id -u; kill -0 {os.getpid()} 2>/dev/null && echo can-signal-sleuth; cat /proc/{os.getpid()}/environ "
+        me = os.getpid()
+        script = (f"id -u; kill -0 {me} 2>/dev/null && echo can-signal-sleuth; cat /proc/{me}/environ "
                   f">/dev/null 2>&1 && echo read-environ; touch {trust}/forged.json 2>/dev/null && echo forged; "
                   "grep -E '^(Max processes)' /proc/self/limits")
         finished = sandbox._spawn(["/bin/sh", "-c", script], "process", box=box, env=env, timeout_s=60,
