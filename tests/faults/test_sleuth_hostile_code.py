@@ -882,7 +882,6 @@ def test_trust_names_the_run_a_byte_identical_copy_elsewhere_is_not_trusted(tmp_
     import shutil
 
     from sleuth.probes.runner import CodeCopy, copy_code
-    from sleuth.probes.trust import legacy_tree_sha256
 
     run = trusted_run(tmp_path, monkeypatch)
     colleague = tmp_path / "colleague" / "v5"
@@ -891,6 +890,8 @@ def test_trust_names_the_run_a_byte_identical_copy_elsewhere_is_not_trusted(tmp_
     assert outcome.declined and not outcome.trusted and "this run" in outcome.declined
     assert run_plan(plan_for_run(run, run / "code", "v5"), timeout_s=1).trusted  # its own run: still trusted
     # A record an older trainer wrote (format 1, one per tree) is read for the run it names only.
+    from sleuth.probes.trust import legacy_tree_sha256
+
     trust = tmp_path / "trust"
     for record in trust.iterdir():
         record.unlink()
