@@ -84,6 +84,9 @@ def main() -> None:
     parser.add_argument("--speculators", type=Path, help="a speculators package directory to time the copy of")
     args = parser.parse_args()
     levels = [level for level in ("namespaces", "process") if sandbox._unavailable(level) is None]
+    identity = sandbox.child_ids()  # a root sleuth's process level refuses an interpreter nobody cannot read
+    if identity is not None and sandbox._unreachable_for(identity, [sys.executable, sys.prefix, sys.base_prefix]):
+        levels = [level for level in levels if level != "process"]
     speculators = args.speculators
     if speculators is None:
         try:

@@ -6,17 +6,31 @@ code under diagnosis exists in the process. Two of them:
         link of every probe child, so the limits hold for everything it starts (done here rather than in
         a preexec_fn, which is unsafe when sleuth probes from several threads); at the process level it
         also drops every capability (a root sleuth's child keeps no privilege);
+        at the process level, when sleuth is root, it also becomes the unprivileged child user (nobody): a
+        child with sleuth's own uid could signal sleuth, read its memory or write the user's files;
     unshare --mount --net --pid --ipc --uts --fork --kill-child [--user --map-root-user] -- \\
         <python> -I -S confine.py root PLAN.json
-        inside fresh namespaces: build the file system view, drop every privilege, then exec the worker.
+        inside fresh namespaces: build the file system view, become the unprivileged child user in a user
+        namespace of its own, drop every privilege, then exec the worker;
+    bwrap ... -- <python> -I -S <box>/lib/sleuth/probes/confine.py keyring -- COMMAND...
+        inside bubblewrap (which does the rest): a fresh session keyring, then exec COMMAND.
 
 PLAN.json (written by sandbox.py) lists the operations that make the new root: directories and
 symlinks on a small tmpfs, the read-only binds (the system, the probe interpreter and its sys.path), the
 one writable bind (the scratch box), /dev with the harmless devices, a fresh /proc for the new PID
-namespace. Then pivot_root into it (the old root is detached: no path leads back), remount everything
-read-only but the box, drop the capability bounding set and every capability, set no_new_privs, and exec.
-One byte on the marker descriptor says the set-up succeeded (sleuth falls back to weaker isolation only
-when it did not: code under diagnosis never runs before the marker, so it cannot force a fallback).
+namespace, with the host-global parts of it (/proc/sys, /proc/sysrq-trigger, ...) bound read-only over it,
+as bubblewrap does. Then pivot_root into it (the old root is detached: no path leads back), remount
+everything read-only but the box, and take away what a root-owned process would still hold:
+  * the uid: when sleuth is root, the child becomes PLAN's unprivileged uid/gid (nobody), then enters a
+    user namespace of its own mapping only that uid. A process that is global uid 0 writes every
+    host-global sysctl whose file mode allows root (core_pattern: a command run as root on the next
+    crash), capabilities or not; nobody writes none of them;
+  * the kernel keyrings: a fresh session keyring, and (in the fresh user namespace) a fresh user keyring,
+    so the user's Kerberos / fscrypt keys are neither readable nor left with keys of the child's;
+  * the capability bounding set and every capability, then no_new_privs.
+A JSON line on the marker descriptor says the set-up succeeded and what it got (sleuth falls back to weaker
+isolation only when nothing was written: code under diagnosis never runs before the marker, so it cannot
+force a fallback).
 """
 
 from __future__ import annotations
@@ -31,9 +45,16 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 1, 38, 24, 47, 4
+PR_SET_DUMPABLE = 4
+CLONE_NEWUSER = 0x10000000
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 _CAPSET = {"x86_64": 126, "aarch64": 91, "arm64": 91, "riscv64": 91, "ppc64le": 184, "s390x": 185}
+_KEYCTL = {"x86_64": 250, "aarch64": 219, "arm64": 219, "riscv64": 219, "ppc64le": 271, "s390x": 280}
+KEYCTL_JOIN_SESSION_KEYRING = 1
 DEVICES = ("null", "zero", "full", "random", "urandom")
+# The parts of a fresh procfs that are global to the host whatever namespace reads them: read-only in the
+# view (bubblewrap's list).
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
 # The interpreter itself links libc: its symbols are at hand without a (slow) find_library.
 libc = ctypes.CDLL(None, use_errno=True)
@@ -73,7 +94,7 @@ def build_root(plan: dict) -> None:
         elif kind in ("bind", "bind_rw"):
             if os.path.isdir(path):
                 os.makedirs(inside(path), mode=0o755, exist_ok=True)
-            else:
+            elif not os.path.lexists(inside(path)):  # (the answer file is there already, in the read-only box)
                 os.makedirs(os.path.dirname(inside(path)), mode=0o755, exist_ok=True)
                 open(inside(path), "a").close()
             bind(path, inside(path), writable=kind == "bind_rw")
@@ -89,6 +110,19 @@ def build_root(plan: dict) -> None:
     mount("tmpfs", inside("/dev/shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m")
     os.makedirs(inside("/proc"), exist_ok=True)
     mount("proc", inside("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for name in PROC_READ_ONLY:
+        path = inside(f"/proc/{name}")
+        if os.path.lexists(path):
+            mount(path, path, None, MS_BIND | MS_REC)
+            mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for size_op in plan.get("scratch", []):  # the child's writable scratch: a size-capped tmpfs, not the disk
+        path, size, owner = inside(size_op["path"]), int(size_op["bytes"]), size_op.get("owner")
+        options = f"mode=0700,size={size}" + (f",uid={owner[0]},gid={owner[1]}" if owner else "")
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
+        for folder in size_op.get("folders", []):
+            os.mkdir(os.path.join(path, folder), 0o700)
+            if owner:
+                os.chown(os.path.join(path, folder), owner[0], owner[1])
 
     os.chdir(new_root)
     os.makedirs(".old-root", exist_ok=True)
@@ -101,6 +135,37 @@ def build_root(plan: dict) -> None:
         os.chroot(".")
         os.chdir("/")
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def become(uid: int, gid: int) -> None:
+    """Global root becomes the unprivileged child user for good (real, effective and saved ids, no groups)."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    # A uid change makes the process non-dumpable, which leaves /proc/self root's: its own uid_map included.
+    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+
+
+def enter_user_namespace() -> str | None:
+    """A user namespace of the child's own mapping only its uid and gid (fresh user keyrings, no privilege
+    over anything of the host's); None on success, else why not (user namespaces disabled)."""
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWUSER) != 0:
+        return os.strerror(ctypes.get_errno())
+    for name, text in (("uid_map", f"{uid} {uid} 1\n"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1\n")):
+        with open(f"/proc/self/{name}", "w") as handle:
+            handle.write(text)
+    return None
+
+
+def new_session_keyring() -> str | None:
+    """Leave the user's session keyring for a fresh, empty one; None on success, else why not."""
+    number = _KEYCTL.get(platform.machine())
+    if number is None:
+        return f"no keyctl number known for {platform.machine()}"
+    if libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+        return os.strerror(ctypes.get_errno())
+    return None
 
 
 def drop_privileges() -> None:
@@ -120,9 +185,14 @@ def apply_limits(limits: dict) -> None:
     import signal
 
     drop = limits.pop("drop_privileges", False)
+    identity = limits.pop("become", None)
     for name, value in limits.items():
         if value is not None:
             resource.setrlimit(getattr(resource, f"RLIMIT_{name.upper()}"), (int(value), int(value)))
+    if identity is not None:  # the process level as root: the child is not sleuth's uid
+        become(int(identity[0]), int(identity[1]))
+        new_session_keyring()
+    # After the uid change, which clears it: the child dies with the process that started it.
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if drop:  # no namespaces to do it in (the process level): at least no capabilities, even for root
         drop_privileges()
@@ -130,6 +200,15 @@ def apply_limits(limits: dict) -> None:
 
 def main(argv: list[str]) -> int:
     step, argv = argv[0], argv[1:]
+    if step == "keyring":  # inside bubblewrap, which leaves the user's session keyring attached
+        # Where keyctl itself is refused (a seccomp filter), the child cannot reach any keyring either.
+        new_session_keyring()
+        command = argv[1:]  # after "--"
+        try:
+            os.execv(command[0], command)
+        except OSError as exc:
+            print(f"sleuth-confine: cannot start {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+            return 127
     if step == "limits":
         try:
             apply_limits(json.loads(argv[0]))
@@ -144,15 +223,26 @@ def main(argv: list[str]) -> int:
             return 127
     with open(argv[0], encoding="utf-8") as handle:
         plan = json.load(handle)
+    got: dict = {"uid": None, "user_namespace": None, "session_keyring": None}
     try:
         build_root(plan)
+        identity = plan.get("become")
+        if identity is not None:  # sleuth is root: the child is nobody, in a user namespace of its own
+            become(int(identity[0]), int(identity[1]))
+            problem = enter_user_namespace()
+            got["user_namespace"] = "own" if problem is None else f"none ({problem}): global uid {identity[0]}"
+        else:  # unshare --user made one already, mapping the user's own uid
+            got["user_namespace"] = "own"
+        problem = new_session_keyring()
+        got["session_keyring"] = "fresh" if problem is None else f"the user's ({problem})"
+        got["uid"] = os.getuid()
         drop_privileges()
         os.chdir(plan["cwd"])
     except OSError as exc:
         print(f"sleuth-confine: cannot isolate the probe: {exc}", file=sys.stderr)
         return 125
     marker = int(plan["marker_fd"])
-    os.write(marker, b"1")
+    os.write(marker, json.dumps(got).encode())
     os.close(marker)
     command = plan["argv"]
     try:

@@ -53,6 +53,7 @@ MAX_FILE_BYTES = 64 * 2**20
 RUN_FILES = ("config.json", "run.json")
 MAX_RUN_FILE_BYTES = 16 * 2**20
 _SKIPPED_DIRS = frozenset({"node_modules", "site-packages"})
+_BYTECODE = (".pyc", ".pyo")
 
 
 class ProbeError(Exception):
@@ -235,11 +236,11 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
     box = Box.create()
     try:
         try:
-            spec = _fill_box(plan, box, outcome)
+            spec, files = _fill_box(plan, box, outcome)
         except CopyError as exc:
             return _failed(outcome, str(exc))
-        if plan.trust_applies:
-            trust = check_trust(outcome.code_sha256 or "")
+        if plan.trust_applies and plan.run_dir is not None:
+            trust = check_trust(files, plan.run_dir)
             outcome.trusted, outcome.trust = trust.trusted, trust.reason
         if not plan.asked and not outcome.trusted:
             outcome.declined = (f"not run: {outcome.trust}; the code of a run from elsewhere runs only with --probe "
@@ -248,6 +249,9 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
                 announce(f"probes: {plan.subject}: {outcome.declined}")
             outcome.verdicts = unknown_verdicts(outcome.declined)
             return outcome
+        steering = steering_problem(box.run) if plan.run_dir is not None else None
+        if steering is not None:  # checked on the copies the child would read
+            return _failed(outcome, f"not run: {steering}")
         env = child_environment(box, interpreter, threads)
         try:
             facts = interpreter_facts(interpreter, env, box.work)
@@ -257,7 +261,7 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
             return _failed(outcome, f"the probe interpreter {interpreter} has no torch (Python {facts.version}): "
                            "give --probe-python an environment where `import torch` works")
         spec.update(expectations=(expectations or Expectations()).to_json(), threads=threads, seed=0)
-        spec_path, answer_path = box.box / "spec.json", box.box / "answer.json"
+        spec_path, answer_path = box.box / "spec.json", box.answer
         spec_path.write_text(json.dumps(spec))
         limits = Limits.for_timeout(timeout_s, threads)
         if announce:
@@ -276,7 +280,9 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
         if finished.timed_out:
             return _failed(outcome, f"the probe process ran past its {timeout_s:g} s limit and was stopped")
         try:
-            answer = read_answer(answer_path, limits.answer_bytes)
+            # The answer file is there from the start (the child may write only it): empty is no answer.
+            written = os.lstat(answer_path).st_size > 0 if os.path.lexists(answer_path) else False
+            answer = read_answer(answer_path, limits.answer_bytes) if written else None
         except AnswerError as exc:
             return _failed(outcome, str(exc))
         if answer is None:
@@ -288,7 +294,9 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
         outcome.info, outcome.seconds, outcome.error = answer.subject_info(), answer.seconds, answer.error
         outcome.verdicts, outcome.checks, outcome.not_provided = answer.verdicts, answer.checks, answer.not_provided
     finally:
-        box.remove()
+        left = box.remove()
+        if left is not None:
+            outcome.notes.append(left)
         outcome.wall_s = round(time.perf_counter() - started, 3)
     if outcome.error and not outcome.verdicts:
         outcome.verdicts = unknown_verdicts(outcome.error)
@@ -330,8 +338,9 @@ class CopyError(Exception):
     """The code cannot be copied for probing (too large, not a directory); one line."""
 
 
-def _fill_box(plan: ProbePlan, box: Box, outcome: ProbeOutcome) -> dict[str, Any]:
-    """Copy the code, the run files and sleuth's worker into the box; the worker's spec, on the copies."""
+def _fill_box(plan: ProbePlan, box: Box, outcome: ProbeOutcome) -> tuple[dict[str, Any], dict[str, str]]:
+    """Copy the code, the run files and sleuth's worker into the box; the worker's spec, on the copies, and
+    the copied code's files ({path: sha256})."""
     spec = json.loads(json.dumps(plan.spec))
     files: dict[str, str] = {}
     if plan.copy is not None:
@@ -366,7 +375,42 @@ def _fill_box(plan: ProbePlan, box: Box, outcome: ProbeOutcome) -> dict[str, Any
     (box.lib / "sleuth").mkdir()
     (box.lib / "sleuth" / "__init__.py").write_bytes((SLEUTH_PACKAGE / "__init__.py").read_bytes())
     copy_code(CodeCopy(SLEUTH_PACKAGE, only="probes"), box.lib / "sleuth", [], worker=True)
-    return spec
+    return spec, files
+
+
+# What a run's own files may ask of a probe: the probe builds a stand-in target as deep as run.json says and a
+# drafter as the config says, so a run.json of 4000 layers would spend the whole time limit, not measure.
+MAX_PROBE_TARGET_LAYERS = 512
+MAX_PROBE_DRAFT_LAYERS = 64
+MAX_PROBE_BLOCK_SIZE = 1024
+
+
+def steering_problem(run_copy: Path) -> str | None:
+    """Why the run's copied config.json / run.json ask more of a probe than sleuth runs; None when within bounds."""
+    def load(name: str) -> Any:
+        try:
+            return json.loads((run_copy / name).read_bytes())
+        except (OSError, ValueError, RecursionError):
+            return None  # missing or damaged: the subject says so itself, and the static reading names it
+
+    info, config = load("run.json"), load("config.json")
+    target = info.get("target") if isinstance(info, dict) else None
+    layers = target.get("num_layers") if isinstance(target, dict) else None
+    bounds = [("run.json", "target.num_layers", layers, MAX_PROBE_TARGET_LAYERS)]
+    if isinstance(config, dict):
+        bounds += [("config.json", "draft_layers", config.get("draft_layers"), MAX_PROBE_DRAFT_LAYERS),
+                   ("config.json", "block_size", config.get("block_size"), MAX_PROBE_BLOCK_SIZE)]
+        ids = config.get("target_layer_ids")
+        if isinstance(ids, list):
+            bounds.append(("config.json", "target_layer_ids (count)", len(ids), MAX_PROBE_DRAFT_LAYERS))
+            numbers = [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
+            if numbers:
+                bounds.append(("config.json", "target_layer_ids (largest)", max(numbers), MAX_PROBE_TARGET_LAYERS))
+    for file, key, value, bound in bounds:
+        if isinstance(value, int) and not isinstance(value, bool) and value > bound:
+            shown = str(value) if len(str(value)) <= 20 else f"{str(value)[:20]}..."
+            return f"the run's {file} {key} is {shown}, past the {bound} sleuth probes with"
+    return None
 
 
 def _inside(path: str, root: Path) -> bool:
@@ -384,7 +428,8 @@ def _moved(path: str, host_root: str, box_root: Path) -> str:
 def copy_code(copy: CodeCopy, destination: Path, notes: list[str], *, worker: bool = False) -> dict[str, str]:
     """Copy the tree; {path relative to destination: sha256 of the bytes written}. Regular files only (links,
     FIFOs, devices skipped), never through a link, bounded in files and bytes; entries that would shadow the
-    worker's own packages, hidden entries and byte-code caches are left out (noted)."""
+    worker's own packages, hidden entries and byte code (`__pycache__`, *.pyc: the child writes none either)
+    are left out (noted)."""
     files: dict[str, str] = {}
     total = [0]
     skipped: dict[str, int] = {}
@@ -405,8 +450,16 @@ def copy_code(copy: CodeCopy, destination: Path, notes: list[str], *, worker: bo
             if not relative.parts and not worker and _shadows(name):
                 notes.append(f"not copied: {source / name} (it would shadow the probe's own {name.split('.')[0]})")
                 continue
-            if name.startswith(".") or (name == "__pycache__" and copy.python_only) or name in _SKIPPED_DIRS:
-                skip("hidden entries, caches and package folders")
+            if name.startswith(".") or name in _SKIPPED_DIRS:
+                skip("hidden entries and package folders")
+                continue
+            if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in name):
+                skip("names with control characters")  # no module is named so; a path listing could be forged
+                continue
+            if name == "__pycache__" or name.endswith(_BYTECODE):
+                # Byte code is what would run instead of the source sleuth read and the user reviewed (a
+                # .pyc stamped with the .py's mtime and size is imported in its place): source only.
+                skip("byte-code files and caches")
                 continue
             if entry.is_symlink():
                 skip("links")
@@ -424,7 +477,7 @@ def copy_code(copy: CodeCopy, destination: Path, notes: list[str], *, worker: bo
     def _copy_file(source: Path, target: Path, relative: Path) -> None:
         if len(files) >= MAX_COPY_FILES:
             raise CopyError(f"{root} has more than {MAX_COPY_FILES} files to copy for probing: point at the package")
-        data, info = _read_regular(source, MAX_FILE_BYTES)
+        data, _info = _read_regular(source, MAX_FILE_BYTES)
         if data is None:
             skip("files too large or not regular")
             return
@@ -434,8 +487,6 @@ def copy_code(copy: CodeCopy, destination: Path, notes: list[str], *, worker: bo
                             "package")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
-        # The source's times: byte-code caches stay valid for a copied package (import speed), nothing else.
-        os.utime(target, ns=(info.st_atime_ns, info.st_mtime_ns))
         files[relative.as_posix()] = hashlib.sha256(data).hexdigest()
 
     if not root.is_dir() or root.is_symlink():

@@ -1,16 +1,23 @@
 """Which code sleuth runs without being asked: the trust record of code/ trees the user's own trainer wrote.
 
-`sleuth diagnose --run DIR` probes a run's `code/` copy by default only when that exact tree was written by
-the user's own `trainer run` on this machine: the run directory alone proves nothing (anyone can copy,
-edit or forge one), so the proof lives outside it, in a user-local directory only the user can write.
+`sleuth diagnose --run DIR` probes a run's `code/` copy by default only when the user's own `trainer run`
+on this machine wrote that exact tree *into that run directory*: the run directory alone proves nothing
+(anyone can copy, edit or forge one), so the proof lives outside it, in a user-local directory only the
+user can write; and the same tree in another run directory (a colleague's run of the same trainer version,
+with a run.json of their own that steers the code) is not the user's run.
 
 The record (a documented contract: `trainer` writes it, `sleuth` reads it, neither imports the other):
   * directory: $SLEUTH_TRUST_DIR, else platformdirs `user_data_dir("sleuth")/trusted-code`; created 0700,
     and ignored (nothing trusted) when it is not owned by the user or is writable by group or others;
-  * one file per trusted tree, `<tree sha256>.json`, a JSON object with at least
-    `{"format": 1, "tree_sha256": "<the same hex>"}` (the trainer adds `recorded_by`, `run`, `created`);
-  * the tree hash: sha256 of the lines `<sha256 of the file's bytes>  <path relative to code/>\\n`, one per
-    file, sorted by path (paths with `/`, UTF-8): what `sha256sum` prints for the files, sorted.
+  * format 2 (written now): one file per (tree, run), `<record_key(tree, run)>.json`, a JSON object
+    `{"format": 2, "tree_sha256": "<tree hash>", "run": "<the run directory, resolved>", ...}` (the
+    trainer adds `recorded_by`, `files`, `created`). The tree hash: sha256 over `sleuth-tree-2\\0`, then per
+    file sorted by path: the UTF-8 path's length (8 bytes, big-endian), the path (`/`-separated, relative
+    to code/), the file's sha256 (32 bytes). Length-prefixed: no path, newline or not, can pose as two.
+  * format 1 (older trainers): `<v1 hash>.json`, the v1 hash being sha256 of the lines
+    `<file sha256>  <path>\\n` sorted by path. Still read, but only for the run it names (its `run`
+    field, the resolved run directory), and only for trees without control characters in a path (sleuth
+    never copies those), where lines cannot run together. Re-running the trainer writes format 2.
 
 sleuth hashes the copy it is about to run (copy first, hash the copy, run the copy), never the run
 directory, so nothing can change between the check and the run.
@@ -27,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TRUST_DIR_ENV = "SLEUTH_TRUST_DIR"
-TRUST_FORMAT = 1
+TRUST_FORMAT = 2
+LEGACY_FORMAT = 1
 # A record is a few hundred bytes; anything larger is not one.
 _MAX_RECORD_BYTES = 64 * 1024
 
@@ -42,9 +50,29 @@ def trust_dir() -> Path:
 
 
 def tree_sha256(files: Mapping[str, str]) -> str:
-    """The tree hash of `{relative posix path: sha256 hex of the file's bytes}` (see the module docstring)."""
+    """The format-2 tree hash of `{relative posix path: sha256 hex of the file's bytes}` (module docstring)."""
+    digest = hashlib.sha256(b"sleuth-tree-2\0")
+    for path, file_digest in sorted(files.items()):
+        name = path.encode("utf-8", "surrogateescape")
+        digest.update(len(name).to_bytes(8, "big") + name + bytes.fromhex(file_digest))
+    return digest.hexdigest()
+
+
+def legacy_tree_sha256(files: Mapping[str, str]) -> str:
+    """The format-1 tree hash (sorted `sha256sum` lines), for records older trainers wrote."""
     lines = "".join(f"{digest}  {path}\n" for path, digest in sorted(files.items()))
     return hashlib.sha256(lines.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def record_key(tree: str, run: str) -> str:
+    """The record's file name (without .json) for a tree in a run: one record per run, so that two runs of
+    the same code are recorded side by side."""
+    return hashlib.sha256(f"{tree}\0{run}".encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def run_key(run_dir: Path) -> str:
+    """How a record names its run: the resolved path of the run directory."""
+    return str(Path(os.path.realpath(run_dir)))
 
 
 @dataclass(frozen=True)
@@ -54,21 +82,40 @@ class TrustCheck:
     reason: str  # what was found, for the report: "recorded by trainer 0.1.0 (run ...)", or why not
 
 
-def check_trust(tree: str, directory: Path | None = None) -> TrustCheck:
-    """Is `tree` (a tree hash) in the user's trust record?"""
+def check_trust(files: Mapping[str, str], run_dir: Path, directory: Path | None = None) -> TrustCheck:
+    """Did the user's trainer record the tree `files` ({path: sha256}, the copy sleuth will run) for `run_dir`?"""
     directory = directory if directory is not None else trust_dir()
+    tree = tree_sha256(files)
     short = f"sha256:{tree[:16]}"
     problem = _unsafe_directory(directory)
     if problem is not None:
         return TrustCheck(False, tree, f"no trust record for {short}: {problem}")
-    record_path = directory / f"{tree}.json"
-    record = _read_record(record_path)
-    if record is None or record.get("tree_sha256") != tree or record.get("format") != TRUST_FORMAT:
-        return TrustCheck(False, tree, f"no trust record for {short} in {directory} (this code/ was not written "
-                          "by your trainer on this machine)")
-    by = record.get("recorded_by") if isinstance(record.get("recorded_by"), str) else "the trainer"
-    run = f" for run {record['run']}" if isinstance(record.get("run"), str) else ""
-    return TrustCheck(True, tree, f"{short} recorded by {by}{run} in {directory}")
+    run = run_key(run_dir)
+    record = _read_record(directory / f"{record_key(tree, run)}.json")
+    if record is not None and record.get("format") == TRUST_FORMAT and record.get("tree_sha256") == tree \
+            and record.get("run") == run:
+        return TrustCheck(True, tree, f"{short} recorded by {_by(record)} for run {run} in {directory}")
+    if not any(_has_control(path) for path in files):
+        legacy = legacy_tree_sha256(files)
+        record = _read_record(directory / f"{legacy}.json")
+        if record is not None and record.get("format") == LEGACY_FORMAT and record.get("tree_sha256") == legacy:
+            if record.get("run") == run:
+                return TrustCheck(True, tree, f"{short} recorded (format 1) by {_by(record)} for run {run} in "
+                                  f"{directory}")
+            return TrustCheck(False, tree, f"no trust record for {short} in this run: your trainer recorded the "
+                              f"same code for another run ({record.get('run')!s:.200}), and a run's own files "
+                              "steer its code")
+    return TrustCheck(False, tree, f"no trust record for {short} and run {run} in {directory} (your trainer did "
+                      "not write this code/ into this run directory on this machine)")
+
+
+def _by(record: dict) -> str:
+    by = record.get("recorded_by")
+    return by[:100] if isinstance(by, str) else "the trainer"
+
+
+def _has_control(path: str) -> bool:
+    return any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in path)
 
 
 def _unsafe_directory(directory: Path) -> str | None:
@@ -107,4 +154,5 @@ def _read_record(path: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-__all__ = ["TRUST_DIR_ENV", "TRUST_FORMAT", "TrustCheck", "check_trust", "tree_sha256", "trust_dir"]
+__all__ = ["LEGACY_FORMAT", "TRUST_DIR_ENV", "TRUST_FORMAT", "TrustCheck", "check_trust", "legacy_tree_sha256",
+           "record_key", "run_key", "tree_sha256", "trust_dir"]

@@ -499,8 +499,8 @@ def test_the_trainers_record_and_sleuths_hash_of_its_copy_agree(tmp_path, monkey
     files = copy_code(CodeCopy(run / "code", only="trainer", python_only=True), tmp_path / "copy", [])
     fingerprint = json.loads((run / "fingerprint.json").read_text())["files"]
     assert files == fingerprint  # the same files, the same digests
-    check = check_trust(tree_sha256(files))
-    assert check.trusted and "recorded by trainer" in check.reason
+    check = check_trust(files, run)
+    assert check.trusted and "recorded by trainer" in check.reason and check.tree_sha256 == tree_sha256(files)
     assert (tmp_path / "trust").stat().st_mode & 0o777 == 0o700
 
 
@@ -614,6 +614,14 @@ def test_at_the_process_level_no_secret_no_privilege_and_orphans_are_swept(tmp_p
     from sleuth.probes import sandbox
 
     monkeypatch.setenv(sandbox.ISOLATION_ENV, "process")
+    identity = sandbox.child_ids()
+    if identity is not None and sandbox._unreachable_for(identity, [sys.executable, sys.prefix, sys.base_prefix]):
+        # A root sleuth's process-level child is nobody: with an interpreter nobody cannot read (a pyenv under
+        # /root) that is one line, never a child that keeps root's uid.
+        outcome = probe_entry(entry_code(tmp_path, "answer(verdicts=[ONE_VERDICT])\n"))
+        assert outcome.error.startswith(f"at the process level a root sleuth runs the probe as uid {identity[0]}, "
+                                        "which cannot read "), outcome.error
+        pytest.skip(f"uid {identity[0]} cannot read this interpreter ({sys.executable}): the rest needs one it can")
     monkeypatch.setenv("HF_TOKEN", "hf_" + "q" * 20)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "w" * 24)
     marker = f"sleuth-orphan-{uuid.uuid4().hex}"
@@ -626,7 +634,8 @@ if os.fork() == 0:
     os._exit(0)
 os.wait()
 capabilities = [line.split()[1] for line in open("/proc/self/status") if line.startswith("CapEff")][0]
-answer(error=json.dumps(dict(env=sorted(os.environ), home=os.environ["HOME"], capabilities=capabilities)))
+answer(error=json.dumps(dict(env=sorted(os.environ), home=os.environ["HOME"], capabilities=capabilities,
+                             uid=os.getuid())))
 ''')
     try:
         outcome = probe_entry(code)
@@ -635,8 +644,9 @@ answer(error=json.dumps(dict(env=sorted(os.environ), home=os.environ["HOME"], ca
         kill_marked(marker)
     seen = json.loads(outcome.error)
     assert not set(seen["env"]) & {"HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "SSH_AUTH_SOCK"}
-    assert "PATH" in seen["env"] and seen["home"].endswith("/box/home")
+    assert "PATH" in seen["env"] and seen["home"].endswith("/box/scratch/home")
     assert int(seen["capabilities"], 16) == 0  # even when sleuth runs as root
+    assert seen["uid"] == (identity[0] if identity else os.getuid())
     assert outcome.isolation.level == "process" and outcome.isolation.fallback is None
     assert any("killed" in note for note in outcome.notes)
 
@@ -653,10 +663,19 @@ def test_a_failing_namespace_set_up_falls_back_and_says_so(tmp_path, monkeypatch
     monkeypatch.setattr(sandbox, "_FAILED_LEVELS", {})
     monkeypatch.delenv(sandbox.ISOLATION_ENV, raising=False)
     outcome = probe_entry(entry_code(tmp_path, "answer(verdicts=[ONE_VERDICT])\n"))
-    assert outcome.error is None and outcome.isolation.level == "process"
-    assert outcome.isolation.fallback == ("bwrap: bwrap: setting up the namespaces: Operation not permitted; "
-                                          "namespaces: unshare: setting up the namespaces: Operation not permitted")
-    assert any(note.startswith("isolation fell back to process") for note in outcome.notes)
+    bwrap = ("sleuth is root: the namespaces level runs the child as nobody, bwrap would keep it root"
+             if os.geteuid() == 0 else "bwrap: setting up the namespaces: Operation not permitted")
+    skipped = f"bwrap: {bwrap}; namespaces: unshare: setting up the namespaces: Operation not permitted"
+    identity = sandbox.child_ids()
+    if identity is not None and sandbox._unreachable_for(identity, [sys.executable, sys.prefix, sys.base_prefix]):
+        # A root sleuth whose interpreter nobody cannot read: the process level refuses too, and says all of it.
+        expected = (f"no isolation level could start the probe: {skipped}; process: at the process level a root "
+                    f"sleuth runs the probe as uid {identity[0]}")
+        assert outcome.error.startswith(expected), outcome.error
+    else:
+        assert outcome.error is None and outcome.isolation.level == "process"
+        assert outcome.isolation.fallback == skipped
+        assert any(note.startswith("isolation fell back to process") for note in outcome.notes)
     monkeypatch.setenv(sandbox.ISOLATION_ENV, "namespaces")  # a forced level is never silently weakened
     forced = probe_entry(entry_code(tmp_path / "again", "answer(verdicts=[ONE_VERDICT])\n"))
     assert forced.error == "SLEUTH_PROBE_ISOLATION=namespaces: unshare: setting up the namespaces: Operation not permitted"
@@ -674,14 +693,281 @@ def test_the_read_only_view_recreates_links_and_binds_physical_paths_only(tmp_pa
     assert ("symlink", str(tmp_path / "venv"), str(tmp_path / "real")) in ops
     assert ("bind", str(tmp_path / "real" / "lib")) in ops  # the python file inside it is not bound again
     assert ("bind", str(tmp_path / "real" / "lib" / "python")) not in ops
-    assert ops[-1] == ("bind_rw", str(tmp_path / "box"))
+    assert ops[-1] == ("bind", str(tmp_path / "box"))  # read-only: the child writes a tmpfs over it and the answer
     box = sandbox.Box(tmp_path)
     command = sandbox._bwrap_command(["python", "-m", "w"], box, [str(tmp_path / "venv" / "lib")], 7)
     assert command[1:7] == ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname"]
     assert ["--symlink", str(tmp_path / "real"), str(tmp_path / "venv")] == command[command.index("--symlink"):
                                                                                    command.index("--symlink") + 3]
     assert "--ro-bind" in command and command[-4:] == ["--", "python", "-m", "w"]
+    assert command[-10:-4] == ["--", "python", "-I", "-S", str(tmp_path / "box" / "lib" / "sleuth" / "probes" /
+                                                               "confine.py"), "keyring"]  # a fresh session keyring
     assert command[command.index("--info-fd") + 1] == "7"
     assert command.index("--remount-ro") > max(i for i, part in enumerate(command) if part == "--ro-bind")
-    assert ["--bind", str(tmp_path / "box"), str(tmp_path / "box")] == command[command.index("--bind"):
-                                                                             command.index("--bind") + 3]
+    answer = str(tmp_path / "box" / "answer.json")
+    assert ["--bind", answer, answer] == command[command.index("--bind"):command.index("--bind") + 3]
+    assert ["--ro-bind", str(tmp_path / "box"), str(tmp_path / "box")] == command[command.index("--bind") - 3:
+                                                                                command.index("--bind")]
+    assert command[command.index("--tmpfs") - 2:command.index("--tmpfs") + 2] == [
+        "--size", str(sandbox.SCRATCH_BYTES), "--tmpfs", str(tmp_path / "box" / "scratch")]
+
+
+# --- round 3 (red team): host kernel state, sleuth itself, the box, trust bound to the run ---------------
+
+_KEYCTL_NUMBERS = {"x86_64": (248, 250), "aarch64": (217, 219)}  # add_key, keyctl
+
+
+def _keyctl():
+    import ctypes
+    import platform
+
+    numbers = _KEYCTL_NUMBERS.get(platform.machine())
+    if numbers is None:
+        pytest.skip(f"no add_key/keyctl syscall numbers known for {platform.machine()}")
+    return ctypes.CDLL(None, use_errno=True), numbers
+
+
+def _plant_user_key(description: str, payload: bytes) -> int:
+    import ctypes
+
+    libc, (add_key, _keyctl_number) = _keyctl()
+    key = libc.syscall(add_key, b"user", description.encode(), payload, ctypes.c_size_t(len(payload)),
+                       ctypes.c_int(-4))  # KEY_SPEC_USER_KEYRING
+    if key < 0:
+        pytest.skip(f"this machine's kernel keyring refuses a test key: {os.strerror(ctypes.get_errno())}")
+    return key
+
+
+def _unlink_user_key(key: int) -> None:
+    import ctypes
+
+    libc, (_add_key, keyctl) = _keyctl()
+    libc.syscall(keyctl, ctypes.c_int(9), ctypes.c_int(key), ctypes.c_int(-4))  # KEYCTL_UNLINK from @u
+
+
+@needs_namespaces
+def test_the_namespace_child_can_write_no_host_sysctl_and_cannot_find_the_users_keys(tmp_path):
+    import platform
+
+    libc_numbers = _KEYCTL_NUMBERS.get(platform.machine())
+    description = f"sleuth-test-{uuid.uuid4().hex}"
+    key = _plant_user_key(description, b"the user's kerberos ticket")
+    code = entry_code(tmp_path, f'''
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+seen = {{}}
+for path in ("/proc/sys/kernel/core_pattern", "/proc/sys/vm/drop_caches", "/proc/sys/kernel/pid_max",
+             "/proc/sysrq-trigger"):
+    try:
+        os.close(os.open(path, os.O_WRONLY))
+        seen[path] = "opened for writing"
+    except OSError as exc:
+        seen[path] = exc.strerror
+found = libc.syscall({libc_numbers[1]}, ctypes.c_int(10), ctypes.c_int(-4), b"user", b"{description}", ctypes.c_int(0))
+seen["user keyring"] = found if found >= 0 else os.strerror(ctypes.get_errno())
+found = libc.syscall({libc_numbers[1]}, ctypes.c_int(10), ctypes.c_int(-3), b"user", b"{description}", ctypes.c_int(0))
+seen["session keyring"] = found if found >= 0 else os.strerror(ctypes.get_errno())
+seen["uid"] = os.getuid()
+answer(error=json.dumps(seen))
+''')
+    try:
+        outcome = probe_entry(code)
+    finally:
+        _unlink_user_key(key)
+    seen = json.loads(outcome.error)
+    assert seen["/proc/sys/kernel/core_pattern"] != "opened for writing", seen
+    assert all(value != "opened for writing" for name, value in seen.items() if name.startswith("/proc")), seen
+    assert seen["user keyring"] == seen["session keyring"] == "Required key not available", seen
+    assert outcome.isolation.keyring == "fresh" and outcome.isolation.user_namespace == "own"
+    if os.geteuid() == 0:  # never global root, even when sleuth is
+        assert seen["uid"] != 0 and outcome.isolation.uid == seen["uid"]
+
+
+def test_at_the_process_level_a_root_sleuths_child_is_nobody_and_cannot_touch_sleuth(tmp_path, monkeypatch):
+    import ctypes
+
+    from sleuth.probes import sandbox
+
+    if os.geteuid() != 0:
+        pytest.skip("the child changes uid only when sleuth is root (as a user it keeps the user's: README)")
+    trust = tmp_path / "trust"
+    trust.mkdir(mode=0o700)
+    box = sandbox.Box.create()
+    try:
+        box.hand_over(sandbox.child_ids())
+        env = sandbox.child_environment(box, sys.executable, 1)
+        # A shell, not Python: nobody can run /bin/sh wherever this machine keeps its Python.
+        # kill -0: the permission check of SIGSTOP / SIGKILL, without stopping the test should it pass.
+        me = os.getpid()
+        script = (f"id -u; kill -0 {me} 2>/dev/null && echo can-signal-sleuth; cat /proc/{me}/environ "
+                  f">/dev/null 2>&1 && echo read-environ; touch {trust}/forged.json 2>/dev/null && echo forged; "
+                  "grep -E '^(Max processes)' /proc/self/limits")
+        finished = sandbox._spawn(["/bin/sh", "-c", script], "process", box=box, env=env, timeout_s=60,
+                                  limits=sandbox.Limits(), pass_fds=(), fallback=None)
+        out = (box.logs / "stdout-process").read_text()
+    finally:
+        box.remove()
+    lines = out.splitlines()
+    assert lines[0] == str(sandbox.child_ids()[0]), out
+    assert "can-signal-sleuth" not in out and "read-environ" not in out and "forged" not in out, out
+    assert not list(trust.iterdir())
+    assert "unlimited" not in lines[-1], out  # RLIMIT_NPROC binds the child's uid, unlike root's
+    assert finished.isolation.uid == sandbox.child_ids()[0] and finished.isolation.keyring == "fresh"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(3, 0, 0, 0, 0) == 0  # PR_GET_DUMPABLE: sleuth's own /proc files are root's from now on
+
+
+def test_a_1500_deep_directory_chain_in_the_box_is_removed_without_an_internal_error(tmp_path):
+    from sleuth.probes import sandbox
+
+    code = entry_code(tmp_path, '''
+path = os.getcwd()
+for _ in range(1500):
+    path = os.path.join(path, "d")
+    os.mkdir(path)
+os.chmod(os.path.dirname(path), 0o500)  # and one directory it may not write
+answer(error=os.getcwd())
+''')
+    outcome = probe_entry(code)
+    box_root = Path(outcome.error).parents[2]  # <root>/box/scratch/work
+    assert box_root.name.startswith("sleuth-probe-") and not box_root.exists()  # nothing left behind
+    assert not any("could not be fully removed" in note for note in outcome.notes)
+    # The box itself, with such a chain on disk (the process level keeps its scratch there): gone, no recursion.
+    box = sandbox.Box.create()
+    deep = box.work
+    for _ in range(1500):
+        deep = deep / "d"
+        deep.mkdir()
+    deep.parent.chmod(0o500)
+    assert box.remove() is None and not box.root.exists()
+
+
+
+def test_byte_code_beside_or_under_the_code_never_runs_instead_of_the_source(tmp_path):
+    import py_compile
+
+    benign, malicious = "answer(error='ran the source')\n", "answer(error='ran a bytecode')\n"
+    assert len(benign) == len(malicious)  # the .pyc header checks the source's size and mtime only
+    code = entry_code(tmp_path, malicious)
+    source = code / "hostile.py"
+    py_compile.compile(str(source), cfile=str(code / "__pycache__" / f"hostile.{sys.implementation.cache_tag}.pyc"))
+    stamp = source.stat().st_mtime_ns
+    source.write_text(source.read_text().replace(malicious, benign))
+    os.utime(source, ns=(stamp, stamp))  # the .pyc's header still matches the (now benign) source
+    (code / "sneaky.pyc").write_bytes((code / "__pycache__" / f"hostile.{sys.implementation.cache_tag}.pyc")
+                                      .read_bytes())  # a sourceless module too: never copied
+    outcome = probe_entry(code)
+    assert outcome.error == "ran the source", outcome.error
+    assert any("byte-code" in note for note in outcome.notes)
+
+
+def test_a_path_with_a_newline_cannot_pose_as_two_files_in_the_tree_hash(tmp_path):
+    from sleuth.probes.runner import CodeCopy, copy_code
+    from sleuth.probes.trust import legacy_tree_sha256, tree_sha256
+
+    a, b = "1" * 64, "2" * 64
+    honest = {"trainer/cli.py": a, "trainer/commands/__init__.py": b}
+    forged = {f"trainer/cli.py\n{b}  trainer/commands/__init__.py": a}
+    assert legacy_tree_sha256(honest) == legacy_tree_sha256(forged)  # the collision of the old format
+    assert tree_sha256(honest) != tree_sha256(forged)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "ok.py").write_text("")
+    (tmp_path / "src" / "bad\nname.py").write_text("")
+    notes: list[str] = []
+    assert list(copy_code(CodeCopy(tmp_path / "src"), tmp_path / "copy", notes)) == ["ok.py"]
+    assert any("control characters" in note for note in notes)
+
+
+def test_trust_names_the_run_a_byte_identical_copy_elsewhere_is_not_trusted(tmp_path, monkeypatch):
+    import shutil
+
+    from sleuth.probes.runner import CodeCopy, copy_code
+
+    run = trusted_run(tmp_path, monkeypatch)
+    colleague = tmp_path / "colleague" / "v5"
+    shutil.copytree(run, colleague)
+    outcome = run_plan(plan_for_run(colleague, colleague / "code", "v5"))
+    assert outcome.declined and not outcome.trusted and "this run" in outcome.declined
+    assert run_plan(plan_for_run(run, run / "code", "v5"), timeout_s=1).trusted  # its own run: still trusted
+    # A record an older trainer wrote (format 1, one per tree) is read for the run it names only.
+    from sleuth.probes.trust import legacy_tree_sha256
+
+    trust = tmp_path / "trust"
+    for record in trust.iterdir():
+        record.unlink()
+    files = copy_code(CodeCopy(run / "code", only="trainer", python_only=True), tmp_path / "copy", [])
+    legacy = legacy_tree_sha256(files)
+    (trust / f"{legacy}.json").write_text(json.dumps({"format": 1, "tree_sha256": legacy, "run": str(run.resolve())}))
+    assert run_plan(plan_for_run(run, run / "code", "v5"), timeout_s=1).trusted
+    old = run_plan(plan_for_run(colleague, colleague / "code", "v5"))
+    assert old.declined and "recorded the same code for another run" in old.declined
+
+
+def test_run_files_that_ask_a_probe_for_4000_target_layers_are_refused_in_one_line(tmp_path):
+    run = write_run(tmp_path)
+    (run / "code" / "trainer" / "__init__.py").write_text("")
+    (run / "code" / "trainer" / "probe.py").write_text(ANSWER_HELPERS + "answer(verdicts=[ONE_VERDICT])\n")
+    info = json.loads((run / "run.json").read_text())
+    info["target"]["num_layers"] = 4000
+    (run / "run.json").write_text(json.dumps(info))
+    plan = plan_for_run(run, run / "code", "v5")
+    plan.asked = True  # --probe
+    outcome = run_plan(plan)
+    assert outcome.error == "not run: the run's run.json target.num_layers is 4000, past the 512 sleuth probes with"
+    assert outcome.isolation is None
+
+
+@needs_namespaces
+def test_the_childs_scratch_is_a_size_capped_tmpfs_and_the_box_is_read_only(tmp_path, monkeypatch):
+    from sleuth.probes import sandbox
+
+    monkeypatch.setattr(sandbox, "SCRATCH_BYTES", 8 * 2**20)
+    code = entry_code(tmp_path, '''
+seen = {}
+try:
+    with open("fill", "wb") as handle:
+        for _ in range(32):
+            handle.write(b"x" * 2**20)
+            handle.flush()
+    seen["scratch"] = "wrote 32 MiB"
+except OSError as exc:
+    seen["scratch"] = exc.strerror
+try:
+    open(os.path.join(os.path.dirname(sys.argv[2]), "more"), "w")
+    seen["box"] = "writable"
+except OSError as exc:
+    seen["box"] = exc.strerror
+seen["nproc"] = [line for line in open("/proc/self/limits") if line.startswith("Max processes")][0]
+answer(error=json.dumps(seen))
+''')
+    outcome = probe_entry(code)
+    seen = json.loads(outcome.error)
+    assert seen["scratch"] == "No space left on device" and seen["box"] == "Read-only file system", seen
+    assert "unlimited" not in seen["nproc"], seen
+    assert outcome.isolation.limits["scratch_bytes"] == 8 * 2**20
+
+
+def test_an_orphan_that_exited_before_the_probe_ended_is_reaped_not_left_behind(tmp_path):
+    from sleuth.probes import sandbox
+
+    box = sandbox.Box.create()
+    try:
+        box.hand_over(sandbox.child_ids())
+        env = sandbox.child_environment(box, sys.executable, 1)
+        # The grandchild leaves the session and exits at once: a zombie of the child, then an orphan of sleuth's.
+        sandbox._spawn(["/bin/sh", "-c", "setsid sh -c 'exit 0' & exec sleep 1"], "process", box=box, env=env,
+                       timeout_s=60, limits=sandbox.Limits(), pass_fds=(), fallback=None)
+    finally:
+        box.remove()
+    me = str(os.getpid()).encode()
+    zombies = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                raw = (entry / "stat").read_bytes()
+            except OSError:
+                continue
+            fields = raw[raw.rfind(b")") + 2:].split()
+            if fields[0] == b"Z" and fields[1] == me:
+                zombies.append(entry.name)
+    assert zombies == []

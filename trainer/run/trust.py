@@ -1,10 +1,14 @@
-"""The trust record: code/ trees this user's trainer wrote, so `sleuth diagnose --run` may probe them unasked.
+"""The trust record: code/ trees this user's trainer wrote into its runs, so `sleuth diagnose --run` may probe
+them unasked.
 
-sleuth runs a run's `code/` copy by default only when that exact tree is recorded here (README "Security
-model"); a copied or forged run directory is not, whatever it contains. The format is the contract with
-sleuth (neither imports the other): in $SLEUTH_TRUST_DIR, else platformdirs `user_data_dir("sleuth")/
-trusted-code` (a 0700 directory), one file `<tree sha256>.json` per tree, where the tree hash is the sha256
-of the sorted lines `<file sha256>  <path relative to code/>\\n`.
+sleuth runs a run's `code/` copy by default only when that exact tree is recorded here for that run directory
+(README "Security model"); a copied or forged run directory is not, whatever it contains, and neither is
+the same code in another run directory. The format is the contract with sleuth (neither imports the other):
+in $SLEUTH_TRUST_DIR, else platformdirs `user_data_dir("sleuth")/trusted-code` (a 0700 directory), format 2:
+one file `<sha256 of "<tree hash>\\0<resolved run dir>">.json` per run, holding `format`, `tree_sha256`, `run`;
+the tree hash is sha256 over `sleuth-tree-2\\0` and, per file sorted by path, the UTF-8 path's length (8
+bytes big-endian), the path, the file's sha256 (32 bytes). (Format 1, one file per tree hashed as sorted
+`sha256sum` lines, is what older trainers wrote; sleuth still reads it for the run it names.)
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 TRUST_DIR_ENV = "SLEUTH_TRUST_DIR"
-TRUST_FORMAT = 1
+TRUST_FORMAT = 2
 
 
 def trust_dir() -> Path:
@@ -30,8 +34,11 @@ def trust_dir() -> Path:
 
 
 def tree_sha256(files: dict[str, str]) -> str:
-    lines = "".join(f"{digest}  {path}\n" for path, digest in sorted(files.items()))
-    return hashlib.sha256(lines.encode("utf-8", "surrogateescape")).hexdigest()
+    digest = hashlib.sha256(b"sleuth-tree-2\0")
+    for path, file_digest in sorted(files.items()):
+        name = path.encode("utf-8", "surrogateescape")
+        digest.update(len(name).to_bytes(8, "big") + name + bytes.fromhex(file_digest))
+    return digest.hexdigest()
 
 
 def record_trusted_code(files: dict[str, str], run_dir: Path, recorded_by: str) -> Path | None:
@@ -40,14 +47,16 @@ def record_trusted_code(files: dict[str, str], run_dir: Path, recorded_by: str) 
     for --probe before running that code."""
     directory = trust_dir()
     tree = tree_sha256(files)
-    record = {"format": TRUST_FORMAT, "tree_sha256": tree, "files": len(files), "recorded_by": recorded_by,
-              "run": str(run_dir.resolve()), "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    run = os.path.realpath(run_dir)
+    key = hashlib.sha256(f"{tree}\0{run}".encode("utf-8", "surrogateescape")).hexdigest()
+    record = {"format": TRUST_FORMAT, "tree_sha256": tree, "run": run, "files": len(files),
+              "recorded_by": recorded_by, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{tree}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{key}.", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(record, handle)
-        os.replace(tmp, directory / f"{tree}.json")
+        os.replace(tmp, directory / f"{key}.json")
     except OSError:
         return None
-    return directory / f"{tree}.json"
+    return directory / f"{key}.json"
