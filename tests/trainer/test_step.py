@@ -61,3 +61,55 @@ def test_the_step_feeds_anchor_blocks_at_anchor_plus_j(tmp_path):
     assert torch.equal(positions[:, :S], batch["position_ids"])  # context keeps its own positions
     assert torch.equal(positions[:, S:], expected_positions.reshape(N, A * B))
     assert features.shape == (N, S, 2 * target.hidden_size)  # both selected layers feed fc
+
+
+def naive_step_loss(target, hidden, batch, anchors, valid, plan):
+    """The step's loss as it was built before chunking: the model's own [N, S, V] logits, gathered at p+j-1,
+    the drafter's whole [N, A, B, V] logits, float32 log-softmax, CE against the teacher's argmax."""
+    from trainer.model.loss import LOSS_REDUCTION_EPS, gather_block_logits, slot_weights
+
+    N, A = anchors.shape
+    B = plan.block_size
+    _, logits = target.forward_packed(batch["input_ids"], batch["position_ids"], batch["doc_ids"],
+                                      plan.feature_layer_ids, plan.logits_source)  # [N, S, V]
+    vocab = plan.draft_token_ids
+    if vocab is not None:
+        logits = logits[..., vocab]
+    teacher = gather_block_logits(logits, anchors, B).float()  # [N, A, B, V]
+    draft_logp = torch.log_softmax(target.logits(hidden, vocab).reshape(N, A, B, -1).float(), dim=-1)
+    per_slot = -draft_logp.gather(-1, teacher.argmax(-1, keepdim=True)).squeeze(-1)
+    weights = slot_weights(anchors, valid, batch["loss_mask"], batch["doc_ids"], B, plan.gamma)
+    count = (weights > 0).flatten(1).sum(1)
+    return ((weights * per_slot).flatten(1).sum(1) / (count + LOSS_REDUCTION_EPS)).mean()
+
+
+def test_the_chunked_step_equals_the_whole_tensor_step_in_loss_and_gradients(tmp_path):
+    """Teacher logits only where slots need them, the loss in chunks of one block: the same loss and the same
+    gradient on every drafter weight as the step that built [N, S, V] and [N, A, B, V] (a draft vocabulary,
+    an intermediate-layer teacher and the final one)."""
+    torch.manual_seed(0)
+    tokenizer = build_embedded_tokenizer(small=True)
+    target = FrozenTarget.load(str(save_tiny_target(tmp_path / "t", tokenizer)), CPU)
+    docs = [Document(list(range(5, 5 + n)), [1] * n) for n in (9, 11, 7, 13)]
+    for source, vocab in (("final", None), (1, torch.tensor([3, 5, 7, 8, 9, 11, 12, 15, 20]))):
+        config = resolve_for_target(
+            build_config(overrides=["block_size=4", "max_anchors=4", "draft_layers=1", "target_layer_ids=[0,2]",
+                                    "seq_len=24", "batch_size=2", "loss_chunk_size=4",
+                                    f"target_logits_source={source}"]),
+            target.num_layers,
+        )
+        plan = StepPlan.from_config(config, target, vocab)
+        batch = batch_for_step(pack_documents(docs, config.seq_len, target.pad_token_id), 1, config.batch_size, 0)
+        anchors, valid = sample_step_anchors(batch, plan, seed=0, step=1)
+        drafter = Recorder(build_drafter(config, target, plan))
+        loss, _ = dflash_step(target, drafter, batch, anchors, valid, plan)
+        loss.backward()
+        ours = {name: p.grad.clone() for name, p in drafter.named_parameters()}
+        drafter.zero_grad()
+        block_embeds, features, positions, mask = drafter.calls[0]
+        hidden = drafter.drafter(block_embeds, features, positions, attention_mask=mask)
+        expected = naive_step_loss(target, hidden, batch, anchors, valid, plan)
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        for name, p in drafter.named_parameters():
+            torch.testing.assert_close(ours[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)

@@ -23,7 +23,7 @@ from trainer.config import ConfigError, TrainConfig, resolve_for_target
 from trainer.data.datasets import batch_for_step, chat_rendering, load_documents, pack_documents
 from trainer.data.draft_vocab import VOCAB_FILE, draft_token_ids, load_vocab, save_vocab, token_frequencies
 from trainer.model.drafter import DFlashDrafter
-from trainer.model.loss import metrics_from_counts
+from trainer.model.loss import loss_chunk_slots, metrics_from_counts
 from trainer.run.checkpoint import (
     DRAFTER_FILE,
     check_checkpoint_files,
@@ -228,6 +228,10 @@ def _train(
             config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
         )
     config = resolve_for_target(config, target.num_layers)
+    # The loss chunk the run uses, saved in config.json: a resume, and sleuth's probe of the run's code,
+    # then chunk exactly as this run does.
+    config = config.model_copy(update={"loss_chunk_size": loss_chunk_slots(
+        config.loss_chunk_size, min(config.draft_vocab_size or target.vocab_size, target.vocab_size), config.block_size)})
     check_fits_memory(config, target, dist.world_size)
     if target.eos_token_id is None and dist.is_main:
         print(
@@ -686,6 +690,7 @@ def training_semantics(config: TrainConfig, target: FrozenTarget) -> Any:
         context_includes_anchor=plan.context_includes_anchor,
         block_size=plan.block_size,
         mask_token_id=plan.mask_token_id,
+        loss_chunk_size=plan.loss_chunk_size,
     )
 
 
