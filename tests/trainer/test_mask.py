@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from trainer.model.attention_mask import build_attention_mask, dflash_mask_mod, flex_block_mask, sdpa_mask
+from trainer.model.segmented_attention import SegmentedMask
 
 
 def reference_mask(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor):
@@ -115,8 +116,12 @@ def test_flex_attention_output_equals_sdpa_on_cpu():
     torch.testing.assert_close(out_flex, out_sdpa, atol=1e-5, rtol=1e-5)
 
 
-def test_build_attention_mask_is_dense_on_cpu():
+def test_build_attention_mask_is_the_dense_mask_in_segments_on_cpu():
     anchors, valid, docs, block_size = CASES["padding"]
     anchors, valid, docs = torch.tensor(anchors), torch.tensor(valid), torch.tensor(docs)
     mask = build_attention_mask(anchors, valid, docs, block_size, False, "cpu")
-    assert isinstance(mask, torch.Tensor) and mask.shape == (1, 1, 8, 16)
+    assert isinstance(mask, SegmentedMask) and (mask.num_rows, mask.num_queries, mask.num_keys) == (1, 8, 16)
+    dense = torch.zeros(1, 1, 8, 16, dtype=torch.bool)
+    for s in mask.segments:
+        dense[s.row, 0, s.start : s.stop, s.keys] = s.mask[0, 0]
+    assert torch.equal(dense, sdpa_mask(anchors, valid, docs, block_size, False))

@@ -16,8 +16,10 @@ A padding anchor (anchor_valid False) sees only its own block, so no softmax row
 its slots get zero loss weight in loss.slot_weights.
 
 `dflash_mask_mod` is the one definition. `sdpa_mask` evaluates it on broadcast index grids (a dense bool
-mask for CPU / scaled_dot_product_attention); `flex_block_mask` hands the same function to flex attention's
-create_block_mask (block-sparse, for CUDA), so the two paths cannot disagree.
+mask for scaled_dot_product_attention); `flex_block_mask` hands the same function to flex attention's
+create_block_mask (block-sparse, for CUDA); on CPU `build_attention_mask` evaluates it segment by segment
+(trainer/model/segmented_attention.py: each run of blocks attends only to the columns it sees). The paths
+cannot disagree.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from trainer.model.segmented_attention import SegmentedMask, segment_mask_mod
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -129,9 +133,14 @@ def build_attention_mask(
     block_size: int,
     context_includes_anchor: bool,
     device: torch.device | str,
-) -> Tensor | BlockMask:
-    """The mask the drafter should get on `device`: a flex BlockMask on CUDA, the dense SDPA mask elsewhere."""
+) -> Tensor | BlockMask | SegmentedMask:
+    """The mask the drafter should get on `device`: a flex BlockMask on CUDA; elsewhere the dense SDPA mask
+    cut into segments of whole blocks that attend only to the key columns they see (block-sparse on CPU)."""
     device = torch.device(device)
     anchors, anchor_valid, doc_ids = anchors.to(device), anchor_valid.to(device), doc_ids.to(device)
-    build = flex_block_mask if device.type == "cuda" else sdpa_mask
-    return build(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor)
+    if device.type == "cuda":
+        return flex_block_mask(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor)
+    _check_shapes(anchors, anchor_valid, doc_ids, block_size)
+    mask_mod = dflash_mask_mod(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor)
+    num_rows, num_queries = anchors.shape[0], anchors.shape[1] * block_size
+    return segment_mask_mod(mask_mod, num_rows, num_queries, doc_ids.shape[1] + num_queries, block_size, device=device)

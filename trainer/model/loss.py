@@ -289,25 +289,31 @@ def _forward(draft: Tensor, weight: Tensor | None, bias: Tensor | None, plan: _C
     position = torch.zeros(plan.label_valid.shape, dtype=torch.long, device=device)  # slot -> index into valid
     position[plan.valid] = torch.arange(plan.valid.numel(), device=device)
     teacher, block_size = plan.teacher, plan.block_size
-    for start, length, slots in plan.chunks():
+
+    def chunk(start: int, length: int, slots: Tensor) -> None:
+        """One chunk: every [c, V] tensor is local here and freed when it returns."""
         x = draft.index_select(0, slots)  # [c, H] or [c, V]
         # [c, V]; with the identity head these are x itself (a copy made by index_select), free to overwrite
         logits = (F.linear(x, weight, bias) if weight is not None else x).float()
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [c, 1]
-        plan.draft_ids[slots] = logits.argmax(dim=-1)
+        best, draft_ids = logits.max(dim=-1)  # [c]: one pass gives the argmax and the max
+        plan.draft_ids[slots] = draft_ids
         if hard is not None:
             target_ids = hard[position[slots]]  # [c]
-            per_slot = lse.squeeze(1) - logits.gather(1, target_ids[:, None]).squeeze(1)  # [c]
+            picked = logits.gather(1, target_ids[:, None]).squeeze(1)  # [c] the target's logit
+        # One exp per logit: exp(z - max) serves the log-sum-exp and, divided by its sum, the softmax.
+        shifted = logits.sub_(best[:, None])  # [c, V] z - max, in place
+        probs = shifted.exp_() if hard is not None else shifted.exp()  # CE needs no shifted logits after this
+        total = probs.sum(dim=-1, keepdim=True)  # [c, 1]
+        log_total = total.log()
+        if hard is not None:
+            per_slot = best + log_total.squeeze(1) - picked  # [c] CE = lse - z_target
             target_probs = None
         else:
-            target_logits = teacher.head(teacher.hidden[teacher.rows[slots]]).float()  # [c, V]
-            target_ids = target_logits.argmax(dim=-1)
-            target_logp = F.log_softmax(target_logits, dim=-1)
-            del target_logits
-            target_probs = target_logp.exp()
-            # KL(t || d) = sum t * (log t - log d), log d = logits - lse (the formula of speculators' eager KL)
-            per_slot = (target_probs * target_logp.sub_(logits).add_(lse)).sum(dim=-1)  # [c]
-            del target_logp
+            target_logp, target_probs, target_ids = _log_softmax(
+                teacher.head(teacher.hidden[teacher.rows[slots]]).float())  # [c, V], [c, V], [c]
+            # KL(t || d) = sum t * (log t - log d), log d = shifted - log_total (speculators' eager KL formula)
+            per_slot = target_logp.sub_(shifted).add_(log_total).mul_(target_probs).sum(dim=-1)  # [c], in place
+            del target_logp, shifted, logits  # only the two softmaxes are left for the gradient
         plan.teacher_ids[slots] = target_ids
         slot_weight = weights[slots]  # [c]
         if plan.weighting == "dpace":  # D-PACE weighs a slot by the confidence of its block's other slots
@@ -320,7 +326,7 @@ def _forward(draft: Tensor, weight: Tensor | None, bias: Tensor | None, plan: _C
         row_sum.index_add_(0, row, slot_weight * per_slot)
         if grad_draft is not None or grad_weight is not None or grad_bias is not None:
             # d loss / d logits = softmax(draft) - target, times the slot's weight and its row's 1 / (count N)
-            grad = logits.sub_(lse).exp_()  # [c, V] softmax, in place: the logits are not needed any more
+            grad = probs.div_(total)  # [c, V] the drafter's softmax, in place
             if target_probs is None:
                 grad[torch.arange(grad.shape[0], device=device), target_ids] -= 1.0
             else:
@@ -333,12 +339,22 @@ def _forward(draft: Tensor, weight: Tensor | None, bias: Tensor | None, plan: _C
                 grad_weight.addmm_(grad.t(), x.float())
             if grad_bias is not None:
                 grad_bias.add_(grad.sum(dim=0))
-        del logits, target_probs
+
+    for start, length, slots in plan.chunks():
+        chunk(start, length, slots)
     plan.counts = block_counts(plan.draft_ids.view(-1, block_size) == plan.teacher_ids.view(-1, block_size),
                                plan.label_valid.view(-1, block_size))
     loss = (row_sum / (plan.row_count + LOSS_REDUCTION_EPS)).mean()
     cast = (lambda g, like: g.to(like.dtype) if g is not None else None)
     return loss, grad_draft, cast(grad_weight, weight), cast(grad_bias, bias)
+
+
+def _log_softmax(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # [c, V] float32, overwritten
+    """(log softmax, softmax, argmax) of each row with one exp per logit; `logits` becomes the log softmax."""
+    best, ids = logits.max(dim=-1)
+    probs = logits.sub_(best[:, None]).exp()
+    total = probs.sum(dim=-1, keepdim=True)
+    return logits.sub_(total.log()), probs.div_(total), ids
 
 
 class _FusedBlockLoss(torch.autograd.Function):
