@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Queries per segment, rounded to whole blocks: fewer keys per segment against more SDPA calls. Measured on
-# the `medium` bench size (bench/train_step.py, Q 1024, KV 2048, one thread): 128 took 0.55x the dense
-# attention's forward+backward time, 64 0.65x (call overhead), 256 and 512 0.55-0.6x (wider columns).
-QUERIES_PER_SEGMENT = 128
+# Queries per segment, rounded to whole blocks: fewer keys per segment against more SDPA calls. On the bench's
+# `medium` step (bench/train_step.py: Q 1024, KV 2048, one thread; CPU seconds per forward + backward) 32, 64
+# and 128 were within 2 % of each other, 256 3 % and 512 10 % slower than 64; the dense mask took 0.3 s more.
+QUERIES_PER_SEGMENT = 64
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,10 @@ def segmented_attention(
         queries = q_row.split([s.stop - s.start for s in segments], dim=2)
         keys = k_row.index_select(2, columns).split(widths, dim=2)
         values = v_row.index_select(2, columns).split(widths, dim=2)
+        # Each segment's [1, nh, q, hd] joined as [1, Q, nh, hd]: the caller's transpose back to [N, Q, nh, hd]
+        # is then contiguous and its reshape to [N, Q, nh*hd] a view, not one more copy per layer.
         out.append(torch.cat([
-            F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
+            F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=gqa).transpose(1, 2)
             for s, qs, ks, vs in zip(segments, queries, keys, values)
-        ], dim=2))
-    return torch.cat(out, dim=0)
+        ], dim=1))
+    return (out[0] if len(out) == 1 else torch.cat(out, dim=0)).transpose(1, 2)  # [N, nh, Q, hd]
