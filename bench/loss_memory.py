@@ -6,7 +6,7 @@ lm_head), the per-slot CE with the decay weights, the metrics, and the backward.
 hidden [1, A*B, H] (requires grad), the verifier's last hidden state [1, S, H], one lm_head [V, H], the same
 anchors (A of them, every slot label-valid but slot 0).
   * ours: FrozenTarget-style normed teacher states and trainer.model.loss.block_loss, whose peak is set by
-    its chunk (`--chunks`: block slots per chunk; `default` = the 64 MiB rule);
+    its chunk (`--chunks`: block slots per chunk; `default` = the 256 MiB rule);
   * speculators: `verifier_lm_head(verifier_norm(h[:, p+j-1]))` and `lm_head(hidden)` as DFlashDraftModel
     computes them, then its `compute_metrics` (loss and metrics) with the eager loss on CPU (`--speculators-
     loss fused` on CUDA: its Triton kernels, which need the [A*B, V] logits but no intermediate of that size).

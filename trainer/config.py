@@ -176,7 +176,7 @@ class TrainConfig(BaseModel):
         None, ge=1,
         description="Block slots whose logits the loss holds at once (rounded down to whole blocks, at least "
         "one): the loss path's peak memory grows with it, not with max_anchors x block_size x vocabulary. "
-        "None: as many as fit 64 MiB of float32 logits; a run saves the number it used in config.json.",
+        "None: as many as fit 256 MiB of float32 logits; a run saves the number it used in config.json.",
     )
 
     # --- target fidelity (trainer/target/fidelity.py, `dflash.target_forward_fidelity`) ------------------

@@ -196,9 +196,9 @@ class LargestTensor(TorchDispatchMode):
 def test_no_tensor_grows_with_anchors_times_vocabulary(kind):
     """At a vocabulary much larger than hidden states and rows, the biggest tensor of forward and backward
     is one chunk of logits: doubling the anchors leaves it unchanged; the whole [A*B, V] never exists."""
-    vocab, chunk = 4096, B
+    vocab, chunk = 2048, B
     largest = {}
-    for anchors in (16, 32):
+    for anchors in (8, 16):
         g = torch.Generator().manual_seed(8)
         draft = torch.randn(anchors * B, H, generator=g, requires_grad=True)
         weight = torch.randn(vocab, H, generator=g)
@@ -209,13 +209,13 @@ def test_no_tensor_grows_with_anchors_times_vocabulary(kind):
             block_loss(draft, LogitsHead(weight), teacher, weights, kind, chunk_size=chunk).loss.backward()
         largest[anchors] = seen.largest
     # the head's weight itself (a transposed view of it) or one chunk of logits, whichever is larger
-    assert largest[16] == largest[32] <= max(chunk * vocab, vocab * H) < 16 * B * vocab
+    assert largest[8] == largest[16] <= max(chunk * vocab, vocab * H) < 8 * B * vocab
 
 
 def test_chunk_slots_are_whole_blocks_and_follow_the_vocabulary():
-    assert loss_chunk_slots(None, 248320, 16) == 64  # 64 MiB of float32 logits at Qwen3.5's vocabulary
-    assert loss_chunk_slots(None, 151936, 16) == 96
+    assert loss_chunk_slots(None, 248320, 16) == 256  # 256 MiB of float32 logits at Qwen3.5's vocabulary
+    assert loss_chunk_slots(None, 151936, 16) == 432
     assert loss_chunk_slots(None, 128, 8) == 2**17
     assert loss_chunk_slots(100, 248320, 16) == 96
     assert loss_chunk_slots(3, 248320, 16) == 16  # at least one block
-    assert math.isclose(loss_chunk_slots(None, 248320, 16) * 248320 * 4 / 2**20, 60.6, rel_tol=1e-2)
+    assert math.isclose(loss_chunk_slots(None, 248320, 16) * 248320 * 4 / 2**20, 242.5, rel_tol=1e-2)

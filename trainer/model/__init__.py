@@ -3,10 +3,11 @@
 from trainer.model.anchors import sample_anchors
 from trainer.model.attention_mask import build_attention_mask, dflash_mask_mod, flex_block_mask, sdpa_mask
 from trainer.model.drafter import DFlashDrafter, crop_cache
-from trainer.model.loss import decay_weights, dflash_loss, gather_block_logits, slot_weights
+from trainer.model.loss import block_loss, decay_weights, dflash_loss, gather_block_logits, slot_weights
 
 __all__ = [
     "DFlashDrafter",
+    "block_loss",
     "build_attention_mask",
     "crop_cache",
     "decay_weights",

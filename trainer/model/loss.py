@@ -33,10 +33,11 @@ from torch import Tensor
 
 # speculators src/speculators/losses/utils.py `_LOSS_REDUCTION_EPS`: keeps a row without labels at 0 loss.
 LOSS_REDUCTION_EPS = 1e-5
-# Default chunk: as many block slots as keep one chunk's float32 logits within this many bytes. A chunk
-# holds a few tensors of that size at once (logits, their softmax, the teacher's for KL); 64 MiB is ~64
-# slots at a 248k vocabulary, and the whole step in one chunk for vocabularies up to ~4k at 4k slots.
-LOSS_CHUNK_BYTES = 64 * 2**20
+# Default chunk: as many block slots as keep one chunk's float32 logits within this many bytes (CE holds one
+# such tensor at a time, KL four). Smaller chunks cost speed as well as saving memory: each chunk streams the
+# whole [V, H] head through three matmuls, so at V 248320 chunks of 64 slots took 1.15-1.3x the CPU time of
+# 256 (1024 no faster than 256; bench/loss_memory.py inputs, one thread). 256 MiB is 256 slots there.
+LOSS_CHUNK_BYTES = 256 * 2**20
 
 
 def decay_weights(block_size: int, gamma: float | None) -> Tensor:  # [B] float32

@@ -126,9 +126,14 @@ def measure(target: FrozenTarget, lead: list[int], document: list[int], packing:
         packed_final, alone_final = hidden[-1][0, span], alone.hidden_states[-1][0]
         for i in range(0, len(ids), step):
             logit_diff = max(logit_diff, _max_abs_diff(head(packed_final[i:i + step]), head(alone_final[i:i + step])))
-        # The head is the model's own: the same logits as its forward where that computed them.
-        logit_diff = max(logit_diff, _max_abs_diff(head(alone_final[-keep:]), alone.logits[0, -keep:]))
+        logit_diff = max(logit_diff, _head_diff(head, alone, keep))
     return hidden_diff, logit_diff
+
+
+def _head_diff(head: Any, output: Any, positions: int) -> float:
+    """The head is the model's own: the same logits as its forward (`output`, one document alone) at the
+    last `positions` positions, where the forward computed them."""
+    return _max_abs_diff(head(output.hidden_states[-1][0, -positions:]), output.logits[0, -positions:])
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
