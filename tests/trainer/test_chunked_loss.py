@@ -215,7 +215,7 @@ def test_no_tensor_grows_with_anchors_times_vocabulary(kind):
 def test_chunk_slots_are_whole_blocks_and_follow_the_vocabulary():
     assert loss_chunk_slots(None, 248320, 16) == 256  # 256 MiB of float32 logits at Qwen3.5's vocabulary
     assert loss_chunk_slots(None, 151936, 16) == 432
-    assert loss_chunk_slots(None, 128, 8) == 2**17
+    assert loss_chunk_slots(None, 128, 8) == 2**19  # a small vocabulary: every slot of a step in one chunk
     assert loss_chunk_slots(100, 248320, 16) == 96
     assert loss_chunk_slots(3, 248320, 16) == 16  # at least one block
     assert math.isclose(loss_chunk_slots(None, 248320, 16) * 248320 * 4 / 2**20, 242.5, rel_tol=1e-2)
