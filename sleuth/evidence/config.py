@@ -7,11 +7,11 @@ Keys may sit at the top level or nested (other trainers' YAML): a key is found b
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sleuth.artifacts import optional_json_object
 from sleuth.evidence.registry import config_reader, registered
 
 
@@ -72,10 +72,7 @@ def find_run_meta(config_source: str | None, checkpoint: Path | None, config: di
         ckpt = Path(checkpoint)
         candidates += [ckpt.parent / "run.json", ckpt.parent.parent / "run.json", ckpt.parent.parent.parent / "run.json"]
     for path in candidates:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+        data = optional_json_object(path, None)  # bounded, regular files only: it may be anyone's run.json
         target = data.get("target") if isinstance(data, dict) else None
         if isinstance(target, dict):
             layers, hidden = target.get("num_layers"), target.get("hidden_size")

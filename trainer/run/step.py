@@ -13,7 +13,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.model.anchors import sample_anchors
-from trainer.model.attention_mask import build_attention_mask
+from trainer.model.attention_mask import DraftAttention, build_attention_mask
 from trainer.model.loss import IDENTITY_HEAD, BlockTeacher, block_loss, slot_weights, teacher_positions
 from trainer.target.frozen import FrozenTarget
 
@@ -34,6 +34,7 @@ class StepPlan:
     dpace_alpha: float = 0.5
     draft_token_ids: torch.Tensor | None = None  # [Vd] target ids of a reduced draft vocabulary (sorted)
     loss_chunk_size: int | None = None  # block slots whose logits the loss holds at once (None: by vocabulary)
+    draft_attention: DraftAttention | None = None  # the drafter's per-layer attention (sliding windows)
 
     @classmethod
     def from_config(cls, config: TrainConfig, target: FrozenTarget,
@@ -51,7 +52,16 @@ class StepPlan:
             dpace_alpha=config.dpace_alpha,
             draft_token_ids=draft_token_ids,
             loss_chunk_size=config.loss_chunk_size,
+            draft_attention=draft_attention(config),
         )
+
+
+def draft_attention(config: TrainConfig) -> DraftAttention | None:
+    """The drafter's per-layer attention from the run's draft_config (None: every layer full attention)."""
+    draft = config.draft_config
+    if not draft.layer_types:
+        return None
+    return DraftAttention(tuple(draft.layer_types), draft.sliding_window, draft.sliding_window_non_causal)
 
 
 def sample_step_anchors(
@@ -99,8 +109,9 @@ def dflash_step(
     block_positions = position_ids.gather(1, anchors)[:, :, None] + offsets  # (N, A, B)
     all_positions = torch.cat([position_ids, block_positions.reshape(N, A * B)], dim=1)  # (N, S + A*B)
 
-    mask = build_attention_mask(
-        anchors, anchor_valid, doc_ids, B, plan.context_includes_anchor, device=input_ids.device
+    mask = build_attention_mask(  # one mask per drafter layer type when some layers slide
+        anchors, anchor_valid, doc_ids, B, plan.context_includes_anchor, device=input_ids.device,
+        attention=plan.draft_attention,
     )
     block_embeds = target.embed(block_ids.reshape(N, A * B))  # (N, A*B, H), frozen embeddings
     hidden = drafter(block_embeds, features, all_positions, attention_mask=mask)  # (N, A*B, H)
