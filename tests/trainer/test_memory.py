@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from test_target import CPU, save_tiny_target
+from tests.timing import scaled_timeout
 from trainer.config import build_config, resolve_for_target
 from trainer.run.memory import estimate_step_memory
 from trainer.target.embedded import build_embedded_tokenizer
@@ -145,3 +146,51 @@ def test_runs_within_memory_are_not_refused(wide_target):
     target = FrozenTarget.load(str(wide_target), CPU)
     config = resolve_for_target(build_config(overrides=["seq_len=256", "batch_size=2"]), target.num_layers)
     assert 0 < check_fits_memory(config, target).peak < 2**30
+
+
+def test_the_real_cli_refuses_a_step_no_machine_holds_before_writing_anything(wide_target, tmp_path):
+    """`trainer run` as a process, the machine's own memory: ~70 TB of masks for 64 rows x 1M block tokens."""
+    from tests.faults.trainer_faults import run_trainer
+
+    runs = tmp_path / "runs"
+    result = run_trainer("run", "huge", "--set", f"target={wide_target}", "--set", "seq_len=65536",
+                         "--set", "batch_size=64", "--set", "max_anchors=65536", "--set", "eval_every=null",
+                         "--runs-dir", str(runs), "--quiet", timeout=scaled_timeout(120))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "needs at least" in lines[0] and "lower max_anchors" in lines[0], lines[0]
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_a_killed_run_with_many_loss_chunks_resumes_to_the_uninterrupted_metrics(wide_target, tmp_path):
+    """A 31k vocabulary, one block per loss chunk (24 chunks a step) and D-PACE's per-block weights: SIGKILL
+    after the first checkpoint, resume, and every logged number equals the run that was never killed."""
+    import signal
+    import time
+
+    from test_train_e2e import TINY, _env, comparable, metric_rows, trainer_cli
+
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({**TINY, "target": str(wide_target), "steps": 8, "draft_layers": 1,
+                                  "loss_chunk_size": 4, "loss_weighting": "dpace", "eval_prompts": 1}))
+    runs = tmp_path / "runs"
+    straight = trainer_cli("run", "straight", "--config", str(config), "--runs-dir", str(runs), "--quiet")
+    assert straight.returncode == 0, straight.stderr
+    assert json.loads((runs / "straight" / "config.json").read_text())["loss_chunk_size"] == 4
+
+    process = subprocess.Popen([sys.executable, "-m", "trainer.cli", "run", "killed", "--config", str(config),
+                                "--runs-dir", str(runs)], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    killed = runs / "killed"
+    deadline = time.monotonic() + scaled_timeout(180)
+    while time.monotonic() < deadline and process.poll() is None:
+        rows = (killed / "metrics.jsonl").read_text().count("\n") if (killed / "metrics.jsonl").exists() else 0
+        if (killed / "checkpoints" / "latest").exists() and rows >= 4:
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert json.loads((killed / "run.json").read_text())["status"] == "running"  # killed before it finished
+    resumed = trainer_cli("run", "killed", "--resume", "--runs-dir", str(runs), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr
+    assert comparable(metric_rows(killed)) == comparable(metric_rows(runs / "straight"))
