@@ -105,12 +105,15 @@ def test_the_parts_move_with_their_knobs(wide_target):
     larger = estimate("seq_len=512", "max_anchors=32", "loss_chunk_size=256")
     anchors = estimate("seq_len=512", "max_anchors=64", "loss_chunk_size=64")
     longer = estimate("seq_len=1024", "max_anchors=32", "loss_chunk_size=64")
+    wider = estimate("seq_len=512", "max_anchors=32", "loss_chunk_size=64", "draft_config.intermediate_size=1024")
     # linear in the chunk, at least one float32 logit row per slot, and nothing else moves
     assert larger.loss - chunk.loss == pytest.approx(2 * (chunk.loss - base.loss), rel=1e-6)
     assert chunk.loss - base.loss >= 64 * target.vocab_size * 4
     assert chunk.drafter == base.drafter and chunk.target_forward == base.target_forward
     assert anchors.drafter > 1.5 * base.drafter and anchors.loss - base.loss < 0.01 * base.loss
     assert longer.target_forward > 2 * base.target_forward and longer.loss == base.loss
+    # the drafter the run builds: its own draft_config shape (an MLP 16x the target's 64 here)
+    assert wider.drafter > 2 * base.drafter and wider.weights > base.weights and wider.loss == base.loss
 
 
 @pytest.mark.parametrize("overrides, knob", [

@@ -69,7 +69,8 @@ def estimate_step_memory(config: TrainConfig, target: Any, world_size: int = 1) 
     kv = s + q
     text = target.config
     hidden, layers = target.hidden_size, target.num_layers
-    draft = draft_config_from_target(target.model.config, config.draft_layers)
+    # the drafter as the run builds it: the target's shape overridden by the run's draft_config
+    draft = draft_config_from_target(target.model.config, config.draft_layers, config.draft_config.as_shape())
     heads, kv_heads, head_dim, inner = (draft.num_attention_heads, draft.num_key_value_heads, draft.head_dim,
                                         draft.intermediate_size)
     features = len(config.fc_layer_ids(layers))
@@ -89,6 +90,7 @@ def estimate_step_memory(config: TrainConfig, target: Any, world_size: int = 1) 
     # keys and values through k_norm, RoPE and the segments' copies (7 kv head widths).
     per_layer = n * (q * (4 * hidden + 5 * heads * head_dim + 4 * inner) + kv * 7 * kv_heads * head_dim) * e
     mask = n * q * kv if cpu else n * q * kv // (128 * 128) * 8  # CPU: segments of the bool mask, at most dense
+    mask *= len(set(getattr(draft, "layer_types", None) or ["full_attention"]))  # one mask per layer type
     drafter = (kept + (config.draft_layers + 1) * per_layer + mask
                + n * s * 3 * hidden * e + n * kv * head_dim * 4 * e)  # fc + hidden_norm, rotary
     chunk = min(loss_chunk_slots(config.loss_chunk_size, vocab, b), n * q)
