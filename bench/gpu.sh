@@ -4,7 +4,9 @@
 #   2. training-step throughput, bf16, ours (flex BlockMask + compiled flex_attention) against speculators
 #      (simple_flex_attention, its compiled forward) in the same process: tokens/s, peak memory, model FLOPs
 #      utilisation against the bf16 dense peak (989 TFLOPS on H100/H200; --peak-tflops otherwise);
-#   3. the same for the current recipe (D-PACE + Muon), and offline hidden states against the online target.
+#   3. real vocabularies (32k / 152k / 248k): the step, and the loss path alone over V x A*B (bench/loss_memory.py),
+#      against speculators' fused Triton loss: time and peak memory (CPU tables: BENCHMARKS.md, eager loss);
+#      the same for the current recipe (D-PACE + Muon), and offline hidden states against the online target.
 #   4. with two or more GPUs: the target sharded over them (target_parallelism: fsdp2) against the whole target
 #      on every rank, and FSDP2 with Muon: a short torchrun training run each, metrics rows (loss, tokens/s)
 #      and run.json's target_sharding record copied to the results.
@@ -51,6 +53,16 @@ deadline 140 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --size
     --json "$RESULTS/train_step_medium.json" 2>&1 | grep -v Warning | tee "$RESULTS/train_step_medium.txt"
 deadline 170 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --sizes large --repeats 20 --warmup 3 \
     --json "$RESULTS/train_step_large.json" 2>&1 | grep -v Warning | tee "$RESULTS/train_step_large.txt"
+if [ "$HAVE_SPECULATORS" = 1 ]; then
+    echo "== real vocabularies: the step at V 32k / 152k / 248k, bf16, against speculators' fused loss (Triton)"
+    deadline 150 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --sizes medium --vocab 32768,151936,248320 \
+        --speculators-loss fused --repeats 10 --warmup 3 --json "$RESULTS/train_step_vocab.json" 2>&1 | grep -v Warning \
+        | tee "$RESULTS/train_step_vocab.txt"
+    echo "== the loss path alone, V x A*B, bf16, against speculators' fused loss"
+    deadline 120 "$PYTHON" bench/loss_memory.py --device cuda --dtype bfloat16 --speculators-loss fused \
+        --slots 2048,8192,32768 --max-gib 60 --json "$RESULTS/loss_memory.json" 2>&1 | grep -v Warning \
+        | tee "$RESULTS/loss_memory.txt"
+fi
 echo "== the current recipe (D-PACE + Muon/AdamW on both sides), bf16, medium"
 deadline 120 "$PYTHON" bench/train_step.py --device cuda --dtype bfloat16 --sizes medium --repeats 20 --warmup 3 \
     --recipe recipe-2026 --json "$RESULTS/train_step_recipe.json" 2>&1 | grep -v Warning | tee "$RESULTS/train_step_recipe.txt"

@@ -6,9 +6,9 @@ from two runs. One step = forward, loss, backward, AdamW step, for both:
   * ours: trainer.run.step.dflash_step (anchors, mask, drafter, target lm_head, loss) + backward + AdamW;
   * speculators: DFlashDraftModel.forward (anchors, mask, drafter, verifier lm_head, loss) + the same.
 Inputs are what each side consumes: the selected-layer features and the verifier's last hidden state.
-Our step also computes the target logits lm_head(norm(h_last)) over all S positions inside the timed
-step (the frozen target's forward does that in the trainer); speculators computes them only at the A*B
-block positions. Both draw the same anchors: on CPU speculators' sampler seeded through the global
+Both compute the teacher's logits inside the timed step: ours norm(h_last) over the S positions, then the
+lm_head at the distinct positions its label-valid slots learn from, chunk by chunk (trainer/model/loss.py);
+speculators the lm_head at all A*B block positions. `--vocab` reruns each size at real vocabularies. Both draw the same anchors: on CPU speculators' sampler seeded through the global
 generator picks exactly what ours picks with the same seed (tests/parity checks this); on CUDA its
 sampler would use the CUDA generator, so ours replaces it there. Losses can therefore be compared
 step by step: the "loss rel diff" column is the largest relative difference over all timed steps while
@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None and sys.platform.startswith("linux"):
@@ -160,6 +160,10 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
 
         model = build_speculators_model(case, drafter, inputs)
         loss_config = speculators_loss_config(case.loss_kind)
+        if args.speculators_loss == "fused":  # its Triton kernels (CUDA); eager is the harness's default
+            from speculators.losses import resolve_loss_config
+
+            loss_config = resolve_loss_config({"ce": "ce", "kl": "kl_div"}[case.loss_kind], "fused")
     # Move everything to the device and dtype after the weights are shared (the harness builds on CPU).
     for name in ("features", "last_hidden", "embed_weight", "lm_head_weight", "verifier_norm_weight"):
         setattr(inputs, name, getattr(inputs, name).to(device=device, dtype=dtype))
@@ -283,7 +287,8 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
     result = {
         "size": size.name, "dims": asdict(size.dims), "seq_len": size.seq_len, "max_anchors": size.max_anchors,
         "block_size": size.block_size, "tokens_per_step": tokens, "device": str(device), "dtype": args.dtype,
-        "loss": args.loss, "speculators_attn": speculators_attn, "repeats": args.repeats, "warmup": args.warmup,
+        "loss": args.loss, "speculators_attn": speculators_attn, "speculators_loss": args.speculators_loss,
+        "repeats": args.repeats, "warmup": args.warmup,
         "threads": torch.get_num_threads(), "drafter_train_flops": flops,
     }
     for name in runners:
@@ -363,6 +368,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="accelerator peak for MFU (default: 989 for H100/H200 bf16 dense)")
+    parser.add_argument("--vocab", default=None,
+                        help="comma list of vocabulary sizes to run each size at instead of its own (e.g. "
+                             "32768,151936,248320: real vocabularies, where the loss path dominates)")
+    parser.add_argument("--speculators-loss", default="eager", choices=["eager", "fused"],
+                        help="speculators' loss implementation: eager (CPU) or its fused Triton kernels (CUDA)")
     parser.add_argument("--recipe", default="decay", choices=["decay", "recipe-2026"],
                         help="decay: fixed gamma + AdamW; recipe-2026: D-PACE + Muon/AdamW on both sides")
     parser.add_argument("--json", type=Path, default=None, help="also write all results here")
@@ -376,9 +386,13 @@ def main() -> None:
         name = torch.cuda.get_device_name()
         peak = 989.0 if ("H100" in name or "H200" in name) else None
 
+    sizes = [SIZES[name] for name in args.sizes.split(",")]
+    if args.vocab:
+        sizes = [replace(size, name=f"{size.name}@{vocab}", dims=replace(size.dims, vocab=vocab))
+                 for size in sizes for vocab in map(int, args.vocab.split(","))]
     results = []
-    for size_name in args.sizes.split(","):
-        r = bench_size(SIZES[size_name], args, attn if have_speculators else None)
+    for size in sizes:
+        r = bench_size(size, args, attn if have_speculators else None)
         results.append(r)
         line = (f"{r['size']:>6}  S={r['seq_len']} A={r['max_anchors']} B={r['block_size']} H={r['dims']['hidden']} "
                 f"V={r['dims']['vocab']} L={r['dims']['draft_layers']}  tokens/step={r['tokens_per_step']}\n"

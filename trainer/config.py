@@ -271,6 +271,12 @@ class TrainConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute dtype; bfloat16 is for CUDA."
     )
+    loss_chunk_size: int | None = Field(
+        None, ge=1,
+        description="Block slots whose logits the loss holds at once (rounded down to whole blocks, at least "
+        "one): the loss path's peak memory grows with it, not with max_anchors x block_size x vocabulary. "
+        "None: as many as fit 256 MiB of float32 logits; a run saves the number it used in config.json.",
+    )
 
     # --- target fidelity (trainer/target/fidelity.py, `dflash.target_forward_fidelity`) ------------------
     target_packing: Literal["auto", "positions", "layer_masks", "varlen", "per_document"] = Field(

@@ -5,8 +5,8 @@ imports `trainer.probe` from that copy (its `code/` directory first on sys.path,
 and calls `probe_subject({"run_dir": ...})`. The object returned follows sleuth's probe protocol
 (README "Probes"; sleuth/probes/protocol.py): sleuth hands it a synthetic target and batches with known
 answers, and the subject runs the trainer's own code on them: `StepPlan`, `build_drafter`,
-`build_optimizer`, `FrozenTarget.forward_packed` (layer selection, teacher logits) and `dflash_step`
-(anchors -> blocks -> mask -> drafter -> loss). Nothing here re-implements a step; it only wires the
+`build_optimizer`, `FrozenTarget.forward_hidden` (layer selection, the teacher) and `dflash_step`
+(anchors -> blocks -> mask -> drafter -> chunked loss). Nothing here re-implements a step; it only wires the
 probe's inputs into the real functions, so a defect in any of them shows in the measurements.
 
 Stable: the names `probe_subject` and `PROBE_PROTOCOL_VERSION` and the methods of `TrainerProbeSubject`
@@ -138,25 +138,29 @@ class TrainerProbeSubject:
         return self.drafter.rotary_emb
 
     def _step(self, batch: Any, hooks: Any) -> tuple[Tensor, list[Tensor]]:
-        """dflash_step on the probe batch, with the hooks around the target's embedding and lm_head calls."""
+        """dflash_step on the probe batch, the hooks on the block embeddings and on the drafter's logits.
+
+        The drafter's logits go through `dflash_step`'s own intervention point: what the hook returns is
+        scored by the run's chunked loss with the run's chunk size (config.json's loss_chunk_size), so the
+        gradients a probe takes are the run's loss path's, chunking included."""
         self.stand_in.answer = batch
         target = self.target
-        embed, logits = FrozenTarget.embed.__get__(target), FrozenTarget.logits.__get__(target)
+        embed = FrozenTarget.embed.__get__(target)
         drafted: list[Tensor] = []
 
-        def hooked_logits(hidden: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
-            out = hooks.draft_logits(logits(hidden, vocab_ids))
+        def hooked_logits(logits: Tensor) -> Tensor:
+            out = hooks.draft_logits(logits)
             drafted.append(out)
             return out
 
         target.embed = lambda ids: hooks.block_embeddings(embed(ids))  # type: ignore[method-assign]
-        target.logits = hooked_logits  # type: ignore[method-assign]
         try:
             rows = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "doc_ids": batch.doc_ids,
                     "loss_mask": batch.loss_mask}
-            loss, _metrics = dflash_step(target, self.drafter, rows, batch.anchors, batch.anchor_valid, self.plan)
+            loss, _metrics = dflash_step(target, self.drafter, rows, batch.anchors, batch.anchor_valid, self.plan,
+                                         draft_logits_hook=hooked_logits)
         finally:
-            del target.embed, target.logits
+            del target.embed
         return loss, drafted
 
     def draft_logits(self, batch: Any, hooks: Any) -> Tensor:

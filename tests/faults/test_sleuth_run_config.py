@@ -1,6 +1,6 @@
 """`sleuth diagnose` on a real v5 run whose config.json is damaged: never a clean bill from the code's defaults.
 
-The run is made once by the real trainer (`trainer run v5 --preset v5`, tiny: 2 steps, one short eval), so
+The run is made once by the real trainer (`trainer run v5 --preset v5` on the small embedded target, 2 steps), so
 its code/ copy, checkpoint and run.json are exactly what a user has. Each case then damages config.json
 (missing, empty, truncated, a list, a string, not UTF-8, a directory, wrongly typed values) and runs the real
 CLI in a subprocess. The policy under test (README "When the run's config cannot be read"):
@@ -28,6 +28,7 @@ import yaml
 from typer.testing import CliRunner
 
 from sleuth.commands.diagnose import app
+from tests.timing import scaled_timeout
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -50,11 +51,17 @@ def _env(tmp: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def real_v5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from trainer.target.embedded import build_embedded_target
+
     root = tmp_path_factory.mktemp("real-run")
     runs = root / "runs"
+    # The embedded target's small twin (same depth, so v5's layer ids are v5's), built in seconds: a fresh
+    # cache would otherwise build the full embedded target inside the run (a minute of CPU, many at load 8).
+    target = build_embedded_target(root / "target", small=True, steps=1, progress=False)
     done = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "run", "v5", "--preset", "v5", "--runs-dir", str(runs), "-q", *TINY],
-        cwd=root, env=_env(root), capture_output=True, text=True, timeout=900,
+        [sys.executable, "-m", "trainer.cli", "run", "v5", "--preset", "v5", "--runs-dir", str(runs), "-q", *TINY,
+         "--set", f"target={target}"],
+        cwd=root, env=_env(root), capture_output=True, text=True, timeout=scaled_timeout(240),
     )
     assert done.returncode == 0, done.stderr[-2000:]
     run = runs / "v5"
@@ -73,7 +80,7 @@ def _diagnose(run: Path, tmp_path: Path, *, subprocess_cli: bool = False) -> tup
     args = ["--run", str(run), "--offline", "--format", "json", "--out", str(tmp_path / "diagnosis")]
     if subprocess_cli:
         done = subprocess.run([sys.executable, "-m", "sleuth.cli", "diagnose", *args], cwd=tmp_path,
-                              env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+                              env=_env(tmp_path), capture_output=True, text=True, timeout=scaled_timeout(300))
         code, out, err = done.returncode, done.stdout, done.stderr
     else:
         result = CliRunner().invoke(app, args)

@@ -44,6 +44,7 @@ from torch import Tensor
 from transformers import Qwen3Config
 
 from trainer.model.drafter import DFlashDrafter
+from trainer.model.loss import LogitsHead
 from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
 
 
@@ -163,26 +164,30 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 class StandInTarget:
     """What dflash_step needs from a FrozenTarget, backed by the case's tensors instead of a model.
 
-    forward_packed returns the given features and lm_head(norm(h_last)) over all S positions: the frozen
-    target's final logits, computed the way speculators reconstructs them from the last hidden state.
+    forward_hidden returns the given features and norm(h_last), whose lm_head is the frozen target's final
+    logits, computed the way speculators reconstructs them from the last hidden state.
     """
 
     def __init__(self, inputs: Inputs, eps: float):
         self.inputs = inputs
         self.eps = eps
 
-    def forward_packed(self, input_ids, position_ids, doc_ids, feature_layer_ids, logits_source):
+    def forward_hidden(self, input_ids, position_ids, doc_ids, feature_layer_ids, logits_source):
         with torch.no_grad():
-            logits = F.linear(rms_norm(self.inputs.last_hidden, self.inputs.verifier_norm_weight, self.eps),
-                              self.inputs.lm_head_weight)  # [N, S, V]
-        return self.inputs.features, logits
+            normed = rms_norm(self.inputs.last_hidden, self.inputs.verifier_norm_weight, self.eps)  # [N, S, H]
+        return self.inputs.features, normed
 
     def embed(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.inputs.embed_weight)
 
-    def logits(self, hidden: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+    def draft_head(self, vocab_ids: Tensor | None = None) -> LogitsHead:
         weight = self.inputs.lm_head_weight
-        return F.linear(hidden, weight if vocab_ids is None else weight[vocab_ids])
+        return LogitsHead(weight if vocab_ids is None else weight[vocab_ids])
+
+    teacher_head = draft_head  # no output transform: speculators' verifier_lm_head
+
+    def logits(self, hidden: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+        return self.draft_head(vocab_ids)(hidden)
 
 
 def build_our_drafter(case: ParityCase) -> DFlashDrafter:

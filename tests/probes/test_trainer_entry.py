@@ -59,3 +59,27 @@ def test_every_run_records_the_entry_point(tmp_path):
 def test_subject_needs_a_run_or_a_config():
     with pytest.raises(ValueError, match="needs a run directory"):
         probe_subject({})
+
+
+def test_the_probe_takes_its_gradients_through_the_runs_chunked_loss(monkeypatch):
+    """The loss experiment runs the run's own chunked loss with the chunk size in the run's config: one
+    block per chunk here, so the probe batch's blocks go through many chunks, and the verdicts are the
+    fixed preset's (match) and v5's (gamma 7 measured) all the same."""
+    import trainer.run.step as step
+
+    seen: list[int | None] = []
+    real = step.block_loss
+
+    def spy(*args, **kwargs):
+        seen.append(args[7] if len(args) > 7 else kwargs.get("chunk_size"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step, "block_loss", spy)
+    for preset, expected in (("fixed", "match"), ("v5", "mismatch")):
+        config = {**PRESETS[preset], "loss_chunk_size": 8}
+        subject = probe_subject({"config": config, "num_target_layers": EMBEDDED_TARGET_LAYERS})
+        found = verdicts(subject, "loss-gradient")
+        assert found["dflash.loss_decay_gamma"].status == expected
+        assert found["dflash.target_shift"].status == found["dflash.anchor_slot_untrained"].status == "match"
+        assert found["dflash.target_logits_source"].status == expected
+    assert seen and set(seen) == {8}

@@ -12,7 +12,9 @@ from trainer.model.attention_mask import (
     dflash_mask_mod,
     flex_block_mask,
     sdpa_mask,
+    segmented_mask,
 )
+from trainer.model.segmented_attention import SegmentedMask
 
 
 def reference_mask(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor, window=None,
@@ -129,11 +131,20 @@ def test_flex_attention_output_equals_sdpa_on_cpu():
     torch.testing.assert_close(out_flex, out_sdpa, atol=1e-5, rtol=1e-5)
 
 
-def test_build_attention_mask_is_dense_on_cpu():
+def test_build_attention_mask_is_the_dense_mask_in_segments_on_cpu():
     anchors, valid, docs, block_size = CASES["padding"]
     anchors, valid, docs = torch.tensor(anchors), torch.tensor(valid), torch.tensor(docs)
     mask = build_attention_mask(anchors, valid, docs, block_size, False, "cpu")
-    assert isinstance(mask, torch.Tensor) and mask.shape == (1, 1, 8, 16)
+    assert isinstance(mask, SegmentedMask) and (mask.num_rows, mask.num_queries, mask.num_keys) == (1, 8, 16)
+    assert torch.equal(densify(mask), sdpa_mask(anchors, valid, docs, block_size, False))
+
+
+def densify(mask):
+    """A SegmentedMask's segments written back into the dense [N, 1, Q, KV] grid."""
+    dense = torch.zeros(mask.num_rows, 1, mask.num_queries, mask.num_keys, dtype=torch.bool)
+    for s in mask.segments:
+        dense[s.row, 0, s.start : s.stop, s.keys] = s.mask[0, 0]
+    return dense
 
 
 # Windows shorter than, equal to and longer than the context before the anchors, over the same layouts.
@@ -153,6 +164,8 @@ def test_sliding_window_mask_equals_loop_reference(case, window, non_causal):
     mask_mod = dflash_mask_mod(anchors, valid, docs, block_size, False, window, non_causal)
     dense = create_mask(mask_mod, num_rows, 1, q_len, docs.shape[1] + q_len, device="cpu")
     assert torch.equal(dense, expected)  # the flex mask_mod materialised: the same rule
+    segmented = segmented_mask(anchors, valid, docs, block_size, False, window, non_causal)
+    assert torch.equal(densify(segmented), expected)  # the CPU training path's segments: the same rule
     assert mask.any(dim=-1).all()  # every query still sees at least its own anchor slot
 
 
@@ -182,11 +195,11 @@ def test_build_attention_mask_gives_one_mask_per_layer_type():
     attention = DraftAttention(("sliding_attention", "full_attention"), 2)
     masks = build_attention_mask(anchors, valid, docs, block_size, False, "cpu", attention=attention)
     assert set(masks) == {"sliding_attention", "full_attention"}
-    assert torch.equal(masks["full_attention"], sdpa_mask(anchors, valid, docs, block_size, False))
-    assert torch.equal(masks["sliding_attention"], sdpa_mask(anchors, valid, docs, block_size, False, 2))
+    assert torch.equal(densify(masks["full_attention"]), sdpa_mask(anchors, valid, docs, block_size, False))
+    assert torch.equal(densify(masks["sliding_attention"]), sdpa_mask(anchors, valid, docs, block_size, False, 2))
     only_full = DraftAttention(("full_attention",) * 2)
     assert isinstance(build_attention_mask(anchors, valid, docs, block_size, False, "cpu", attention=only_full),
-                      torch.Tensor)
+                      SegmentedMask)
 
 
 def reference_decode_mask(context, block_size, window, non_causal):

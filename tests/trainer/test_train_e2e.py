@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timing import scaled_timeout
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Tiny sizes for 2 CPU cores; every DFlash switch keeps its reference default unless a preset sets it.
@@ -42,20 +44,22 @@ def small_target(tmp_path_factory) -> Path:
 
 
 def trainer_cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`timeout`: what the command may take on an idle machine, scaled by the load when it starts."""
     return subprocess.run(
         [sys.executable, "-m", "trainer.cli", *args],
         cwd=REPO,
         env=_env(env),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled_timeout(timeout),
     )
 
 
 def sleuth_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         # sleuth diagnose probes a run's code in a child process by default: allow for that on a loaded machine.
-        [sys.executable, "-m", "sleuth.cli", *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "sleuth.cli", *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+        timeout=scaled_timeout(300),
     )
 
 

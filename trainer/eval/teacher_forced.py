@@ -29,7 +29,14 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 from trainer.model.attention_mask import build_attention_mask
-from trainer.model.loss import block_metrics, gather_block_logits, metrics_from_counts, slot_weights
+from trainer.model.loss import (
+    BlockTeacher,
+    block_loss,
+    loss_chunk_slots,
+    metrics_from_counts,
+    slot_weights,
+    teacher_positions,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class TrainingSemantics:
     context_includes_anchor: bool  # the run's context rule (False is the reference rule)
     block_size: int
     mask_token_id: int
+    loss_chunk_size: int | None = None  # block slots the run's loss scores at once (trainer/model/loss.py)
 
 
 class TeacherForcedReport(BaseModel):
@@ -96,7 +104,7 @@ def teacher_forced_acceptance(
 ) -> TeacherForcedReport:
     """Score every generated position of every (prompt, new_tokens) pair the way training scores a block.
 
-    `target` is a FrozenTarget (forward_packed, embed, logits). The drafter's train/eval mode is left alone;
+    `target` is a FrozenTarget (forward_hidden, embed, draft_head, teacher_head). The drafter's train/eval mode is left alone;
     call it in eval mode. `acceptance_lengths` (per sequence, per verify step, from the serving loop) also
     compares the two block by block at the anchors serving used: the first anchor is the first generated
     token (position n), each next one is the previous plus its acceptance length.
@@ -123,9 +131,9 @@ def teacher_forced_acceptance(
         loss_mask = (position_ids >= n).long()  # [1, S] labels only on the generated continuation
         anchors = torch.arange(n, S - 1, device=device)[None]  # [1, A] every generated position but the last
         anchor_valid = torch.ones_like(anchors, dtype=torch.bool)
-        features, target_logits = target.forward_packed(
+        features, teacher_hidden = target.forward_hidden(
             input_ids, position_ids, doc_ids, semantics.feature_layer_ids, semantics.logits_source
-        )  # [1, S, k*H], [1, S, V]
+        )  # [1, S, k*H], [1, S, H]
         A = anchors.shape[1]
         block_ids = torch.full((1, A, B), semantics.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, :, 0] = input_ids.gather(1, anchors)
@@ -137,17 +145,26 @@ def teacher_forced_acceptance(
         dtype = next(drafter.parameters()).dtype
         block_embeds = target.embed(block_ids.reshape(1, A * B)).to(dtype)  # [1, A*B, H]
         hidden = drafter(block_embeds, features.to(dtype), all_positions, attention_mask=mask)  # [1, A*B, H]
-        draft_logits = target.logits(hidden.to(target.dtype)).reshape(1, A, B, -1)  # [1, A, B, V]
-        label_valid = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, None) > 0  # [1, A, B]
-        block_targets = gather_block_logits(target_logits, anchors, B)  # [1, A, B, V]
-        counts = block_metrics(draft_logits, block_targets, label_valid)["counts"]
+        label_valid = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, None)  # [1, A, B]
+        # The training loss's own chunked pass gives both argmaxes per labelled slot, never [A, B, V] logits.
+        teacher = BlockTeacher(teacher_hidden.reshape(S, -1), target.teacher_head(),
+                               teacher_positions(anchors, B, S).flatten())
+        # Eval drafts in the whole vocabulary: the run's chunk, where it had a smaller draft vocabulary,
+        # would hold more logits here than in training, so the smaller of the two.
+        chunk = min(loss_chunk_slots(semantics.loss_chunk_size, target.vocab_size, B),
+                    loss_chunk_slots(None, target.vocab_size, B))
+        scored = block_loss(hidden.to(target.dtype).reshape(A * B, -1), target.draft_head(), teacher, label_valid,
+                            "ce", chunk_size=chunk)
+        counts = scored.counts
+        label_valid = label_valid > 0
         # Slot j of the block at p is labelled with the target's prediction at p+j-1, i.e. token p+j.
         decoded = input_ids.gather(1, (block_positions.clamp(max=S - 1)).reshape(1, A * B)).reshape(1, A, B)
-        same = (block_targets.argmax(-1) == decoded) & label_valid  # [1, A, B]
+        same = (scored.teacher_ids == decoded) & label_valid  # [1, A, B]
         labels_equal += int(same.sum())
         labels_scored += int(label_valid.sum())
         if acceptance_lengths is not None:
-            correct = (draft_logits.argmax(-1) == block_targets.argmax(-1))[0, :, 1:]  # [A, B-1]
+            # unlabelled slots hold -1 in both: only blocks whose B-1 slots all have a label are compared
+            correct = (scored.draft_ids == scored.teacher_ids)[0, :, 1:]  # [A, B-1]
             prefix = correct.long().cumprod(dim=-1).sum(dim=-1).tolist()  # [A] correct slots before the first miss
             pairs = []
             anchor = n

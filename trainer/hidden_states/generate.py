@@ -38,13 +38,9 @@ def stored_layers(config: TrainConfig, num_layers: int) -> list[int]:
 
 
 def head_logits(target: Any, final_hidden: torch.Tensor) -> torch.Tensor:
-    """The target's logits from its final-normed last hidden state: lm_head, then the family's final
-    soft-capping where it has one (Gemma2: tanh(logits / cap) * cap)."""
-    logits = target.lm_head(final_hidden)
-    cap = getattr(target.model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    """The target's logits from its final-normed last hidden state: its own head (FrozenTarget.teacher_head:
+    lm_head, then the family's logit scale or final soft-capping where it has one)."""
+    return target.teacher_logits(final_hidden)
 
 
 def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: torch.dtype,

@@ -1,9 +1,9 @@
 """The target a run trains from when its hidden states come from a cache: the target's embeddings,
 final norm and lm_head are real; its decoder layers are never loaded (they stay on the meta device).
 
-`forward_packed` returns what FrozenTarget.forward_packed would have computed: the stored layers, and the
-teacher logits recomputed from the stored final layer with the target's own lm_head (generation checked
-that this equals the model's logits). Speculative-decoding eval needs the whole target: it is loaded the
+`forward_hidden` / `forward_packed` return what FrozenTarget's would have computed: the stored layers, and the
+teacher from the stored final layer through the target's own head (generation checked that this gives the
+model's logits). Speculative-decoding eval needs the whole target: it is loaded the
 first time an eval runs (set `eval_every: null` to train without ever loading it).
 """
 
@@ -19,7 +19,6 @@ from torch import Tensor
 
 from trainer.hidden_states.cache import MANIFEST, HiddenStateCache, HiddenStateError
 from trainer.hidden_states.speculators_format import SpeculatorsHiddenStates, speculators_dir
-from trainer.hidden_states.generate import head_logits
 from trainer.target.frozen import FrozenTarget, TargetError, _find_final_norm
 
 
@@ -53,8 +52,9 @@ class OfflineTarget:
         return self._full
 
     @torch.no_grad()
-    def forward_packed(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+    def forward_hidden(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
                        feature_layer_ids: list[int], logits_source: str | int) -> tuple[Tensor, Tensor]:
+        """Features [N, S, k*H] and the teacher's hidden states [N, S, H], as FrozenTarget.forward_hidden."""
         final = self.head.num_layers - 1
         wanted = sorted(set(feature_layer_ids) | {final} | ({logits_source} if isinstance(logits_source, int) else set()))
         stored = self.cache.gather(input_ids, position_ids, wanted, doc_ids=doc_ids)
@@ -65,12 +65,18 @@ class OfflineTarget:
             stored[final] = self.head.final_norm(stored[final])
         features = torch.cat([stored[i] for i in feature_layer_ids], dim=-1)  # [N, S, k*H]
         if logits_source == "final" or logits_source == final:
-            logits = head_logits(self.head, stored[final])
-        else:  # an intermediate layer through the final norm, as FrozenTarget does it
-            if self.head.final_norm is None:
-                raise TargetError("cannot find the target's final norm for intermediate logits")
-            logits = self.head.lm_head(self.head.final_norm(stored[logits_source]))
-        return features, logits
+            return features, stored[final]
+        # an intermediate layer through the final norm, as FrozenTarget does it
+        if self.head.final_norm is None:
+            raise TargetError("cannot find the target's final norm for intermediate logits")
+        return features, self.head.final_norm(stored[logits_source])
+
+    @torch.no_grad()
+    def forward_packed(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+                       feature_layer_ids: list[int], logits_source: str | int) -> tuple[Tensor, Tensor]:
+        """Features [N, S, k*H] and teacher logits [N, S, V], as FrozenTarget.forward_packed."""
+        features, teacher = self.forward_hidden(input_ids, position_ids, doc_ids, feature_layer_ids, logits_source)
+        return features, self.head.teacher_logits(teacher)
 
 
 def load_head_only(target: str, device: torch.device, dtype: torch.dtype, mask_token_id: int | None) -> FrozenTarget:

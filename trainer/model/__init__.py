@@ -10,11 +10,12 @@ from trainer.model.attention_mask import (
     sdpa_mask,
 )
 from trainer.model.drafter import DFlashDrafter, crop_cache
-from trainer.model.loss import decay_weights, dflash_loss, gather_block_logits, slot_weights
+from trainer.model.loss import block_loss, decay_weights, dflash_loss, gather_block_logits, slot_weights
 
 __all__ = [
     "DFlashDrafter",
     "DraftAttention",
+    "block_loss",
     "build_attention_mask",
     "crop_cache",
     "decode_window_mask",

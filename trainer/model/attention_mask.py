@@ -39,9 +39,11 @@ The two windows agree on every position but the j+1 oldest, so they only differ 
 longer than W - B.
 
 `dflash_mask_mod` is the one definition. `sdpa_mask` evaluates it on broadcast index grids (a dense bool
-mask for CPU / scaled_dot_product_attention); `flex_block_mask` hands the same function to flex attention's
-create_block_mask (block-sparse, for CUDA), so the two paths cannot disagree. `decode_window_mask` is the
-same rule for one block drafted at inference over a KV cache (trainer eval's real decoding).
+mask for scaled_dot_product_attention); `flex_block_mask` hands the same function to flex attention's
+create_block_mask (block-sparse, for CUDA); on CPU `build_attention_mask` evaluates it segment by segment
+(trainer/model/segmented_attention.py: each run of blocks attends only to the columns it sees). The paths
+cannot disagree. `decode_window_mask` is the same rule for one block drafted at inference over a KV cache
+(trainer eval's real decoding).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from trainer.model.segmented_attention import SegmentedMask, segment_mask_mod
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -203,7 +207,26 @@ def _compiled_create_block_mask() -> Callable:
     return _COMPILED["create_block_mask"]
 
 
-AttentionMask = Tensor | BlockMask
+def segmented_mask(
+    anchors: Tensor,  # [N, A]
+    anchor_valid: Tensor,  # [N, A]
+    doc_ids: Tensor,  # [N, S]
+    block_size: int,
+    context_includes_anchor: bool,
+    sliding_window: int | None = None,
+    sliding_window_non_causal: bool = False,
+) -> SegmentedMask:
+    """`sdpa_mask` evaluated segment by segment (whole blocks; each segment keeps only the key columns it sees):
+    the dense [N, Q, S+Q] grid never exists."""
+    _check_shapes(anchors, anchor_valid, doc_ids, block_size)
+    mask_mod = dflash_mask_mod(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor,
+                               sliding_window, sliding_window_non_causal)
+    num_rows, num_queries = anchors.shape[0], anchors.shape[1] * block_size
+    return segment_mask_mod(mask_mod, num_rows, num_queries, doc_ids.shape[1] + num_queries, block_size,
+                            device=anchors.device)
+
+
+AttentionMask = Tensor | BlockMask | SegmentedMask
 
 
 def build_attention_mask(
@@ -215,14 +238,15 @@ def build_attention_mask(
     device: torch.device | str,
     attention: DraftAttention | None = None,
 ) -> AttentionMask | dict[str, AttentionMask]:
-    """The mask the drafter should get on `device`: a flex BlockMask on CUDA, the dense SDPA mask elsewhere.
+    """The mask the drafter should get on `device`: a flex BlockMask on CUDA; elsewhere the dense SDPA mask
+    cut into segments of whole blocks that attend only to the key columns they see (block-sparse on CPU).
 
     A drafter with sliding-window layers (`attention.slides`) gets one mask per layer type it has,
     {"full_attention": ..., "sliding_attention": ...}; an all-full-attention drafter gets the one mask.
     """
     device = torch.device(device)
     anchors, anchor_valid, doc_ids = anchors.to(device), anchor_valid.to(device), doc_ids.to(device)
-    build = flex_block_mask if device.type == "cuda" else sdpa_mask
+    build = flex_block_mask if device.type == "cuda" else segmented_mask
     if attention is None or not attention.slides:
         return build(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor)
     return {

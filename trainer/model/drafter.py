@@ -42,6 +42,7 @@ from trainer.model.attention_mask import (
     decode_window_mask,
     layer_mask,
 )
+from trainer.model.segmented_attention import SegmentedMask, segmented_attention
 
 
 def draft_config_from_target(target_config: Any, num_layers: int,
@@ -242,7 +243,7 @@ class DFlashAttention(nn.Module):
         context: Tensor,  # [N, C, H] fused target features (fc -> hidden_norm), shared by all layers
         cos: Tensor,  # [N, C+Q, hd]
         sin: Tensor,  # [N, C+Q, hd]
-        attention_mask: Tensor | BlockMask | None,
+        attention_mask: Tensor | BlockMask | SegmentedMask | None,
         past_key_values: Cache | None,
     ) -> Tensor:  # [N, Q, H]
         n, q_len, _ = x.shape
@@ -271,13 +272,16 @@ def attend(
     q: Tensor,  # [N, nh, Q, hd]
     k: Tensor,  # [N, nkv, KV, hd]
     v: Tensor,  # [N, nkv, KV, hd]
-    attention_mask: Tensor | BlockMask | None,  # bool [N, 1, Q, KV] (True = attend) | BlockMask | None
+    attention_mask: Tensor | BlockMask | SegmentedMask | None,  # bool [N, 1, Q, KV] (True = attend) | ...
     scale: float,
 ) -> Tensor:  # [N, nh, Q, hd]
-    """scaled_dot_product_attention for a dense mask (or none: everything visible), flex for a BlockMask."""
+    """scaled_dot_product_attention for a dense mask (or none: everything visible), flex for a BlockMask,
+    segment by segment for a SegmentedMask (trainer/model/segmented_attention.py)."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(attention_mask, BlockMask):
         return _flex_attention(q.device)(q, k, v, block_mask=attention_mask, scale=scale, enable_gqa=gqa)
+    if isinstance(attention_mask, SegmentedMask):  # CPU training: only the key columns each segment sees
+        return segmented_attention(q, k, v, attention_mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=scale, enable_gqa=gqa)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from trainer.config import ConfigError, TrainConfig, resolve_for_target
 from trainer.data.datasets import batch_for_step, chat_rendering, load_documents, pack_documents
 from trainer.data.draft_vocab import VOCAB_FILE, draft_token_ids, load_vocab, save_vocab, token_frequencies
 from trainer.model.drafter import DFlashDrafter
-from trainer.model.loss import metrics_from_counts
+from trainer.model.loss import loss_chunk_slots, metrics_from_counts
+from trainer.run.memory import check_fits_memory
 from trainer.run.checkpoint import (
     DRAFTER_FILE,
     check_checkpoint_files,
@@ -230,6 +230,10 @@ def _train(
             config.target, torch_device, compute_dtype(config, torch_device), mask_token_id=config.mask_token_id
         )
     config = resolve_for_target(config, target.num_layers)
+    # The loss chunk the run uses, saved in config.json: a resume, and sleuth's probe of the run's code,
+    # then chunk exactly as this run does.
+    config = config.model_copy(update={"loss_chunk_size": loss_chunk_slots(
+        config.loss_chunk_size, min(config.draft_vocab_size or target.vocab_size, target.vocab_size), config.block_size)})
     check_fits_memory(config, target, dist.world_size)
     if target.eos_token_id is None and dist.is_main:
         print(
@@ -389,35 +393,6 @@ def _train(
         run.update_info(status="completed", steps_done=config.steps, finished=now_iso())
     dist.barrier()
     return TrainResult(run=run, steps_done=config.steps, last_metrics=last)
-
-
-# Bytes per element that the packed target forward holds at once, at the least: three [N, S, S] boolean
-# masks (same document, causal, allowed) and the [N, S, V] float32 logits.
-_MASK_BYTES_PER_ELEMENT = 3
-_LOGIT_BYTES = 4
-
-
-def check_fits_memory(config: TrainConfig, target: FrozenTarget, world_size: int = 1) -> None:
-    """Refuse a seq_len / batch_size whose attention masks and logits alone exceed the device's memory, with
-    the numbers, instead of an allocator traceback after minutes of packing (or a swap storm)."""
-    rows = max(1, config.batch_size // world_size)
-    needed = rows * config.seq_len * (config.seq_len * _MASK_BYTES_PER_ELEMENT + target.vocab_size * _LOGIT_BYTES)
-    available = _device_memory_bytes(target.device)
-    if available is not None and needed > available:
-        raise ConfigError(
-            f"seq_len {config.seq_len} with batch_size {config.batch_size} needs at least {needed / 2**30:.1f} GiB "
-            f"for the target's attention masks and logits, more than the {available / 2**30:.1f} GiB of "
-            f"{target.device.type} memory here: lower seq_len or batch_size"
-        )
-
-
-def _device_memory_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[1])
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system: no preflight, the runtime check remains
-        return None
 
 
 def _as_user_error(exc: BaseException, config: TrainConfig | None) -> Exception | None:
@@ -671,6 +646,7 @@ def training_semantics(config: TrainConfig, target: FrozenTarget) -> Any:
         context_includes_anchor=plan.context_includes_anchor,
         block_size=plan.block_size,
         mask_token_id=plan.mask_token_id,
+        loss_chunk_size=plan.loss_chunk_size,
     )
 
 

@@ -5,6 +5,7 @@ This is where the invariants meet; each line that realises one names it (ids as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from trainer.config import TrainConfig
 from trainer.model.anchors import sample_anchors
 from trainer.model.attention_mask import DraftAttention, build_attention_mask
-from trainer.model.loss import dflash_loss, gather_block_logits, slot_weights
+from trainer.model.loss import IDENTITY_HEAD, BlockTeacher, block_loss, slot_weights, teacher_positions
 from trainer.target.frozen import FrozenTarget
 
 
@@ -32,6 +33,7 @@ class StepPlan:
     loss_weighting: str = "decay"  # "decay" (fixed gamma) | "dpace" (speculators' current default)
     dpace_alpha: float = 0.5
     draft_token_ids: torch.Tensor | None = None  # [Vd] target ids of a reduced draft vocabulary (sorted)
+    loss_chunk_size: int | None = None  # block slots whose logits the loss holds at once (None: by vocabulary)
     draft_attention: DraftAttention | None = None  # the drafter's per-layer attention (sliding windows)
 
     @classmethod
@@ -49,6 +51,7 @@ class StepPlan:
             loss_weighting=config.loss_weighting,
             dpace_alpha=config.dpace_alpha,
             draft_token_ids=draft_token_ids,
+            loss_chunk_size=config.loss_chunk_size,
             draft_attention=draft_attention(config),
         )
 
@@ -78,20 +81,25 @@ def dflash_step(
     anchors: torch.Tensor,
     anchor_valid: torch.Tensor,
     plan: StepPlan,
+    draft_logits_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Loss and metrics of one step. `draft_logits_hook` is the probe protocol's intervention point
+    (trainer/probe.py): it gets the drafter's logits [N, A*B, V] and what it returns goes through the same
+    chunked loss, with the run's chunk size, in their place."""
     input_ids = batch["input_ids"]  # (N, S)
     position_ids = batch["position_ids"]  # (N, S) restart at 0 per document
     doc_ids = batch["doc_ids"]  # (N, S) -1 on padding
     loss_mask = batch["loss_mask"]  # (N, S)
     B = plan.block_size
 
-    # Frozen target, no grad: fused context features and the logits the drafter is trained toward.
-    features, target_logits = target.forward_packed(
+    # Frozen target, no grad: fused context features, and the hidden states its head turns into the teacher.
+    features, teacher_hidden = target.forward_hidden(
         input_ids, position_ids, doc_ids, plan.feature_layer_ids, plan.logits_source
-    )  # (N, S, k*H), (N, S, V)
+    )  # (N, S, k*H), (N, S, H)
 
     anchors, anchor_valid = anchors.to(input_ids.device), anchor_valid.to(input_ids.device)  # (N, A)
     N, A = anchors.shape
+    S = input_ids.shape[1]
 
     # Block tokens: slot 0 = the anchor token, slots 1..B-1 = mask token.
     block_ids = torch.full((N, A, B), plan.mask_token_id, dtype=torch.long, device=input_ids.device)
@@ -109,17 +117,19 @@ def dflash_step(
     hidden = drafter(block_embeds, features, all_positions, attention_mask=mask)  # (N, A*B, H)
     vocab = plan.draft_token_ids
     # frozen lm_head (dflash.frozen_embed_head); with a draft vocabulary, only its rows of those tokens
-    draft_logits = target.logits(hidden, vocab).reshape(N, A, B, -1)  # (N, A, B, V or Vd)
-    if vocab is not None:  # the teacher restricted to the same tokens, as speculators' verifier_lm_head[t2d]
-        target_logits = target_logits[..., vocab.to(target_logits.device)]
-
-    # dflash.target_shift: slot j of the block at p learns the target's prediction at p+j-1.
-    target_block_logits = gather_block_logits(target_logits, anchors, B)  # (N, A, B, V or Vd)
-    del target_logits  # (N, S, V) is the largest tensor of the step; only the gathered blocks are needed
+    head = target.draft_head(vocab)
+    draft = hidden.reshape(N * A * B, -1)  # (N*A*B, H) block-major
+    if draft_logits_hook is not None:
+        draft, head = draft_logits_hook(head(hidden)).reshape(N * A * B, -1), IDENTITY_HEAD  # (N*A*B, V)
+    # dflash.target_shift: slot j of the block at p learns the target's prediction at p+j-1; the teacher
+    # restricted to the draft vocabulary's tokens, as speculators' verifier_lm_head[t2d].
+    rows = teacher_positions(anchors, B, S) + torch.arange(N, device=anchors.device)[:, None, None] * S
+    teacher = BlockTeacher(teacher_hidden.reshape(N * S, -1), target.teacher_head(vocab), rows.flatten())
     # D-PACE computes its own weights from the drafter's confidence: the slot weights then only mark labels.
     gamma = plan.gamma if plan.loss_weighting == "decay" else None
     weights = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, gamma)  # (N, A, B)
-    loss, metrics = dflash_loss(draft_logits.float(), target_block_logits.float(), weights, plan.loss_kind,
-                                plan.loss_weighting, plan.dpace_alpha)
+    result = block_loss(draft, head, teacher, weights, plan.loss_kind, plan.loss_weighting, plan.dpace_alpha,
+                        plan.loss_chunk_size)
+    metrics = result.metrics()
     metrics["tokens"] = int((doc_ids >= 0).sum())
-    return loss, metrics
+    return result.loss, metrics

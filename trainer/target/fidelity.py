@@ -31,6 +31,8 @@ from trainer.target.frozen import PACKING_MODES, FrozenTarget, PackingMode, Targ
 DEFAULT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 1e-1}
 PADDING_TAIL = 3  # a few padding positions after the documents, as packed rows have
 WINDOW_MARGIN = 16  # the held-out document is at least this much longer than the longest window
+LOGIT_CHUNK_BYTES = 64 * 2**20  # float32 logits compared at once
+HEAD_CHECK_POSITIONS = 32  # last positions of each document where the head is checked against the model's logits
 
 
 @dataclass
@@ -89,7 +91,12 @@ def token_stream(documents: list[list[int]], length: int) -> list[int]:
 @torch.no_grad()
 def measure(target: FrozenTarget, lead: list[int], document: list[int], packing: PackingMode) -> tuple[float, float]:
     """Max abs (hidden, logit) difference of one packed row, run the `packing` way, against each
-    document run alone through the model's own forward."""
+    document run alone through the model's own forward.
+
+    Logits are compared the way training takes them: the target's head (FrozenTarget.teacher_head) on the
+    final hidden state, packed against alone, a few hundred positions at a time (at a 248k vocabulary a
+    whole row of float32 logits is half a GB per copy); and that head against the model's own logits at
+    the document's last positions, which the model's forward computes itself (logits_to_keep)."""
     docs = [lead, document]
     length = len(lead) + len(document) + PADDING_TAIL
     input_ids = torch.full((1, length), target.pad_token_id, dtype=torch.long)
@@ -102,19 +109,32 @@ def measure(target: FrozenTarget, lead: list[int], document: list[int], packing:
         position_ids[0, span] = torch.arange(len(ids))
         doc_ids[0, span] = index
         offset += len(ids)
-    hidden, logits = target.forward_rows(input_ids, position_ids, doc_ids, packing=packing)
+    hidden, _ = target.forward_rows(input_ids, position_ids, doc_ids, packing=packing, with_logits=False)
     hidden_diff = logit_diff = 0.0
+    head = target.teacher_head()
+    step = max(1, LOGIT_CHUNK_BYTES // (4 * target.vocab_size))
     offset = 0
     for ids in docs:
+        keep = min(len(ids), HEAD_CHECK_POSITIONS)
         alone = target.model(
-            input_ids=torch.tensor([ids], device=target.device), output_hidden_states=True, use_cache=False
+            input_ids=torch.tensor([ids], device=target.device), output_hidden_states=True, use_cache=False,
+            **target.keep_logits(keep),
         )
         span = slice(offset, offset + len(ids))
         offset += len(ids)
         for packed_h, alone_h in zip(hidden, alone.hidden_states, strict=True):
             hidden_diff = max(hidden_diff, _max_abs_diff(packed_h[0, span], alone_h[0]))
-        logit_diff = max(logit_diff, _max_abs_diff(logits[0, span], alone.logits[0]))
+        packed_final, alone_final = hidden[-1][0, span], alone.hidden_states[-1][0]
+        for i in range(0, len(ids), step):
+            logit_diff = max(logit_diff, _max_abs_diff(head(packed_final[i:i + step]), head(alone_final[i:i + step])))
+        logit_diff = max(logit_diff, _head_diff(head, alone, keep))
     return hidden_diff, logit_diff
+
+
+def _head_diff(head: Any, output: Any, positions: int) -> float:
+    """The head is the model's own: the same logits as its forward (`output`, one document alone) at the
+    last `positions` positions, where the forward computed them."""
+    return _max_abs_diff(head(output.hidden_states[-1][0, -positions:]), output.logits[0, -positions:])
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

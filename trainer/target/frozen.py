@@ -1,10 +1,15 @@
-"""The frozen target: any Hugging Face causal LM, run over packed rows to give features and logits.
+"""The frozen target: any Hugging Face causal LM, run over packed rows to give features and teachers.
 
 The drafter is conditioned on the outputs of selected target layers and trained toward the target's
 own predictions, so this module is where two DFlash invariants live:
 - `dflash.target_layer_ids`: layer id i (z-lab convention) is the output of decoder layer i, which is
   HF `hidden_states[i + 1]` because `hidden_states[0]` is the embedding output.
 - `dflash.target_logits_source`: "final" logits are the model's own output, lm_head(norm(h_L)).
+
+The teacher is handed over as hidden states (`forward_hidden`) plus the target's head (`teacher_head`:
+lm_head and the family's output transform): at a 248k vocabulary the [N, S, V] logits of a packed batch
+are the largest tensor of a step, and the loss needs them only at the slots it trains, chunk by chunk
+(trainer/model/loss.py). The model's forward is asked for one position's logits only (logits_to_keep).
 
 Rows are packed (several documents per row); the target must compute on each document exactly what it
 would compute on that document alone (`dflash.target_forward_fidelity`): positions restart at 0 for every
@@ -31,12 +36,14 @@ forward on a held-out document longer than any window:
 from __future__ import annotations
 
 import hashlib
+import inspect
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from trainer.model.loss import LogitsHead
 from trainer.target.errors import TargetError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -116,6 +123,7 @@ class FrozenTarget:
         self.mask_token_id: int = self._resolve_mask_token_id(mask_token_id)
         # How packed rows are run; the fidelity check at a run's start picks it by measurement.
         self.packing: PackingMode = "positions"
+        self._keeps_logits: bool | None = None  # does the model's forward take logits_to_keep (see keep_logits)
 
     def _resolve_mask_token_id(self, override: int | None) -> int:
         if override is not None:
@@ -188,36 +196,65 @@ class FrozenTarget:
         return cls(model, tokenizer, path, fingerprint_model_dir(path), mask_token_id)
 
     @torch.no_grad()
+    def forward_hidden(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+                       feature_layer_ids: list[int], logits_source: str | int) -> tuple[Tensor, Tensor]:
+        """Features [N, S, k*H] and the teacher's hidden states [N, S, H] of packed rows: what the target's
+        head (`teacher_head`) turns into the teacher logits. The training step applies that head only
+        where a slot needs it, so [N, S, V] logits are never built; see the module docstring."""
+        self._check_feature_layers(feature_layer_ids)
+        hidden_states, _ = self.forward_rows(input_ids, position_ids, doc_ids, with_logits=False)
+        features = torch.cat([hidden_states[i + 1] for i in feature_layer_ids], dim=-1)  # [N, S, k*H]
+        return features, self.teacher_hidden(hidden_states, logits_source)
+
+    @torch.no_grad()
     def forward_packed(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
                        feature_layer_ids: list[int], logits_source: str | int) -> tuple[Tensor, Tensor]:
-        """Features [N, S, k*H] and logits [N, S, V] of packed rows; see the module docstring."""
-        for layer in feature_layer_ids:
-            if not 0 <= layer < self.num_layers:
-                raise TargetError(f"feature layer {layer} is outside the target's layers 0..{self.num_layers - 1}")
+        """Features [N, S, k*H] and teacher logits [N, S, V] of packed rows, whole (for small inputs and
+        tests; training uses forward_hidden): "final" is the model's own output, an intermediate layer id
+        the target's head on that layer through the final norm."""
+        self._check_feature_layers(feature_layer_ids)
         hidden_states, final_logits = self.forward_rows(input_ids, position_ids, doc_ids)
         features = torch.cat([hidden_states[i + 1] for i in feature_layer_ids], dim=-1)  # [N, S, k*H]
         if logits_source == "final":
-            logits = final_logits  # [N, S, V]
-        elif isinstance(logits_source, int) and not isinstance(logits_source, bool):
-            logits = self._intermediate_logits(hidden_states, logits_source)
-        else:
+            return features, final_logits
+        return features, self.teacher_logits(self.teacher_hidden(hidden_states, logits_source))
+
+    def _check_feature_layers(self, feature_layer_ids: list[int]) -> None:
+        for layer in feature_layer_ids:
+            if not 0 <= layer < self.num_layers:
+                raise TargetError(f"feature layer {layer} is outside the target's layers 0..{self.num_layers - 1}")
+
+    def teacher_hidden(self, hidden_states: tuple[Tensor, ...], logits_source: str | int) -> Tensor:
+        """The head input of the teacher (`dflash.target_logits_source`): [N, S, H]."""
+        if logits_source == "final":
+            # transformers replaces the last hidden_states entry by the final-normed output: norm(h_L).
+            return hidden_states[-1]
+        if not isinstance(logits_source, int) or isinstance(logits_source, bool):
             raise TargetError(f"logits_source must be 'final' or a layer id, got {logits_source!r}")
-        return features, logits
+        if not 0 <= logits_source < self.num_layers:
+            raise TargetError(f"logits layer {logits_source} is outside the target's layers 0..{self.num_layers - 1}")
+        if logits_source == self.num_layers - 1:
+            return hidden_states[-1]  # already final-normed; normalising again would change it: this is "final"
+        if self.final_norm is None:
+            raise TargetError(f"cannot find the final norm of {type(self.model).__name__} for intermediate logits")
+        return self.final_norm(hidden_states[logits_source + 1])  # [N, S, H]
 
     @torch.no_grad()
     def forward_rows(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
-                     packing: PackingMode | None = None) -> tuple[tuple[Tensor, ...], Tensor]:
-        """All hidden states (L+1 entries of [N, S, H]; [0] is the embedding output) and logits [N, S, V]
-        of packed rows, computed the `packing` way (default: the target's chosen one)."""
+                     packing: PackingMode | None = None,
+                     with_logits: bool = True) -> tuple[tuple[Tensor, ...], Tensor | None]:
+        """All hidden states (L+1 entries of [N, S, H]; [0] is the embedding output) and the model's own
+        logits [N, S, V] of packed rows (None without `with_logits`: the model then computes one position's
+        only), computed the `packing` way (default: the target's chosen one)."""
         packing = packing or self.packing
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         if packing == "per_document":
-            return self._per_document(input_ids, position_ids, doc_ids.to(self.device))
+            return self._per_document(input_ids, position_ids, doc_ids.to(self.device), with_logits)
         if packing == "varlen":
             if not varlen_available(self.device):
                 raise TargetError("target_packing 'varlen' runs flash-linear-attention's variable-length kernels, "
                                   "which need a CUDA device and the fla package; use target_packing: auto")
-            return self._varlen(input_ids, position_ids, doc_ids.to(self.device))
+            return self._varlen(input_ids, position_ids, doc_ids.to(self.device), with_logits)
         if packing == "layer_masks":
             mask: Any = self._layer_masks(input_ids, position_ids)
         elif packing == "positions":
@@ -226,9 +263,20 @@ class FrozenTarget:
             raise TargetError(f"unknown packing {packing!r}; choose one of {', '.join(PACKING_MODES)}")
         output = self.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, output_hidden_states=True,
-            use_cache=False,
+            use_cache=False, **({} if with_logits else self.keep_logits(1)),
         )
-        return tuple(output.hidden_states), output.logits
+        return tuple(output.hidden_states), output.logits if with_logits else None
+
+    def keep_logits(self, count: int) -> dict[str, Any]:
+        """Keyword asking the model's forward for its last `count` positions' logits only (transformers'
+        logits_to_keep; nothing for a model without it): its own [N, S, V] would be the largest tensor of
+        the target forward, and training takes the teacher from the hidden states instead."""
+        if self._keeps_logits is None:
+            try:
+                self._keeps_logits = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+            except (TypeError, ValueError):
+                self._keeps_logits = False
+        return {"logits_to_keep": count} if self._keeps_logits else {}
 
     def _layer_masks(self, input_ids: Tensor, position_ids: Tensor) -> Any:
         """{layer type: mask} for packed rows (one mask when the config has no layer types), built by
@@ -254,7 +302,8 @@ class FrozenTarget:
         return {kind: builders[kind](self.config, shape_only, None, None, position_ids=position_ids)
                 for kind in set(layer_types)}
 
-    def _varlen(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+    def _varlen(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+                with_logits: bool = True) -> tuple[tuple[Tensor, ...], Tensor | None]:
         """Every document of the batch end to end in one row [1, T] with its boundaries for the kernels; the
         outputs go back to their [N, S] places (padding stays zero, as per document)."""
         n, s = input_ids.shape
@@ -272,15 +321,17 @@ class FrozenTarget:
             input_ids=flat_ids, position_ids=flat_positions, output_hidden_states=True, use_cache=False,
             cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest, max_length_k=longest,
             seq_idx=seq_idx[None],  # [1, T] for causal-conv1d / Mamba kernels
+            **({} if with_logits else self.keep_logits(1)),
         )
         hidden = [h.new_zeros((n, s, h.shape[-1])) for h in output.hidden_states]
-        logits = output.logits.new_zeros((n, s, output.logits.shape[-1]))
+        logits = output.logits.new_zeros((n, s, output.logits.shape[-1])) if with_logits else None
         offset = 0
         for row, start, end in spans:
             flat = slice(offset, offset + end - start)
             for buffer, h in zip(hidden, output.hidden_states):
                 buffer[row, start:end] = h[0, flat]
-            logits[row, start:end] = output.logits[0, flat]
+            if logits is not None:
+                logits[row, start:end] = output.logits[0, flat]
             offset += end - start
         return tuple(hidden), logits
 
@@ -295,49 +346,64 @@ class FrozenTarget:
                     spans.append((row, int(span[0]), int(span[-1]) + 1))
         return sorted(spans)
 
-    def _per_document(self, input_ids: Tensor, position_ids: Tensor,
-                      doc_ids: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+    def _per_document(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+                      with_logits: bool = True) -> tuple[tuple[Tensor, ...], Tensor | None]:
         n, s = input_ids.shape
         hidden: list[Tensor] | None = None
         logits: Tensor | None = None
         for row, start, end in self._document_spans(doc_ids):  # padding stays zero: no loss, no anchor
             output = self.model(
                 input_ids=input_ids[row:row + 1, start:end], position_ids=position_ids[row:row + 1, start:end],
-                output_hidden_states=True, use_cache=False,
+                output_hidden_states=True, use_cache=False, **({} if with_logits else self.keep_logits(1)),
             )
-            if hidden is None or logits is None:
+            if hidden is None:
                 hidden = [h.new_zeros((n, s, h.shape[-1])) for h in output.hidden_states]
-                logits = output.logits.new_zeros((n, s, output.logits.shape[-1]))
+                logits = output.logits.new_zeros((n, s, output.logits.shape[-1])) if with_logits else None
             for buffer, h in zip(hidden, output.hidden_states):
                 buffer[row, start:end] = h[0]
-            logits[row, start:end] = output.logits[0]
-        if hidden is None or logits is None:
+            if logits is not None:
+                logits[row, start:end] = output.logits[0]
+        if hidden is None:
             raise TargetError("packed rows hold no document (every position is padding)")
         return tuple(hidden), logits
-
-    def _intermediate_logits(self, hidden_states: tuple[Tensor, ...], layer: int) -> Tensor:
-        if not 0 <= layer < self.num_layers:
-            raise TargetError(f"logits layer {layer} is outside the target's layers 0..{self.num_layers - 1}")
-        if layer == self.num_layers - 1:
-            # transformers replaces the last hidden_states entry by the final-normed output, so
-            # norm(h_L) is already there; normalising again would change it. This is "final".
-            return self.lm_head(hidden_states[-1])
-        if self.final_norm is None:
-            raise TargetError(f"cannot find the final norm of {type(self.model).__name__} for intermediate logits")
-        return self.lm_head(self.final_norm(hidden_states[layer + 1]))  # [N, S, V]
 
     def embed(self, ids: Tensor) -> Tensor:
         """Frozen target token embeddings: [..] ids -> [.., H]."""
         return self.model.get_input_embeddings()(ids)
 
-    def logits(self, hidden: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
-        """Frozen target lm_head, no final norm (the drafter applies its own): [.., H] -> [.., V], or only
-        the rows of `vocab_ids` (a draft vocabulary) -> [.., Vd]."""
+    def draft_head(self, vocab_ids: Tensor | None = None) -> LogitsHead:
+        """The frozen lm_head the drafter shares (`dflash.frozen_embed_head`), no final norm (the drafter
+        applies its own) and no output transform; with a draft vocabulary, only the rows of `vocab_ids`."""
+        weight, bias = self._head_rows(vocab_ids)
+        return LogitsHead(weight, bias)
+
+    def teacher_head(self, vocab_ids: Tensor | None = None) -> LogitsHead:
+        """The target's own head: lm_head, then the family's output transform (Cohere's logit_scale,
+        Granite's logits_scaling, Gemma's final soft-capping), as its forward computes logits; with a draft
+        vocabulary the teacher is restricted to the same tokens (speculators' verifier_lm_head[t2d])."""
+        weight, bias = self._head_rows(vocab_ids)
+        scale = getattr(self.config, "logit_scale", None)
+        divisor = getattr(self.config, "logits_scaling", None)
+        if isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and divisor not in (0, 1):
+            scale = (scale or 1.0) / divisor
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return LogitsHead(weight, bias, scale=float(scale) if isinstance(scale, (int, float)) else None,
+                          softcap=float(cap) if isinstance(cap, (int, float)) and cap else None)
+
+    def _head_rows(self, vocab_ids: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        bias = getattr(self.lm_head, "bias", None)
         if vocab_ids is None:
-            return self.lm_head(hidden)
+            return self.lm_head.weight, bias
         vocab_ids = vocab_ids.to(self.lm_head.weight.device)
-        bias = self.lm_head.bias[vocab_ids] if getattr(self.lm_head, "bias", None) is not None else None
-        return torch.nn.functional.linear(hidden, self.lm_head.weight[vocab_ids], bias)
+        return self.lm_head.weight[vocab_ids], bias[vocab_ids] if bias is not None else None
+
+    def logits(self, hidden: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+        """The drafter's logits: `draft_head` on [.., H] -> [.., V] (or [.., Vd] with a draft vocabulary)."""
+        return self.draft_head(vocab_ids)(hidden)
+
+    def teacher_logits(self, hidden: Tensor, vocab_ids: Tensor | None = None) -> Tensor:
+        """The teacher's logits: `teacher_head` on its hidden states [.., H] -> [.., V] (or [.., Vd])."""
+        return self.teacher_head(vocab_ids)(hidden)
 
 
 def _check_widths(model: nn.Module, lm_head: nn.Module, hidden_size: int) -> None:
