@@ -1,7 +1,10 @@
 """The experiments: each perturbs one thing, measures one number and compares it with a stated threshold.
 
 Every experiment returns `Verdict`s, one per invariant it decides: the hypothesis, what was perturbed,
-what was measured (with the number), the threshold, and match / mismatch / unknown (with the reason).
+what was measured (with the number), the threshold, match / mismatch / unknown (with the reason), and
+its coverage: what the batch and the subject exercised, and what the run's path needs that was not
+exercised. A `match` with anything left unexercised is reported `unknown` ("not exercised: ..."); a
+defect that was seen is a `mismatch` whatever else was not exercised.
 They run inside the probe worker, on a subject that follows `sleuth.probes.protocol`.
 
 Influence is measured as the largest change of the drafter's logits relative to their largest value.
@@ -11,15 +14,16 @@ Masked attention contributes exactly nothing, so "does not see" is a change at r
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from sleuth.probes.protocol import ProbeBatch, ProbeHooks, ProbeTarget
-from sleuth.probes.target import Layout, make_batch, make_layout, perturb_layer, perturb_positions, rms_norm
+from sleuth.probes.target import PAD_TOKEN, Layout, make_batch, make_layout, perturb_layer, perturb_positions, rms_norm
 from sleuth.probes.verdict import Expectations, Verdict
 
 NO_EFFECT = 1e-6  # relative change of the logits at or below this: the perturbed input is not seen
@@ -30,6 +34,12 @@ SOFT_TV = 0.05  # total variation below which a recovered soft target equals a c
 GAMMA_RTOL = 0.01  # a fitted gamma within 1 % of an accepted value matches it
 EXP_FIT = 0.01  # largest residual of log-weights allowed for "exp(-(k-1)/gamma)"
 DATA_DEPENDENT = 1e-3  # relative change of the slot weights between two confidence levels
+WEIGHT_FIT = 0.01  # largest relative error of a weighting model (D-PACE, a gamma) against the measured weights
+GRADIENT_FORM = 1e-3  # residual of grad = w * (softmax(z) - q) allowed for CE and forward KL
+POSITION_FIT = 1e-3  # relative residual of a query / key against its rotation at the position found
+SAMPLER_DRAWS = 24  # draws of the subject's anchor sampler
+# The layer-id rules a subject may follow (DFLASH.md `dflash.target_layer_ids`), each in its convention.
+REFERENCE_DEPTHS = (36, 64)  # target depths the subject's own rule is also called at (besides the probe's)
 
 
 def influence(before: Tensor, after: Tensor) -> float:
@@ -51,26 +61,31 @@ class Lab:
 
     def __init__(self, subject: Any, info: dict[str, Any], target: ProbeTarget, expectations: Expectations,
                  seed: int = 0) -> None:
+        # describe() is read again once the subject is built: building decides some of what it reports
+        # (the layer ids its own rule chose for this target, the block size its config resolved to).
+        info = {**info, **dict(subject.describe() or {})}
         self.subject, self.info, self.target, self.expectations, self.seed = subject, info, target, expectations, seed
         self.block_size = int(info["block_size"])
-        # A subject whose rows never hold two documents (describe()["documents_per_row"] = 1) is probed on
-        # one-document rows: packing rules (positions restarting, document masks) are not its to follow.
-        self.layout: Layout = make_layout(self.block_size, 1 if info.get("documents_per_row") == 1 else 2)
+        # A subject whose forward takes no document ids (describe()["documents_per_row"] = 1) gets one document
+        # per row; the verdicts that depend on packing then say so (never `match`).
+        self.packed = info.get("documents_per_row") != 1
+        self.max_rows = int(info.get("max_rows") or 2)
+        self.layout: Layout = make_layout(self.block_size, packed=self.packed, rows=min(self.max_rows, 2))
         self.batch: ProbeBatch = make_batch(target, self.layout, seed + 1)
+        self.configured: dict[str, dict[str, Any]] = dict(info.get("configured") or {})
+        self.facts: dict[str, Any] = {}  # measurements one experiment leaves for a later one
         self._baseline: Tensor | None = None
 
-    def logits(self, batch: ProbeBatch | None = None, hooks: ProbeHooks | None = None) -> Tensor:  # [A, B, V]
+    @property
+    def rows(self) -> int:
+        return len(self.layout.rows)
+
+    def logits(self, batch: ProbeBatch | None = None, hooks: ProbeHooks | None = None) -> Tensor:  # [N, A, B, V]
         batch = batch or self.batch
         with torch.no_grad():
             out = self.subject.draft_logits(batch, hooks or ProbeHooks())
-        a, b = batch.anchors.shape[1], self.block_size
-        return out.detach().float().reshape(-1, a, b, out.shape[-1])[0]
-
-    def only_anchor(self, index: int, batch: ProbeBatch | None = None) -> ProbeBatch:
-        """The batch with a single block: a leak through another block cannot confound what it sees."""
-        batch = batch or self.batch
-        return batch.replace(anchors=batch.anchors[:, index : index + 1],
-                             anchor_valid=batch.anchor_valid[:, index : index + 1])
+        n, a = batch.anchors.shape
+        return out.detach().float().reshape(n, a, self.block_size, out.shape[-1])
 
     @property
     def baseline(self) -> Tensor:
@@ -78,8 +93,11 @@ class Lab:
             self._baseline = self.logits()
         return self._baseline
 
+    def valid_blocks(self) -> list[tuple[int, int, int]]:
+        return self.layout.blocks()
+
     def bump_block_tokens(self, tokens: list[int], seed: int, scale: float = 3.0) -> ProbeHooks:
-        """Hooks that add noise to the input embeddings of these block-stream tokens (index a*B + j)."""
+        """Hooks that add noise to the input embeddings of these block-stream tokens (index a*B + j), every row."""
 
         def hook(x: Tensor) -> Tensor:
             g = torch.Generator().manual_seed(seed)
@@ -90,6 +108,40 @@ class Lab:
             return x
 
         return ProbeHooks(block_embeddings=hook)
+
+    def coverage(self, **extra: Any) -> dict[str, Any]:
+        """What the batch exercised; experiments add what they observed."""
+        layout = self.layout
+        found = {
+            "rows": self.rows,
+            "blocks_per_row": [len(r.anchors) for r in layout.rows],
+            "block_size": self.block_size,
+            "documents_per_row": [len(r.documents) for r in layout.rows],
+            "adjacent_anchors": len(layout.adjacent_pairs()),
+            "anchors_at_document_edges": {k: len(v) for k, v in layout.edge_anchors().items()},
+            "padded_anchor_slots": self.rows,
+            "loss_mask_holes": sum(len(r.holes) for r in layout.rows),
+        }
+        if self.configured:
+            found["config_values"] = self.configured
+        found.update(extra)
+        return found
+
+    def packing_gap(self) -> list[str]:
+        if self.packed:
+            return []
+        return ["documents packed in one row (the subject's forward takes no document ids or positions, so "
+                "cross-document rules could not be tried)"]
+
+    def configured_value(self, key: str) -> tuple[Any, str | None]:
+        entry = self.configured.get(key)
+        if not isinstance(entry, dict):
+            return None, None
+        return entry.get("value"), str(entry.get("source") or "")
+
+
+def from_run_config(source: str | None) -> bool:
+    return bool(source) and "run config" in str(source)
 
 
 def randomize_drafter(subject: Any, target: ProbeTarget, seed: int) -> int:
@@ -121,9 +173,44 @@ def _same(a: Tensor, b: Tensor) -> bool:
 # --- which target layers the drafter reads -------------------------------------------------------------------
 
 
+def reference_layer_ids(num_layers: int, k: int) -> list[int]:
+    """z-lab's rule (DFLASH.md `dflash.target_layer_ids`): k layers evenly from 1 to L-3; one layer: [L//2]."""
+    if k == 1:
+        return [num_layers // 2]
+    return [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
+
+
+def speculators_default_layer_ids(num_layers: int, k: int) -> list[int] | None:
+    """speculators' documented default when no ids are given: [2, L//2, L-3] in vLLM ids (models/utils.py)."""
+    return [2, num_layers // 2, num_layers - 3] if k == 3 else None
+
+
+# name -> (rule, the convention its ids are written in)
+ACCEPTED_LAYER_RULES: dict[str, tuple[Callable[[int, int], list[int] | None], str]] = {
+    "z-lab round(1 + i*(L-4)/(k-1))": (reference_layer_ids, "zlab"),
+    "speculators' default [2, L//2, L-3]": (speculators_default_layer_ids, "vllm"),
+}
+
+
+def _in_convention(ids: list[int], written: str, wanted: str) -> list[int]:
+    shift = {"zlab": 0, "vllm": 1}
+    return [i - shift[written] + shift.get(wanted, 0) for i in ids]
+
+
+def _rule_matches(ids: list[int], convention: str, num_layers: int) -> str | None:
+    k = len(ids)
+    for name, (rule, written) in ACCEPTED_LAYER_RULES.items():
+        expected = rule(num_layers, k)
+        if expected is not None and _in_convention(expected, written, convention) == list(ids):
+            return name
+    return None
+
+
 def probe_layers_read(lab: Lab) -> list[Verdict]:
     n_layers = lab.target.num_layers
     changes = {i: influence(lab.baseline, lab.logits(perturb_layer(lab.batch, i, seed=100 + i))) for i in range(n_layers + 1)}
+    convention = lab.info.get("layer_id_convention", "zlab")
+    source = lab.info.get("layer_ids_source") or "declared by the subject (describe()['layer_ids'])"
     common = dict(
         experiment="layers-read",
         perturbed=f"hidden_states[i] of the target, one layer at a time, i = 0..{n_layers} (noise of scale 3)",
@@ -135,13 +222,13 @@ def probe_layers_read(lab: Lab) -> list[Verdict]:
     ambiguous = [i for i, c in changes.items() if seen(c) is None]
     read = sorted(i for i, c in changes.items() if seen(c))
     declared = [int(i) for i in lab.info.get("layer_ids") or []]
-    convention = lab.info.get("layer_id_convention", "zlab")
     verdicts: list[Verdict] = []
     fc = Verdict(
         invariant="dflash.fc_input_layers",
         hypothesis=f"fc reads all {len(declared)} selected target layers",
         status="unknown",
         expected=f"{len(declared)} of {len(declared)} selected layers read",
+        coverage=lab.coverage(layer_ids_from=source, tensors_observed=["draft logits"]),
         **common,
     )
     if ambiguous:
@@ -156,161 +243,284 @@ def probe_layers_read(lab: Lab) -> list[Verdict]:
         if fc.status == "mismatch":
             fc.fix = "Concatenate every selected layer into fc: Linear(k*H, H) over all k target_layer_ids."
     verdicts.append(fc)
+    verdicts.append(_layer_ids_verdict(lab, common, read, declared, ambiguous, convention, source, fc.reason))
+    return [v.gated() for v in verdicts]
 
+
+def _layer_ids_verdict(lab: Lab, common: dict[str, Any], read: list[int], declared: list[int], ambiguous: list[int],
+                       convention: str, source: str, fc_reason: str) -> Verdict:
+    n_layers = lab.target.num_layers
+    configured_ids, ids_source = lab.configured_value("target_layer_ids")
+    by_rule = not from_run_config(ids_source)
+    rule_for = getattr(lab.subject, "layer_ids_for", None)
+    depths = (n_layers, *REFERENCE_DEPTHS)
+    rule_ids: dict[int, list[int]] = {}
+    rule_error = None
+    if by_rule and callable(rule_for):
+        try:
+            rule_ids = {depth: [int(i) for i in rule_for(depth)] for depth in depths}
+        except Exception as exc:  # the subject's rule failing is a finding about it, not a crash of the probe
+            rule_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    coverage = lab.coverage(layer_ids_from=source, rule_called_at=sorted(rule_ids),
+                            tensors_observed=["draft logits"])
     ids = Verdict(
         invariant="dflash.target_layer_ids",
-        hypothesis="the layers read are the selected ids in the z-lab convention (id i = hidden_states[i+1]), "
-        "and the ids follow round(1 + i*(L-4)/(k-1))",
-        status="unknown",
-        **common,
+        hypothesis="the layers read are the selected ids (id i = hidden_states[i+1] in z-lab's convention, "
+        "hidden_states[i] in vLLM's), and the ids follow an accepted rule for the target's depth",
+        status="unknown", coverage=coverage, **common,
     )
-    if convention == "external":
-        ids.status = "not_applicable"
-        ids.reason = "the subject receives features selected outside its code; the selection is not its to probe"
-    elif ambiguous or not read or not declared:
-        ids.reason = fc.reason or "nothing read"
-    else:
+    ids.expected = (f"ids {reference_layer_ids(n_layers, max(len(declared), 1))} (z-lab) for an L={n_layers} target, "
+                    "or speculators' default [2, L//2, L-3] (vLLM ids)")
+    problems: list[str] = []
+    if convention != "external":
+        if ambiguous or not read or not declared:
+            ids.reason = fc_reason or "nothing read"
+            return ids
         offset = 1 if convention == "zlab" else 0
         read_ids = [i - offset for i in read]
-        rule = reference_layer_ids(n_layers, len(declared))
-        ids.expected = f"ids {rule} (hidden_states {[i + 1 for i in rule]}) for an L={n_layers} target"
-        ids.observed = f"reads hidden_states {read} = ids {read_ids} ({convention} convention); declared {declared}"
+        ids.observed = f"reads hidden_states {read} = ids {read_ids} ({convention} convention); selected {declared}"
         if not set(read_ids) <= set(declared):
-            ids.status = "mismatch"
             shifted = [i for i in read if i not in {d + offset for d in declared}]
+            note = ""
             if set(read) <= {d + offset - 1 for d in declared} or set(read) <= {d + offset + 1 for d in declared}:
-                ids.observed += f": off by one (hidden_states {shifted} are not the declared layers)"
+                note = f": off by one (hidden_states {shifted} are not the selected layers)"
+            ids.status, ids.observed = "mismatch", ids.observed + note
             ids.fix = "Read hidden_states[id + 1] for z-lab layer id `id` (hidden_states[0] is the embeddings)."
-        elif convention == "zlab" and declared != rule:
-            ids.status = "mismatch"
-            ids.fix = "Select round(1 + i*(L-4)/(k-1)) for i < k."
-        elif convention == "vllm" and [d - 1 for d in declared] != rule:
-            ids.status = "mismatch"
-            ids.fix = "Select round(1 + i*(L-4)/(k-1)) + 1 in vLLM's convention."
-        else:
-            ids.status = "match"
-    verdicts.append(ids)
-    return verdicts
-
-
-def reference_layer_ids(num_layers: int, k: int) -> list[int]:
-    """z-lab's rule (DFLASH.md `dflash.target_layer_ids`): k layers evenly from 1 to L-3; one layer: [L//2]."""
-    if k == 1:
-        return [num_layers // 2]
-    return [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
+            return ids
+    else:
+        ids.coverage["reading"] = ("not the subject's: its features arrive selected by the serving engine "
+                                   "(vLLM id i = hidden_states[i]); only its id rule is probed")
+    if not by_rule:
+        ids.config_bound = ["target_layer_ids"]
+        ids.observed = (ids.observed + "; " if ids.observed else "") + f"ids {configured_ids} from the {ids_source}"
+        ids.status = "match"
+        return ids
+    if rule_error is not None:
+        ids.status = "mismatch"
+        ids.observed = f"the subject's layer-id rule fails at depths {list(depths)}: {rule_error}"
+        return ids
+    if not rule_ids:
+        rule_ids = {n_layers: declared}
+        ids.not_exercised.append(f"the subject's layer-id rule at other target depths ({', '.join(map(str, REFERENCE_DEPTHS))}; "
+                                 "it exposes no layer_ids_for): only its ids for this L={n_layers} target were seen")
+    written = "vllm" if convention == "vllm" or convention == "external" else "zlab"
+    if rule_ids.get(n_layers) is not None and declared and rule_ids[n_layers] != declared:
+        problems.append(f"its rule gives {rule_ids[n_layers]} at L={n_layers} but the built drafter selects {declared}")
+    matched: dict[int, str | None] = {depth: _rule_matches(found, written, depth) for depth, found in rule_ids.items()}
+    wrong = {depth: rule_ids[depth] for depth, name in matched.items() if name is None}
+    if wrong:
+        problems.append("ids follow no accepted rule: " + ", ".join(
+            f"L={d}: {i} (z-lab rule: {_in_convention(reference_layer_ids(d, len(i)), 'zlab', written)})"
+            for d, i in wrong.items()))
+    names = sorted({n for n in matched.values() if n})
+    rule_text = "; ".join(f"L={d}: {i}" for d, i in rule_ids.items())
+    ids.observed = (ids.observed + "; " if ids.observed else "") + f"the subject's rule: {rule_text}"
+    if problems:
+        ids.status = "mismatch"
+        ids.observed += "; " + "; ".join(problems)
+        ids.fix = "Select round(1 + i*(L-4)/(k-1)) for i < k (z-lab ids; +1 in vLLM's convention)."
+    else:
+        ids.status = "match"
+        ids.observed += f" ({' / '.join(names)})"
+    return ids
 
 
 # --- what a block attends to ----------------------------------------------------------------------------------
 
 
+def _block_changes(base: Tensor, after: Tensor, blocks: list[tuple[int, int, int]]) -> dict[tuple[int, int], float]:
+    return {(n, i): influence(base[n, i], after[n, i]) for n, i, _ in blocks}
+
+
 def probe_attention(lab: Lab) -> list[Verdict]:
-    layout, b = lab.layout, lab.block_size
-    a0, a1, a2 = layout.anchors
-    base = lab.baseline
+    """The whole dependence map: every context position (one at a time, all rows at once), every block's
+    tokens, and two slots of every block, against what each block may see."""
+    layout, b, base = lab.layout, lab.block_size, lab.baseline
+    blocks = lab.valid_blocks()
+    s = layout.seq_len
+    # depends[(row, anchor index)][k]: change of that block when context position k of every row is perturbed
+    depends: dict[tuple[int, int], list[float]] = {(n, i): [] for n, i, _ in blocks}
+    for k in range(s):
+        after = lab.logits(perturb_positions(lab.batch, [(n, k) for n in range(lab.rows)], seed=1000 + k))
+        for key, change in _block_changes(base, after, blocks).items():
+            depends[key].append(change)
+    cross_row: dict[tuple[int, int], float] = {}
+    if lab.rows > 1:
+        for r in range(lab.rows):
+            after = lab.logits(perturb_positions(lab.batch, [(r, k) for k in range(s)], seed=2000 + r))
+            for (n, i), change in _block_changes(base, after, blocks).items():
+                if n != r:
+                    cross_row[(n, i)] = max(cross_row.get((n, i), 0.0), change)
 
-    def block_change(batch: ProbeBatch | None, block: int, hooks: ProbeHooks | None = None) -> float:
-        return influence(base[block], lab.logits(batch, hooks)[block])
+    anchor_seen, missing, future, other_doc, ambiguous = [], [], [], [], []
+    context_seen_anywhere = False
+    for n, i, a in blocks:
+        row = layout.rows[n]
+        start, _end = row.document_of(a) or (0, row.length)
+        allowed = set(range(start, a))
+        for k, change in enumerate(depends[(n, i)]):
+            verdict = seen(change)
+            if verdict is None:
+                ambiguous.append((n, a, k))
+                continue
+            if k in allowed:
+                context_seen_anywhere |= verdict
+                if not verdict:
+                    missing.append((n, a, k))
+            elif verdict:
+                (anchor_seen if k == a else future if k > a else other_doc).append((n, a, k))
 
-    def alone_change(block: int, positions: list[int], seed: int) -> float:
-        """Change of a block run on its own when every layer's hidden state at `positions` is perturbed."""
-        alone = lab.only_anchor(block)
-        return influence(lab.logits(alone)[0], lab.logits(perturb_positions(alone, positions, seed))[0])
-
-    # Context at the anchor itself, with context just before it as the control.
-    at_anchor = alone_change(0, [a0], seed=201)
-    before_anchor = alone_change(0, [a0 - 1], seed=202)
+    # Block tokens: each block's tokens perturbed in turn (all rows at once).
+    token_leaks, own_controls = [], []
+    num_slots = layout.num_anchors
+    for i in range(num_slots - 1):
+        hooks = lab.bump_block_tokens(list(range(i * b, (i + 1) * b)), seed=3000 + i)
+        after = lab.logits(None, hooks)
+        for (n, j), change in _block_changes(base, after, blocks).items():
+            if j == i:
+                own_controls.append(change)
+            elif seen(change) is not False:
+                token_leaks.append((n, j, i, change))
+    coverage = lab.coverage(perturbed_positions=s, tensors_observed=["draft logits per block"])
+    edge = layout.edge_anchors()
     anchor = Verdict(
-        invariant="dflash.context_excludes_anchor",
-        experiment="anchor-context",
-        hypothesis=f"the block anchored at p={a0} sees context strictly before p, not position p itself",
-        perturbed=f"every target layer's hidden state at position p={a0} only, the block run alone "
-        f"(control: position {a0 - 1})",
-        measurement=f"change of that block's logits: {at_anchor:.2g} (control {before_anchor:.2g})",
-        threshold=f"not seen <= {NO_EFFECT:g}; seen >= {EFFECT:g}",
-        measured={"anchor": at_anchor, "control": before_anchor},
-        expected="context position p not seen (kv < anchor)",
-        status="unknown",
+        invariant="dflash.context_excludes_anchor", experiment="dependence-map",
+        hypothesis="every block sees the context of its document strictly before its anchor p: positions < p, "
+        "never p itself",
+        perturbed=f"every target layer's hidden state at one position at a time (all {s} positions of every row)",
+        measurement=_map_summary(blocks, anchor_seen, missing, ambiguous, "sees its anchor position",
+                                 "misses context it should see"),
+        threshold=f"not seen <= {NO_EFFECT:g}; seen >= {EFFECT:g}", expected="context positions < anchor seen, the anchor not",
+        measured={"anchor_seen": anchor_seen, "missing": missing[:20], "ambiguous": ambiguous[:20]},
+        status="unknown", coverage=coverage,
     )
-    if seen(before_anchor) is not True:
-        anchor.reason = "the control (context just before the anchor) did not change the block: context is not seen at all"
-    elif seen(at_anchor) is None:
-        anchor.reason = "the change is between the thresholds"
-    elif seen(at_anchor):
-        anchor.status, anchor.observed = "mismatch", f"the block sees its anchor's own context position (change {at_anchor:.2g})"
+    tokens_leak = any(seen(x[3]) for x in token_leaks)
+    if tokens_leak:
+        anchor.reason = ("blocks see each other's tokens, so what a block sees of the context cannot be told apart "
+                         "from what the blocks it sees do (see blocks_isolated)")
+    elif anchor_seen:
+        anchor.status = "mismatch"
+        anchor.observed = f"{len(anchor_seen)} of {len(blocks)} blocks see their anchor's own context position " \
+                          f"(kv <= anchor; e.g. row {anchor_seen[0][0]}, anchor {anchor_seen[0][1]})"
         anchor.fix = "Mask context keys at or after the anchor: kv_pos < anchor, not <=."
+    elif ambiguous:
+        anchor.reason = f"{len(ambiguous)} changes are between the thresholds (e.g. row, anchor, position {ambiguous[0]})"
+    elif not context_seen_anywhere:
+        anchor.reason = "no block sees any context position: the context does not reach the blocks at all"
+    elif missing:
+        anchor.status = "mismatch"
+        gaps = sorted({a - k for _, a, k in missing})
+        anchor.observed = (f"blocks miss context before their anchor ({len(missing)} positions, at anchor - "
+                           f"{', '.join(map(str, gaps[:6]))}; e.g. row {missing[0][0]}, anchor {missing[0][1]}, "
+                           f"position {missing[0][2]})")
+        anchor.fix = "Let a block see every context position of its document before its anchor (kv_pos < anchor)."
     else:
-        anchor.status, anchor.observed = "match", "context at the anchor position is not seen; context before it is"
-    verdicts = [anchor]
+        anchor.status, anchor.observed = "match", "every block sees its document's context before its anchor, not the anchor"
+        if lab.packed and not edge["last position of a document"]:
+            anchor.not_exercised.append("an anchor on a document's last position")
 
-    # Blocks isolated: other blocks' tokens, context after the anchor, and another document's context.
-    other_block = lab.bump_block_tokens(list(range(b)), seed=203)  # every token of block 0
-    own = block_change(None, 0, other_block)
-    leak_tokens = max(block_change(None, 1, other_block), block_change(None, 2, other_block))
-    later = list(range(a0 + 1, a1 + b))
-    leak_future = alone_change(0, later, seed=204)
-    doc1_control = alone_change(2, [a2 - 1], seed=206)
-    packed = layout.documents == 2
-    leak_doc = alone_change(2, list(range(0, layout.doc0_end)), seed=205) if packed else 0.0
+    packed = lab.packed
+    leaks = {
+        "another block's tokens": [x for x in token_leaks if seen(x[3])],
+        "context after its anchor": future,
+        "another document's context": other_doc,
+        "another row": [k for k, v in cross_row.items() if seen(v)],
+    }
+    if leaks["another block's tokens"]:  # the context map is then confounded: a block sees what the others see
+        leaks["context after its anchor"], leaks["another document's context"] = [], []
+    undecided = [x for x in token_leaks if seen(x[3]) is None] + [k for k, v in cross_row.items() if seen(v) is None]
     isolated = Verdict(
-        invariant="dflash.blocks_isolated",
-        experiment="block-isolation",
-        hypothesis="a block sees neither another block's tokens, nor context after its anchor, nor another document",
-        perturbed=f"(1) the input embeddings of block 0's tokens; (2) context positions {later[0]}..{later[-1]} "
-        f"after block 0's anchor {a0}, block 0 run alone; (3) all of document 0, seen from block 2 (in "
-        "document 1) run alone",
-        measurement=f"(1) change of blocks 1-2: {leak_tokens:.2g} (block 0 itself: {own:.2g}); "
-        f"(2) change of block 0: {leak_future:.2g}; "
-        + (f"(3) change of block 2: {leak_doc:.2g}" if packed else "(3) not run: the subject never packs documents")
-        + f" (control, block 2's own context: {doc1_control:.2g})",
-        threshold=f"isolated: every leak <= {NO_EFFECT:g}; the controls >= {EFFECT:g}",
-        measured={"other_block_tokens": leak_tokens, "own_block": own, "later_context": leak_future,
-                  "other_document": leak_doc, "own_document_control": doc1_control},
-        expected="no leak",
-        status="unknown",
+        invariant="dflash.blocks_isolated", experiment="dependence-map",
+        hypothesis="a block sees neither another block's tokens, nor context after its anchor, nor another "
+        "document's or another row's context",
+        perturbed=f"(1) every context position of every row, one at a time; (2) the input embeddings of each "
+        f"block's tokens in turn; (3) every position of one row at a time (other rows' blocks observed)",
+        measurement=f"(1) blocks seeing later context: {len(future)}, another document: {len(other_doc)}; "
+        f"(2) largest change of another block: {max((x[3] for x in token_leaks), default=0.0):.2g} (a block's "
+        f"own tokens: smallest {min(own_controls, default=0.0):.2g}); (3) largest change of another row: "
+        f"{max(cross_row.values(), default=0.0):.2g}",
+        threshold=f"isolated: every leak <= {NO_EFFECT:g}; the controls >= {EFFECT:g}", expected="no leak",
+        measured={"leaks": {k: len(v) for k, v in leaks.items()}, "own_block_min": min(own_controls, default=0.0)},
+        status="unknown", coverage=coverage,
     )
-    leaks = {"another block's tokens": leak_tokens, "context after its anchor": leak_future}
-    if packed:
-        leaks["another document's context"] = leak_doc
-    if seen(own) is not True or seen(doc1_control) is not True:
-        isolated.reason = "a control did not change: the block does not see its own tokens or its own context"
-    elif any(seen(v) is None for v in leaks.values()):
-        isolated.reason = "a leak measurement is between the thresholds"
-    elif any(seen(v) for v in leaks.values()):
+    if own_controls and min(own_controls) < EFFECT:
+        isolated.reason = "a block does not change when its own tokens do: the block's own inputs do not reach it"
+    elif any(leaks.values()):
         isolated.status = "mismatch"
-        isolated.observed = "blocks see " + ", ".join(k for k, v in leaks.items() if seen(v))
+        isolated.observed = "blocks see " + ", ".join(f"{k} ({len(v)})" for k, v in leaks.items() if v)
         isolated.fix = "A block's queries may see its own block's tokens and same-document context before its anchor only."
+    elif undecided or ambiguous:
+        isolated.reason = "a leak measurement is between the thresholds"
     else:
-        isolated.status, isolated.observed = "match", "no leak from other blocks, later context or other documents"
-    verdicts.append(isolated)
+        isolated.status = "match"
+        isolated.observed = "no leak from other blocks, later context" + (", other documents" if packed else "") + \
+            (" or other rows" if lab.rows > 1 else "")
+        isolated.not_exercised += lab.packing_gap()
+        if not layout.adjacent_pairs():
+            isolated.not_exercised.append("adjacent anchors (overlapping blocks)")
 
-    # Bidirectional within the block: a late slot reaches an early one and the other way round.
+    verdicts = [anchor, isolated, _bidirectional(lab, blocks, coverage)]
+    return [v.gated() for v in verdicts]
+
+
+def _map_summary(blocks: list, bad: list, missing: list, ambiguous: list, bad_text: str, missing_text: str) -> str:
+    return (f"over {len(blocks)} blocks: {len(bad)} (row, anchor, position) cases where a block {bad_text}, "
+            f"{len(missing)} where it {missing_text}, {len(ambiguous)} between the thresholds")
+
+
+def _bidirectional(lab: Lab, blocks: list[tuple[int, int, int]], coverage: dict[str, Any]) -> Verdict:
+    b, base = lab.block_size, lab.baseline
     first, last = (1, b - 1) if b >= 3 else (0, b - 1)
-    late_to_early = influence(base[0, first], lab.logits(None, lab.bump_block_tokens([last], seed=207))[0, first])
-    early_to_late = influence(base[0, last], lab.logits(None, lab.bump_block_tokens([first], seed=208))[0, last])
+    slots = lab.layout.num_anchors
+    late = lab.logits(None, lab.bump_block_tokens([i * b + last for i in range(slots)], seed=4001))
+    early = lab.logits(None, lab.bump_block_tokens([i * b + first for i in range(slots)], seed=4002))
+    late_to_early = min((influence(base[n, i, :last], late[n, i, :last]) for n, i, _ in blocks), default=0.0)
+    early_to_late = min((influence(base[n, i, first + 1:], early[n, i, first + 1:]) for n, i, _ in blocks), default=0.0)
+    # slot by slot: every slot before `last` must move when `last` moves, every slot after `first` when `first` does
+    blind = [(n, i, j) for n, i, _ in blocks for j in range(b) if j != last
+             and seen(influence(base[n, i, j], late[n, i, j])) is False]
+    blind += [(n, i, j) for n, i, _ in blocks for j in range(b) if j != first
+              and seen(influence(base[n, i, j], early[n, i, j])) is False]
+    causal = str(lab.info.get("block_attention") or "").startswith("causal")
+    if causal:  # later slots see earlier ones; no slot sees a later one
+        blind = [(n, i, j) for n, i, _ in blocks for j in range(first + 1, b)
+                 if seen(influence(base[n, i, j], early[n, i, j])) is False]
+        peeking = [(n, i, j) for n, i, _ in blocks for j in range(last)
+                   if seen(influence(base[n, i, j], late[n, i, j])) is not False]
     bidi = Verdict(
-        invariant="dflash.block_bidirectional",
-        experiment="within-block",
-        hypothesis="slots of a block see each other in both directions",
-        perturbed=f"the input embedding of slot {last} (then of slot {first}) of block 0",
-        measurement=f"change of slot {first}'s logits: {late_to_early:.2g}; of slot {last}'s: {early_to_late:.2g}",
+        invariant="dflash.block_bidirectional", experiment="within-block",
+        hypothesis=("every slot of a block sees every earlier slot of it, and no later one (the subject's layers are "
+                    "causal within the block: " + str(lab.info["block_attention"]) + ")") if causal else
+        "every slot of a block sees every other slot of it, in both directions",
+        perturbed=f"the input embedding of slot {last} (then of slot {first}) of every block",
+        measurement=f"smallest change of an earlier slot when slot {last} moves: {late_to_early:.2g}; of a later "
+        f"slot when slot {first} moves: {early_to_late:.2g}; {len(blind)} (block, slot) pairs blind",
         threshold=f"seen >= {EFFECT:g}; not seen <= {NO_EFFECT:g}",
-        measured={"later_to_earlier": late_to_early, "earlier_to_later": early_to_late},
-        expected="both directions seen",
-        status="unknown",
+        measured={"later_to_earlier": late_to_early, "earlier_to_later": early_to_late, "blind": blind[:20]},
+        expected="both directions seen", status="unknown", coverage=coverage,
     )
     if b < 2:
         bidi.status, bidi.reason = "not_applicable", "a block of one token has no other slot"
+    elif causal:
+        if blind or peeking:
+            bidi.status = "mismatch"
+            bidi.observed = (f"{len(peeking)} (block, slot) pairs see a later slot" if peeking else
+                             f"{len(blind)} (block, slot) pairs do not see an earlier slot of their block")
+            bidi.fix = "Causal sliding-window layers: a slot sees the earlier slots of its own block only."
+        else:
+            bidi.status, bidi.observed = "match", "causal within every block, as the subject's layer types make it"
+    elif blind:
+        bidi.status = "mismatch"
+        causal = seen(early_to_late) and not seen(late_to_early)
+        bidi.observed = ("causal within the block (earlier slots do not see later ones)" if causal else
+                         f"{len(blind)} (block, slot) pairs do not see a slot of their own block (e.g. row "
+                         f"{blind[0][0]}, block {blind[0][1]}, slot {blind[0][2]})")
+        bidi.fix = "Let every slot attend to every slot of its own block (non-causal within the block)."
     elif seen(late_to_early) is None or seen(early_to_late) is None:
         bidi.reason = "a change is between the thresholds"
-    elif seen(late_to_early) and seen(early_to_late):
-        bidi.status, bidi.observed = "match", "slots see each other both ways"
     else:
-        bidi.status = "mismatch"
-        bidi.observed = ("causal within the block (earlier slots do not see later ones)" if seen(early_to_late)
-                         else "slots do not see each other")
-        bidi.fix = "Let every slot attend to every slot of its own block (non-causal within the block)."
-    verdicts.append(bidi)
-    return verdicts
+        bidi.status, bidi.observed = "match", "every slot sees the others both ways, in every block"
+    return bidi
 
 
 # --- context reaches every layer ------------------------------------------------------------------------------
@@ -327,6 +537,7 @@ def probe_kv_injection(lab: Lab) -> list[Verdict]:
         threshold=f"reached: change of the layer's output >= {EFFECT:g}; not reached: <= {NO_EFFECT:g}",
         expected="every layer",
         status="unknown",
+        coverage=lab.coverage(tensors_observed=["each draft layer's input and output"]),
     )
     layers = list(lab.subject.draft_layers() or [])
     if not layers:
@@ -371,8 +582,8 @@ def probe_kv_injection(lab: Lab) -> list[Verdict]:
             verdict.reason = f"only {len(inputs)} of {len(layers)} layers ran with a block-token input"
             return [verdict]
         freeze["on"] = True
-        all_positions = list(range(lab.layout.seq_len))
-        lab.logits(perturb_positions(lab.batch, all_positions, seed=301))
+        everywhere = [(n, k) for n in range(lab.rows) for k in range(lab.layout.seq_len)]
+        lab.logits(perturb_positions(lab.batch, everywhere, seed=301))
     finally:
         for handle in handles:
             handle.remove()
@@ -388,78 +599,292 @@ def probe_kv_injection(lab: Lab) -> list[Verdict]:
         verdict.status = "mismatch"
         verdict.observed = f"context does not reach layers {missing} of {len(layers)} directly"
         verdict.fix = "Project the fused context with every layer's own k_proj/v_proj and prepend it to that layer's K/V."
-    return [verdict]
+    return [verdict.gated()]
 
 
 # --- block position ids ---------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _capture_attention() -> Iterator[list[tuple[Tensor, Tensor]]]:
+    """Every (query, key) handed to torch's scaled_dot_product_attention while the block runs: the tensors
+    after the rotary embedding was applied, whatever code applied it."""
+    import torch.nn.functional as functional
+
+    original = functional.scaled_dot_product_attention
+    seen_qk: list[tuple[Tensor, Tensor]] = []
+
+    def spy(query, key, *args, **kwargs):
+        seen_qk.append((query.detach().float().clone(), key.detach().float().clone()))
+        return original(query, key, *args, **kwargs)
+
+    functional.scaled_dot_product_attention = spy
+    try:
+        yield seen_qk
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _rotate_pairs(x: Tensor) -> Tensor:
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+
+
+def _positions_of(pre: Tensor, post: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, float]:
+    """The position each row of `post` [H, T, hd] was rotated to from `pre`, searched over the rotary table
+    cos/sin [P, hd]; also the worst relative residual at the positions found (both rotate conventions tried)."""
+    best: tuple[Tensor, float] | None = None
+    for turn, (c, s) in ((_rotate_half, (cos, sin)), (_rotate_pairs, (_interleave(cos), _interleave(sin)))):
+        # [H, T, P, hd]: every row rotated to every candidate position
+        candidates = pre[:, :, None, :] * c[None, None] + turn(pre)[:, :, None, :] * s[None, None]
+        error = (candidates - post[:, :, None, :]).pow(2).sum(-1).sum(0)  # [T, P], summed over heads
+        found = error.argmin(-1)  # [T]
+        norm = post.pow(2).sum(-1).sum(0).clamp_min(1e-30)  # [T]
+        residual = (error.gather(1, found[:, None]).squeeze(1) / norm).sqrt().max().item()
+        if best is None or residual < best[1]:
+            best = (found, residual)
+    assert best is not None
+    return best
+
+
+def _interleave(table: Tensor) -> Tensor:
+    """A half-split cos/sin table ([f0..fn, f0..fn]) laid out for interleaved pairs ([f0, f0, f1, f1, ...])."""
+    half = table.shape[-1] // 2
+    return table[..., :half].repeat_interleave(2, dim=-1)
+
+
 def probe_positions(lab: Lab) -> list[Verdict]:
     layout, b = lab.layout, lab.block_size
-    expected_block = torch.cat([lab.batch.position_ids[0, a] + torch.arange(b) for a in layout.anchors])
+    blocks = lab.valid_blocks()
+    batch = lab.batch
+    expected_block = {(n, i): (batch.position_ids[n, a] + torch.arange(b)).tolist() for n, i, a in blocks}
     verdict = Verdict(
         invariant="dflash.block_position_ids",
         experiment="rotary-positions",
-        hypothesis="block token j of the block anchored at p sits at position_ids[p] + j; context keeps its own",
-        perturbed="nothing: the rotary embedding's position ids are recorded",
+        hypothesis="block token j of the block anchored at p sits at position_ids[p] + j, as a query and as a key; "
+        "context keys keep their own (per-document) positions",
+        perturbed="the rotary embedding replaced by the identity (to read the queries and keys before rotation)",
         measurement="",
-        threshold="exact equality",
-        expected=f"block positions {expected_block.tolist()}",
+        threshold=f"exact positions (a query / key equals its rotation at one position within {POSITION_FIT:g})",
+        expected="block queries and keys at position_ids[anchor] + j; context keys at position_ids",
         status="unknown",
+        coverage=lab.coverage(tensors_observed=["rotary position ids", "queries and keys handed to attention"]),
     )
     rotary = lab.subject.rotary()
     if rotary is None:
         verdict.reason = "the subject exposes no rotary embedding module"
         return [verdict]
-    seen_ids: list[Tensor] = []
+    called: list[Tensor] = []
 
-    def hook(module, args, kwargs):
+    def record(module, args, kwargs):
         ids = args[1] if len(args) > 1 else kwargs.get("position_ids")
         if isinstance(ids, Tensor):
-            seen_ids.append(ids.detach().clone())
+            called.append(ids.detach().clone())
 
-    handle = rotary.register_forward_pre_hook(hook, with_kwargs=True)
+    def identity(module, args, output):
+        if isinstance(output, tuple) and len(output) == 2:
+            return torch.ones_like(output[0]), torch.zeros_like(output[1])
+        raise RuntimeError("the rotary module does not return (cos, sin)")
+
+    handle = rotary.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        lab.logits()
+        with _capture_attention() as rotated:
+            lab.logits()
     finally:
         handle.remove()
-    if not seen_ids:
-        verdict.reason = "the rotary module was not called with position ids"
-        return [verdict]
-    row = seen_ids[0].reshape(-1, seen_ids[0].shape[-1])[0]
-    q = layout.num_anchors * b
-    if row.numel() < q:
-        verdict.reason = f"the rotary module saw {row.numel()} positions, fewer than the {q} block tokens"
-        return [verdict]
-    observed = row[-q:]
-    offset = observed - expected_block
-    verdict.measured = {"block_positions": observed.tolist()}
-    verdict.measurement = f"position ids of the block tokens: {observed.tolist()}"
-    context = row[:-q]
-    # The context's own positions are judged only where the rotary call lays them out before the block's.
-    context_laid_out = context.numel() == layout.seq_len
-    context_ok = context_laid_out and torch.equal(context, lab.batch.position_ids[0])
-    if context_laid_out and not context_ok:
+    handle = rotary.register_forward_hook(identity)
+    try:
+        with _capture_attention() as unrotated:
+            lab.logits()
+    finally:
+        handle.remove()
+    n_rows, q_len, s = lab.rows, layout.num_anchors * b, layout.seq_len
+    if not rotated or not unrotated or len(rotated) != len(unrotated):
+        return [_positions_from_rotary_call(lab, verdict, called, expected_block)]
+    q_post, k_post = rotated[0]
+    q_pre, k_pre = unrotated[0]
+    if q_post.dim() != 4 or q_post.shape[0] != n_rows or q_post.shape[2] != q_len or k_post.shape[2] != s + q_len:
+        verdict.not_exercised.append(f"the queries and keys handed to attention (shapes {tuple(q_post.shape)} and "
+                                     f"{tuple(k_post.shape)} are not [N, heads, A*B, hd] and [N, heads, S+A*B, hd])")
+        return [_positions_from_rotary_call(lab, verdict, called, expected_block)]
+    reach = int(batch.position_ids.max().item()) + b + 8
+    with torch.no_grad():
+        cos, sin = rotary(q_post.new_zeros(1, reach, q_post.shape[-1]), torch.arange(reach)[None])
+    cos, sin = cos.reshape(reach, -1).float(), sin.reshape(reach, -1).float()
+    wrong_q, wrong_k, worst = [], [], 0.0
+    observed_q: dict[tuple[int, int], list[int]] = {}
+    for n in range(n_rows):
+        q_found, q_res = _positions_of(q_pre[n], q_post[n], cos, sin)
+        k_found, k_res = _positions_of(k_pre[n], k_post[n], cos, sin)
+        row = layout.rows[n]
+        for i, a in enumerate(row.anchors):
+            got = q_found[i * b : (i + 1) * b].tolist()
+            observed_q[(n, i)] = got
+            res_q = _row_residual(q_pre[n], q_post[n], cos, sin, q_found, range(i * b, (i + 1) * b))
+            res_k = _row_residual(k_pre[n], k_post[n], cos, sin, k_found, range(s + i * b, s + (i + 1) * b))
+            worst = max(worst, res_q, res_k)
+            if got != expected_block[(n, i)]:
+                wrong_q.append((n, a, got))
+            if k_found[s + i * b : s + (i + 1) * b].tolist() != expected_block[(n, i)]:
+                wrong_k.append((n, a, k_found[s + i * b : s + (i + 1) * b].tolist()))
+        in_docs = [k for k in range(row.length)]
+        ctx = k_found[in_docs].tolist()
+        worst = max(worst, _row_residual(k_pre[n], k_post[n], cos, sin, k_found, in_docs))
+        if ctx != batch.position_ids[n, : row.length].tolist():
+            wrong_k.append((n, "context", ctx))
+    verdict.measured = {"query_positions": {f"{n},{i}": v for (n, i), v in observed_q.items()}, "residual": worst}
+    verdict.measurement = (f"positions found per query and key by matching each to its rotation (worst residual "
+                           f"{worst:.2g}); e.g. row 0 block at {layout.rows[0].anchors[0]}: queries "
+                           f"{observed_q.get((0, 0))}")
+    if worst > POSITION_FIT:
+        verdict.reason = (f"a query or key is not a rotation of its unrotated value at any single position "
+                          f"(residual {worst:.2g}): the rotation could not be read")
+    elif wrong_q or wrong_k:
         verdict.status = "mismatch"
-        verdict.observed = f"context positions {context.tolist()} are not the target's {lab.batch.position_ids[0].tolist()}"
-        verdict.fix = "Keep the context at the target's own position ids (per document in packed rows)."
-    elif torch.equal(observed, expected_block):
-        verdict.status = "match"
-        verdict.observed = "anchor + j" + ("; context keeps its positions" if context_ok else "")
+        verdict.observed = _describe_wrong_positions(wrong_q, wrong_k, expected_block, layout)
+        verdict.fix = "Rotate block token j (its query and its key) at the anchor's position plus j; keep context keys at theirs."
     else:
+        verdict.status = "match"
+        verdict.observed = "queries and keys of block token j at anchor + j; context keys at their own positions"
+        verdict.not_exercised += [g.replace("cross-document rules", "positions restarting per document")
+                                  for g in lab.packing_gap()]
+    return [verdict.gated()]
+
+
+def _row_residual(pre: Tensor, post: Tensor, cos: Tensor, sin: Tensor, found: Tensor, rows: Any) -> float:
+    index = torch.tensor(list(rows), dtype=torch.long)
+    if index.numel() == 0:
+        return 0.0
+    worst = math.inf
+    for turn, c, s in ((_rotate_half, cos, sin), (_rotate_pairs, _interleave(cos), _interleave(sin))):
+        p = found[index]
+        rotated = pre[:, index] * c[p][None] + turn(pre[:, index]) * s[p][None]
+        err = ((rotated - post[:, index]).pow(2).sum(-1).sum(0) / post[:, index].pow(2).sum(-1).sum(0).clamp_min(1e-30))
+        worst = min(worst, err.sqrt().max().item())
+    return worst
+
+
+def _describe_wrong_positions(wrong_q: list, wrong_k: list, expected: dict, layout: Layout) -> str:
+    parts = []
+    if wrong_q:
+        n, a, got = wrong_q[0]
+        i = layout.rows[n].anchors.index(a)
+        want = expected[(n, i)]
+        offsets = {g - w for _, a_, gs in wrong_q for g, w in zip(gs, expected[(_, layout.rows[_].anchors.index(a_))])}
+        if got == list(range(len(got))):
+            what = "queries rotated at their slot index 0..B-1, not at anchor + j"
+        elif len(offsets) == 1:
+            what = f"queries at anchor + j {next(iter(offsets)):+d}"
+        else:
+            what = f"queries at {got} for the block at {a} (expected {want})"
+        parts.append(f"{what} ({len(wrong_q)} blocks)")
+    if wrong_k:
+        n, a, got = wrong_k[0]
+        parts.append(f"keys of {'the context' if a == 'context' else f'the block at {a}'} in row {n} at {got[:12]}"
+                     f"{'...' if len(got) > 12 else ''}")
+    return "; ".join(parts)
+
+
+def _positions_from_rotary_call(lab: Lab, verdict: Verdict, called: list[Tensor], expected: dict) -> Verdict:
+    """Without the rotated queries and keys: the ids the rotary module was called with (the weaker reading)."""
+    layout, b = lab.layout, lab.block_size
+    verdict.not_exercised.append("the rotation of each query and key (the attention does not call "
+                                 "torch.nn.functional.scaled_dot_product_attention, so only the ids given to the "
+                                 "rotary module were read)")
+    if not called:
+        verdict.reason = "the rotary module was not called with position ids"
+        return verdict.gated()
+    q = layout.num_anchors * b
+    ids = called[0].reshape(-1, called[0].shape[-1])
+    wrong = []
+    for n, i, a in lab.valid_blocks():
+        row = ids[min(n, ids.shape[0] - 1)]
+        got = row[-q:][i * b : (i + 1) * b].tolist()
+        if got != expected[(n, i)]:
+            wrong.append((n, a, got))
+    verdict.measurement = f"position ids given to the rotary module for the block tokens: {ids[0, -q:].tolist()}"
+    if wrong:
         verdict.status = "mismatch"
-        shift = offset.unique()
-        verdict.observed = (f"anchor + j {int(shift[0]):+d}" if shift.numel() == 1
-                            else f"block positions {observed.tolist()}")
+        verdict.observed = f"block tokens at {wrong[0][2]} for the block at {wrong[0][1]} (expected anchor + j)"
         verdict.fix = "Give block token j the position of its anchor plus j."
-    return [verdict]
+    else:
+        verdict.status, verdict.observed = "match", "anchor + j given to the rotary module"
+    return verdict.gated()
+
+
+# --- the block's inputs: anchor token and mask token ------------------------------------------------------------
+
+
+def _capture_block_tokens(lab: Lab) -> tuple[Tensor | None, float]:
+    """The token id behind each block-stream input embedding [N, A*B] (nearest embedding row), and the
+    smallest cosine similarity of a match (1.0: every input is exactly one of the target's embeddings)."""
+    captured: list[Tensor] = []
+
+    def hook(x: Tensor) -> Tensor:
+        captured.append(x.detach().float().clone())
+        return x
+
+    lab.logits(None, ProbeHooks(block_embeddings=hook))
+    if not captured:
+        return None, 0.0
+    x = captured[0]
+    x = x.reshape(-1, x.shape[-2], x.shape[-1])
+    table = lab.target.embed_weight.float()
+    cosine = torch.nn.functional.normalize(x, dim=-1) @ torch.nn.functional.normalize(table, dim=-1).T  # [N, T, V]
+    best = cosine.max(-1)
+    return best.indices, best.values.min().item()
+
+
+def probe_block_inputs(lab: Lab) -> list[Verdict]:
+    b = lab.block_size
+    tokens, similarity = _capture_block_tokens(lab)
+    source = lab.info.get("mask_token_source") or "the probe target's mask_token_id (handed to the subject)"
+    verdict = Verdict(
+        invariant="dflash.mask_token_distinct", experiment="block-inputs",
+        hypothesis="slots 1..B-1 of every block hold one dedicated mask token: not pad / eos, never a data token",
+        perturbed="nothing: the input embeddings of the block tokens are read and matched to the vocabulary",
+        measurement="", threshold="every input embedding equals one vocabulary row (cosine >= 0.999)",
+        expected="one mask id, distinct from the data tokens and from pad / eos",
+        status="unknown", coverage=lab.coverage(mask_token_from=source, tensors_observed=["block input embeddings"]),
+    )
+    if tokens is None:
+        verdict.reason = "the block_embeddings hook was never called"
+        return [verdict]
+    if similarity < 0.999:
+        verdict.reason = f"the block's input embeddings are not rows of the target's embeddings (cosine {similarity:.3f})"
+        return [verdict]
+    blocks = lab.valid_blocks()
+    masks = sorted({int(tokens[min(n, tokens.shape[0] - 1), i * b + j]) for n, i, _ in blocks for j in range(1, b)})
+    anchors_wrong = [(n, a, int(tokens[min(n, tokens.shape[0] - 1), i * b])) for n, i, a in blocks
+                     if int(tokens[min(n, tokens.shape[0] - 1), i * b]) != int(lab.batch.input_ids[n, a])]
+    lab.facts["slot0_tokens_wrong"] = anchors_wrong
+    data = set(lab.batch.input_ids[lab.batch.loss_mask.bool()].tolist())
+    verdict.measurement = f"slots 1..B-1 hold token ids {masks}; data tokens use {len(data)} ids; pad / eos = {PAD_TOKEN}"
+    verdict.measured = {"mask_ids": masks}
+    if len(masks) != 1:
+        verdict.status = "mismatch"
+        verdict.observed = f"slots 1..B-1 hold {len(masks)} different ids {masks[:8]} (not one mask token)"
+    elif masks[0] == PAD_TOKEN or masks[0] in data:
+        verdict.status = "mismatch"
+        verdict.observed = (f"mask token {masks[0]} is the pad / eos token" if masks[0] == PAD_TOKEN
+                            else f"mask token {masks[0]} is a data token")
+        verdict.fix = "Use the tokenizer's dedicated mask token or an unused embedding row."
+    else:
+        verdict.status = "match"
+        verdict.observed = f"mask token {masks[0]}: not pad / eos, never a data token"
+    return [verdict.gated()]
 
 
 # --- what the loss trains each slot toward ---------------------------------------------------------------------
 
 
 def _gradient_at(lab: Lab, logits: Tensor) -> Tensor | None:
-    """d loss / d draft logits when the drafter's logits are replaced by `logits` [A, B, V]."""
+    """d loss / d draft logits when the drafter's logits are replaced by `logits` [N, A, B, V]."""
     holder: dict[str, Tensor] = {}
 
     def hook(x: Tensor) -> Tensor:
@@ -468,24 +893,24 @@ def _gradient_at(lab: Lab, logits: Tensor) -> Tensor | None:
         return holder["z"]
 
     loss = lab.subject.loss(lab.batch, ProbeHooks(draft_logits=hook))
-    if "z" not in holder or not loss.requires_grad:
+    if "z" not in holder or not isinstance(loss, Tensor) or not loss.requires_grad:
         return None
     (grad,) = torch.autograd.grad(loss, holder["z"], allow_unused=True)
     if grad is None:
         return None
-    a, b = lab.layout.num_anchors, lab.block_size
-    return grad.detach().double().reshape(-1, a, b, grad.shape[-1])[0]  # [A, B, V]
+    n, a = lab.batch.anchors.shape
+    return grad.detach().double().reshape(n, a, lab.block_size, grad.shape[-1])
 
 
 def _candidates(lab: Lab) -> dict[str, Tensor]:
-    """Teachers a loss could use, as logits over the row [S, V]: final, each intermediate layer, data tokens."""
+    """Teachers a loss could use, as logits over each row [N, S, V]: final, each intermediate layer, data tokens."""
     batch, target = lab.batch, lab.target
-    found = {"final": batch.logits[0].double()}
+    found = {"final": batch.logits.double()}
     for i in range(1, target.num_layers):
-        normed = rms_norm(batch.hidden_states[i][0], target.norm_weight, target.rms_norm_eps)
+        normed = rms_norm(batch.hidden_states[i], target.norm_weight, target.rms_norm_eps)
         found[f"layer:{i}"] = (normed @ target.lm_head_weight.T).double()
-    data = torch.full((lab.layout.seq_len, target.vocab_size), -30.0, dtype=torch.float64)
-    data[torch.arange(lab.layout.seq_len), batch.input_ids[0]] = 30.0
+    data = torch.full((*batch.input_ids.shape, target.vocab_size), -30.0, dtype=torch.float64)
+    data.scatter_(-1, batch.input_ids[..., None], 30.0)
     found["data"] = data
     return found
 
@@ -499,20 +924,33 @@ def _describe_source(name: str) -> str:
     return f"lm_head(norm(hidden_states[{layer}])), the output of layer {layer - 1}"
 
 
+def _label_positions(lab: Lab) -> tuple[Tensor, Tensor]:
+    """pos [N, A, B] = anchor + j, and which slots the reference trains: valid block, slot >= 1, label
+    position inside the row's valid part and supervised."""
+    batch, b = lab.batch, lab.block_size
+    pos = batch.anchors[..., None] + torch.arange(b)  # [N, A, B]
+    lengths = torch.tensor([r.length for r in lab.layout.rows])[:, None, None]
+    inside = pos < lengths
+    supervised = batch.loss_mask.gather(1, pos.clamp(max=lab.layout.seq_len - 1).flatten(1)).view_as(pos).bool()
+    should = batch.anchor_valid[..., None] & (torch.arange(b) > 0) & inside & supervised
+    return pos, should
+
+
 def probe_loss(lab: Lab) -> list[Verdict]:
-    layout, b = lab.layout, lab.block_size
-    v = lab.target.vocab_size
-    a = layout.num_anchors
+    b, v = lab.block_size, lab.target.vocab_size
+    n, a = lab.batch.anchors.shape
     ids = ("dflash.target_logits_source", "dflash.target_shift", "dflash.loss_kind",
            "dflash.anchor_slot_untrained", "dflash.loss_decay_gamma")
+    coverage = lab.coverage(tensors_observed=["d loss / d draft logits"])
     common = dict(
         experiment="loss-gradient",
-        perturbed="the drafter's logits, replaced by zeros (uniform draft); then by confident logits on half the slots",
+        perturbed="the drafter's logits, replaced by zeros (a uniform draft); then by random logits",
         threshold=f"a teacher explains the slot targets when >= {AGREEMENT:.0%} of trained slots agree; one-hot at "
-        f">= {ONE_HOT} mass; soft when total variation < {SOFT_TV}",
+        f">= {ONE_HOT} mass; soft when total variation < {SOFT_TV}; CE / KL when grad = w (softmax(z) - q) within "
+        f"{GRADIENT_FORM:g}",
+        coverage=coverage,
     )
-    zero = torch.zeros(a, b, v, dtype=torch.float64)
-    grad = _gradient_at(lab, zero)
+    grad = _gradient_at(lab, torch.zeros(n, a, b, v, dtype=torch.float64))
     if grad is None or grad.abs().max().item() == 0.0:
         reason = "the loss does not depend on the drafter's logits (no gradient reached them)"
         return [Verdict(invariant=i, status="unknown", hypothesis="", measurement="", reason=reason, **common) for i in ids]
@@ -524,44 +962,70 @@ def probe_loss(lab: Lab) -> list[Verdict]:
     q_hat = torch.where(trained[..., None], p - grad / w_hat.clamp_min(1e-30)[..., None], torch.zeros_like(grad))
     q_hat = q_hat.clamp_min(0)
     q_hat = q_hat / q_hat.sum(-1, keepdim=True).clamp_min(1e-30)
+    pos, should = _label_positions(lab)
+    lab.facts["padded_anchor_trained"] = bool((trained & ~lab.batch.anchor_valid[..., None]).any())
 
     candidates = _candidates(lab)
-    anchors = torch.tensor(layout.anchors)
-    slots = torch.arange(b)
+    s = lab.layout.seq_len
     scores: dict[tuple[str, int], float] = {}
+    judged = trained & lab.batch.anchor_valid[..., None]
     for name, cand in candidates.items():
+        argmax = cand.argmax(-1)  # [N, S]
         for offset in (-2, -1, 0, 1):
-            pos = anchors[:, None] + slots[None, :] + offset  # [A, B]
-            ok = trained & (pos >= 0) & (pos < layout.seq_len)
+            where = pos + offset
+            ok = judged & (where >= 0) & (where < s)
             if ok.sum() == 0:
                 continue
-            cand_argmax = cand.argmax(-1)[pos.clamp(0, layout.seq_len - 1)]  # [A, B]
+            cand_argmax = argmax.gather(1, where.clamp(0, s - 1).flatten(1)).view_as(where)
             agree = (cand_argmax == q_hat.argmax(-1)) & ok
-            scores[(name, offset)] = agree.sum().item() / trained.sum().item()
+            scores[(name, offset)] = agree.sum().item() / max(judged.sum().item(), 1)
     ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0][0] != "final", kv[0][1] != -1))
     (best_name, best_offset), best = ranked[0]
-    runner_up = next((s for key, s in ranked[1:] if key[0] != best_name or key[1] != best_offset), 0.0)
-    pos = (anchors[:, None] + slots[None, :] + best_offset).clamp(0, layout.seq_len - 1)
-    teacher_logits = candidates[best_name][pos]  # [A, B, V]
-    one_hot = bool((q_hat.max(-1).values[trained] >= ONE_HOT).all())
-    soft_tv = 0.5 * (q_hat - torch.softmax(teacher_logits, -1)).abs().sum(-1)[trained].mean().item()
+    runner_up = next((sc for key, sc in ranked[1:] if key[0] != best_name or key[1] != best_offset), 0.0)
+    where = (pos + best_offset).clamp(0, s - 1)
+    teacher_logits = candidates[best_name].gather(
+        1, where.flatten(1)[..., None].expand(-1, -1, v)).view(n, a, b, v)  # [N, A, B, V]
+    one_hot = bool((q_hat.max(-1).values[judged] >= ONE_HOT).all())
+    soft_tv = 0.5 * (q_hat - torch.softmax(teacher_logits, -1)).abs().sum(-1)[judged].mean().item()
     kind = "ce" if one_hot else ("kl" if soft_tv < SOFT_TV else None)
+
+    # The gradient's form at random logits z: CE and forward KL give w * (softmax(z) - q) with q fixed.
+    z2 = 2.0 * torch.randn(n, a, b, v, generator=torch.Generator().manual_seed(lab.seed + 11), dtype=torch.float64)
+    grad2 = _gradient_at(lab, z2)
+    p2 = torch.softmax(z2, -1)
+    form = _form_residual(grad2, p2, q_hat, judged) if grad2 is not None else math.inf
+    self_labels = grad2 is not None and _form_residual(
+        grad2, p2, torch.nn.functional.one_hot(z2.argmax(-1), v).double(), judged) < GRADIENT_FORM
     measurement = (f"best teacher: {_describe_source(best_name)} at p+j{best_offset:+d} explains {best:.0%} of trained "
                    f"slots (next best {runner_up:.0%}); recovered targets "
-                   + ("one-hot" if one_hot else f"soft (total variation to its softmax {soft_tv:.3f})"))
-    measured = {"best": [best_name, best_offset, best], "runner_up": runner_up, "one_hot": one_hot, "soft_tv": soft_tv}
-    verdicts: list[Verdict] = []
-    decided = best >= AGREEMENT and runner_up < 0.5
+                   + ("one-hot" if one_hot else f"soft (total variation to its softmax {soft_tv:.3f})")
+                   + f"; gradient form residual at random logits {form:.2g}")
+    measured = {"best": [best_name, best_offset, best], "runner_up": runner_up, "one_hot": one_hot,
+                "soft_tv": soft_tv, "form_residual": form}
+    decided = best >= AGREEMENT and runner_up < 0.5 and not self_labels
 
     source = Verdict(invariant=ids[0], status="unknown", hypothesis="each slot is trained toward the target's final "
                      "logits", measurement=measurement, measured=measured, expected=_describe_source("final"), **common)
     shift = Verdict(invariant=ids[1], status="unknown", hypothesis="slot j of the block at p is trained toward the "
-                    "target's prediction at p+j-1", measurement=measurement, measured=measured,
+                    "target's prediction at p+j-1 (the token at p+j); slot 0 holds the token at p; the slots whose "
+                    "token at p+j is unsupervised get no weight", measurement=measurement, measured=measured,
                     expected="p+j-1", **common)
-    if not decided:
-        reason = (f"no teacher explains the recovered targets (best {_describe_source(best_name)} at "
-                  f"p+j{best_offset:+d}: {best:.0%}, next {runner_up:.0%})")
-        source.reason = shift.reason = reason
+    if self_labels:
+        source.status = "mismatch"
+        source.observed = "the targets are the drafter's own argmax (they move with its logits)"
+        source.fix = "Take the teacher logits from the target's real output: lm_head(final_norm(h_L))."
+        shift.reason = "no teacher to align: the targets are the drafter's own predictions"
+    elif not decided:
+        clean = kind is not None and form < GRADIENT_FORM
+        described = f"{_describe_source(best_name)} at p+j{best_offset:+d} agrees on {best:.0%}"
+        if clean and best < AGREEMENT:
+            source.status = "mismatch"
+            source.observed = f"the targets match no legitimate teacher (best: {described})"
+            source.fix = "Take the teacher logits from the target's real output: lm_head(final_norm(h_L))."
+            shift.reason = "no teacher to align: the targets match none"
+        else:
+            source.reason = shift.reason = (f"no teacher explains the recovered targets unambiguously (best {described}, "
+                                            f"next {runner_up:.0%})")
     elif best_name == "data":
         source.reason = ("the loss trains toward the data tokens: that is the target's output only if the data "
                          "was regenerated by the target")
@@ -578,46 +1042,112 @@ def probe_loss(lab: Lab) -> list[Verdict]:
             shift.observed += " (no shift: it learns the token after its own)"
         if shift.status == "mismatch":
             shift.fix = "Gather the teacher logits at p+j-1 for slot j (roll the target logits by one)."
-    verdicts += [source, shift]
+    _check_alignment(lab, shift, trained, should)
 
-    kind_verdict = Verdict(invariant=ids[2], status="unknown", hypothesis="the loss pulls each slot toward the "
-                           "target's distribution (one-hot argmax for CE, softmax for KL)", measurement=measurement,
-                           measured=measured, expected=" or ".join(lab.expectations.loss_kinds), **common)
-    if kind is None:
-        kind_verdict.reason = ("the recovered targets are neither one-hot nor the teacher's softmax "
-                               f"(total variation {soft_tv:.3f})")
-    elif not decided:
-        kind_verdict.reason = source.reason
-    else:
-        kind_verdict.observed = ("ce (one-hot to the teacher's argmax)" if kind == "ce"
-                                 else "kl (the teacher's soft distribution)")
-        kind_verdict.status = "match" if kind in lab.expectations.loss_kinds else "mismatch"
-    verdicts.append(kind_verdict)
-
-    # Slot weights, refined against the identified teacher where there is one: grad = w * (p - q).
+    kind_verdict = _kind_verdict(lab, kind, form, self_labels, decided, source, measurement, measured, common)
+    # The weights: where they are zero, and how they fall along the block.
+    slot0 = _slot0_verdict(lab, trained, w_hat, measurement, common)
     if decided and kind is not None:
         q = (torch.nn.functional.one_hot(teacher_logits.argmax(-1), v).double() if kind == "ce"
              else torch.softmax(teacher_logits, -1))
     else:
         q = q_hat
-    weights = _weights(grad, torch.full_like(grad, p), q)
-    weights = torch.where(trained, weights, torch.zeros_like(weights))
-    mean_w = weights.mean(0)  # [B] over anchors (all valid, all labels supervised)
-    slot0 = Verdict(invariant=ids[3], status="unknown", hypothesis="slot 0 (the anchor) gets loss weight 0",
-                    measurement="slot weights (relative to slot 1): "
-                    + ", ".join(f"{k}: {x:.4g}" for k, x in enumerate((mean_w / mean_w[1].clamp_min(1e-30)).tolist()))
-                    if b > 1 else "", measured={"weights": mean_w.tolist()}, expected="slot 0 weight 0", **common)
-    if b < 2 or mean_w[1] <= 0:
-        slot0.reason = "slot 1 gets no weight: the slot weights cannot be read"
-    elif weights[:, 0].abs().max().item() == 0.0:
-        slot0.status, slot0.observed = "match", "slot 0 gets no gradient"
+    gamma = _gamma_verdict(lab, grad, grad2, p2, q, should & trained, common)
+    if self_labels or form >= GRADIENT_FORM:
+        gamma.status, gamma.observed, gamma.fix = "unknown", "", ""
+        gamma.reason = "the slot weights cannot be read: the loss is not CE or KL against a fixed target (see loss_kind)"
+    return [vv.gated() for vv in (source, shift, kind_verdict, slot0, gamma)]
+
+
+def _form_residual(grad: Tensor, p: Tensor, q: Tensor, mask: Tensor) -> float:
+    """Worst relative residual of grad = w (p - q) per slot, w fitted by least squares."""
+    direction = p - q
+    w = (grad * direction).sum(-1) / (direction * direction).sum(-1).clamp_min(1e-30)
+    residual = (grad - w[..., None] * direction).norm(dim=-1) / grad.norm(dim=-1).clamp_min(1e-30)
+    return residual[mask].max().item() if mask.any() else math.inf
+
+
+def _check_alignment(lab: Lab, shift: Verdict, trained: Tensor, should: Tensor) -> None:
+    """Slot 0's token and the loss mask's alignment are part of the shift: either breaks the pairing of a
+    slot's input with its target."""
+    wrong_tokens = lab.facts.get("slot0_tokens_wrong") or []
+    valid = lab.batch.anchor_valid[..., None].expand_as(trained).clone()
+    valid[..., 0] = False
+    extra = (trained & ~should & valid)
+    lacking = (~trained & should)
+    problems = []
+    if wrong_tokens:
+        n, a, token = wrong_tokens[0]
+        offset = next((d for d in (1, -1, 2) if 0 <= a + d < lab.layout.seq_len
+                       and int(lab.batch.input_ids[n, a + d]) == token), None)
+        problems.append(f"slot 0 does not hold the anchor's token ({len(wrong_tokens)} blocks; e.g. row {n}, anchor {a}"
+                        + (f": the token at p{offset:+d})" if offset is not None else ")"))
+    if extra.any() or lacking.any():
+        problems.append(f"the loss mask is misaligned: {int(extra.sum())} slots with an unsupervised token at p+j are "
+                        f"trained, {int(lacking.sum())} supervised slots get no weight")
+    if problems:
+        shift.status = "mismatch"
+        shift.observed = "; ".join(filter(None, [shift.observed, *problems]))
+        shift.fix = shift.fix or "Slot 0 holds the token at the anchor; slot j's loss mask is the one of token p+j."
+
+
+def _kind_verdict(lab: Lab, kind: str | None, form: float, self_labels: bool, decided: bool, source: Verdict,
+                  measurement: str, measured: dict, common: dict[str, Any]) -> Verdict:
+    configured, where = lab.configured_value("loss")
+    verdict = Verdict(invariant="dflash.loss_kind", status="unknown", hypothesis="the loss pulls each slot toward the "
+                      "target's distribution (one-hot argmax for CE, softmax for KL), with grad = w (softmax(z) - q)",
+                      measurement=measurement, measured=measured,
+                      expected=str(configured) if configured else " or ".join(lab.expectations.loss_kinds), **common)
+    if self_labels:
+        verdict.reason = source.observed
+        return verdict
+    measured_kind = kind if form < GRADIENT_FORM else ("other" if math.isfinite(form) else None)
+    if measured_kind is None:
+        verdict.reason = "the loss's gradient at random logits could not be read"
+        return verdict
+    if measured_kind == "other":
+        verdict.status = "mismatch"
+        verdict.observed = (f"neither CE nor KL: the gradient is not w (softmax(z) - q) for a fixed target (residual "
+                            f"{form:.2g}; e.g. a loss on softmax(logits) or on scaled logits)")
+        verdict.fix = "Apply cross-entropy (or KL) to the raw draft logits, against the teacher's argmax (or softmax)."
+        return verdict
+    if kind is None:
+        verdict.reason = "the recovered targets are neither one-hot nor the teacher's softmax"
+        return verdict
+    if not decided and source.status != "mismatch":
+        verdict.reason = source.reason
+        return verdict
+    verdict.observed = "ce (one-hot to the teacher's argmax)" if kind == "ce" else "kl (the teacher's soft distribution)"
+    if configured is not None:
+        wanted = "kl" if str(configured).lower().startswith("kl") else "ce" if str(configured).lower() == "ce" else str(configured)
+        if wanted != kind:
+            verdict.status = "mismatch"
+            verdict.observed += f"; configured {configured} ({where})"
+            return verdict
+        if from_run_config(where):
+            verdict.config_bound = ["loss"]
+    verdict.status = "match" if kind in lab.expectations.loss_kinds else "mismatch"
+    return verdict
+
+
+def _slot0_verdict(lab: Lab, trained: Tensor, w_hat: Tensor, measurement: str, common: dict[str, Any]) -> Verdict:
+    valid = lab.batch.anchor_valid
+    verdict = Verdict(invariant="dflash.anchor_slot_untrained", status="unknown",
+                      hypothesis="slot 0 (the anchor) gets loss weight 0", measurement=measurement,
+                      expected="slot 0 weight 0", **common)
+    w1 = w_hat[..., 1][valid & trained[..., 1]]
+    if lab.block_size < 2 or w1.numel() == 0:
+        verdict.reason = "slot 1 gets no weight: the slot weights cannot be read"
+        return verdict
+    slot0 = w_hat[..., 0][valid]
+    verdict.measured = {"slot0_over_slot1": (slot0.max() / w1.mean()).item()}
+    if not trained[..., 0][valid].any():
+        verdict.status, verdict.observed = "match", "slot 0 gets no gradient in any block"
     else:
-        slot0.status = "mismatch"
-        slot0.observed = f"slot 0 weighs {mean_w[0].item() / mean_w[1].item():.3g} x slot 1"
-        slot0.fix = "Give slot 0 (the anchor, an input) weight 0 in the loss."
-    verdicts.append(slot0)
-    verdicts.append(_gamma_verdict(lab, grad, weights, q, trained, kind, common))
-    return verdicts
+        verdict.status = "mismatch"
+        verdict.observed = f"slot 0 weighs {(slot0.max() / w1.mean()).item():.3g} x slot 1"
+        verdict.fix = "Give slot 0 (the anchor, an input) weight 0 in the loss."
+    return verdict
 
 
 def _weights(grad: Tensor, p: Tensor, q: Tensor) -> Tensor:
@@ -626,66 +1156,163 @@ def _weights(grad: Tensor, p: Tensor, q: Tensor) -> Tensor:
     return (grad * direction).sum(-1) / (direction * direction).sum(-1).clamp_min(1e-30)
 
 
-def _gamma_verdict(lab: Lab, grad: Tensor, weights: Tensor, q: Tensor, trained: Tensor, kind: str | None,
+def dpace_weights(confidence: Tensor, mask: Tensor, alpha: float) -> Tensor:
+    """speculators' D-PACE weights (losses/utils.py `dpace_loss_decay`) for per-slot confidences [*, B]."""
+    smooth = torch.where(mask > 0, (1 - alpha) * confidence + alpha, torch.ones_like(confidence))
+    prefix = torch.cumprod(smooth, -1)
+    return torch.flip(torch.cumsum(torch.flip(prefix * mask, [-1]), -1), [-1]) * mask
+
+
+def _profile(weights: Tensor, full: Tensor) -> Tensor | None:
+    """Mean w_k / w_1 over blocks whose every slot 1..B-1 is trained ([B-1]); None without such a block."""
+    if not full.any():
+        return None
+    chosen = weights[full]  # [M, B]
+    return (chosen[:, 1:] / chosen[:, 1:2].clamp_min(1e-30)).mean(0)
+
+
+def _identify_weighting(lab: Lab, runs: list[tuple[Tensor, Tensor]], q: Tensor, mask: Tensor,
+                        full: Tensor) -> tuple[dict[str, Any], str]:
+    """What the measured slot weights are: {"mode": none | fixed-exp | dpace | other, ...} and a description."""
+    b = lab.block_size
+    ratios = [(w[:, :, 1:] / w[:, :, 1:2].clamp_min(1e-30))[full] for _, w in runs]
+    drift = (ratios[1] - ratios[0]).abs().max().item() if len(ratios) > 1 and ratios[0].numel() else 0.0
+    profile = _profile(runs[0][1], full)
+    if profile is None:
+        return {"mode": None}, "no block has every slot trained: the profile cannot be read"
+    if drift > DATA_DEPENDENT:
+        best = (math.nan, math.inf)
+        for step in range(1, 101):
+            alpha = step / 100
+            error = 0.0
+            for p, measured in runs:
+                model = dpace_weights((p * q).sum(-1), mask.double(), alpha)
+                m = (model[:, :, 1:] / model[:, :, 1:2].clamp_min(1e-30))[full]
+                seen_ = (measured[:, :, 1:] / measured[:, :, 1:2].clamp_min(1e-30))[full]
+                error = max(error, ((m - seen_).abs() / m.clamp_min(1e-30)).max().item())
+            if error < best[1]:
+                best = (alpha, error)
+        if best[1] < WEIGHT_FIT:
+            return {"mode": "dpace", "alpha": best[0], "drift": drift}, f"D-PACE weighting (alpha {best[0]:.2f})"
+        return {"mode": "other", "drift": drift}, (f"data-dependent slot weights (they change by {drift:.2g} with the "
+                                                   "drafter's confidence) that are not D-PACE")
+    k = torch.arange(1, b, dtype=torch.float64) - 1  # k - 1
+    logs = torch.log(profile.clamp_min(1e-300))
+    if logs.abs().max().item() < 1e-6:
+        return {"mode": "none", "drift": drift}, "no decay: every slot k >= 1 weighs the same (gamma = infinity)"
+    gamma = -(k * k).sum().item() / (k * logs).sum().item()
+    residual = (logs + k / gamma).abs().max().item()
+    if gamma <= 0 or residual > EXP_FIT:
+        return {"mode": "other", "drift": drift, "profile": profile.tolist()}, (
+            f"slot weights {', '.join(f'{x:.3g}' for x in profile.tolist())} (relative to slot 1) follow no "
+            f"exp(-(k-1)/gamma) (residual {residual:.3g} of log-weights)")
+    return {"mode": "fixed-exp", "gamma": gamma, "drift": drift}, f"gamma {gamma:.4g} (weights exp(-(k-1)/{gamma:.4g}))"
+
+
+def _same_weighting(configured: dict[str, Any], measured: dict[str, Any]) -> bool:
+    mode = configured.get("mode")
+    if mode != measured.get("mode"):
+        return False
+    if mode == "fixed-exp":
+        return abs(measured["gamma"] - configured["gamma"]) <= GAMMA_RTOL * configured["gamma"]
+    if mode == "dpace" and configured.get("alpha") is not None:
+        return abs(measured["alpha"] - configured["alpha"]) <= 0.015
+    return True
+
+
+def _configured_weighting(lab: Lab) -> tuple[dict[str, Any] | None, str]:
+    mode, source = lab.configured_value("weighting")
+    if mode is None:
+        return None, ""
+    gamma, gamma_source = lab.configured_value("gamma")
+    alpha, _ = lab.configured_value("dpace_alpha")
+    found: dict[str, Any] = {"mode": mode}
+    if mode == "fixed-exp":
+        found["gamma"] = float(gamma)
+        source = gamma_source or source
+    if mode == "dpace":
+        found["alpha"] = None if alpha is None else float(alpha)
+    return found, source or ""
+
+
+def _describe_weighting(w: dict[str, Any]) -> str:
+    mode = w.get("mode")
+    if mode == "fixed-exp":
+        return f"exp(-(k-1)/gamma) with gamma {w['gamma']:g}"
+    if mode == "dpace":
+        return "D-PACE" + (f" (alpha {w['alpha']:g})" if w.get("alpha") is not None else "")
+    if mode == "none":
+        return "no decay"
+    return str(mode)
+
+
+def _gamma_verdict(lab: Lab, grad: Tensor, grad2: Tensor | None, p2: Tensor, q: Tensor, trained: Tensor,
                    common: dict[str, Any]) -> Verdict:
     b, v = lab.block_size, lab.target.vocab_size
     expect = lab.expectations
     accepted = {expect.gamma} if expect.gamma is not None else set()
     if b in expect.gamma_by_block_size:
         accepted.add(expect.gamma_by_block_size[b])
+    configured, where = _configured_weighting(lab)
     verdict = Verdict(invariant="dflash.loss_decay_gamma", status="unknown",
-                      hypothesis="slot k >= 1 weighs exp(-(k-1)/gamma), independent of the drafter's confidence",
-                      measurement="", expected=f"gamma {' or '.join(f'{g:g}' for g in sorted(accepted))} at B={b}",
+                      hypothesis="the slot weights are the configured weighting: exp(-(k-1)/gamma), D-PACE or none",
+                      measurement="", expected=(f"{_describe_weighting(configured)} ({where})" if configured else
+                                                f"gamma {' or '.join(f'{g:g}' for g in sorted(accepted))} at B={b}"),
                       **common)
+    if configured:
+        verdict.coverage["loss_weighting"] = f"{_describe_weighting(configured)} ({where})"
     if b < 3:
         verdict.reason = "fewer than two trained slots per block: no decay to fit"
         return verdict
-    mean_w = weights.mean(0)
-    if mean_w[1] <= 0:
-        verdict.reason = "slot 1 gets no weight"
+    mask = trained.double()
+    full = trained[..., 1:].all(-1) & lab.batch.anchor_valid  # blocks with every slot 1..B-1 trained
+    runs = [(torch.full_like(grad, 1.0 / v), torch.where(trained, _weights(grad, torch.full_like(grad, 1.0 / v), q), 0.0))]
+    if grad2 is not None:
+        runs.append((p2, torch.where(trained, _weights(grad2, p2, q), 0.0)))
+    measured, text = _identify_weighting(lab, runs, q, mask, full)
+    profile = _profile(runs[0][1], full)
+    verdict.measured = {**measured, "ratios": profile.tolist() if profile is not None else None}
+    if measured.get("mode") == "fixed-exp":
+        verdict.measured["gamma"] = measured["gamma"]
+    elif measured.get("mode") == "none":
+        verdict.measured["gamma"] = "inf"
+    verdict.measurement = ("slot weights w_k/w_1, k = 1..{}: {}; change with the drafter's confidence: {:.2g}".format(
+        b - 1, ", ".join(f"{r:.4g}" for r in (profile.tolist() if profile is not None else [])),
+        measured.get("drift", 0.0)))
+    if measured.get("mode") is None:
+        verdict.reason = text
         return verdict
-    ratios = (mean_w[1:] / mean_w[1]).tolist()  # r_k for k = 1..B-1
-
-    # The same slots at a second confidence level: a fixed decay gives the same ratios, D-PACE does not.
-    confident = torch.zeros_like(grad)
-    target_ids = q.argmax(-1)  # [A, B]
-    for j in range(0, b, 2):
-        confident[:, j].scatter_(-1, target_ids[:, j : j + 1], 3.0)
-    grad2 = _gradient_at(lab, confident)
-    p2 = torch.softmax(confident, -1)
-    weights2 = torch.where(trained, _weights(grad2, p2, q), torch.zeros_like(weights)) if grad2 is not None else None
-    ratios2 = (weights2[:, 1:] / weights2[:, 1:2].clamp_min(1e-30)) if weights2 is not None else None
-    ratios1 = weights[:, 1:] / weights[:, 1:2].clamp_min(1e-30)
-    drift = (ratios2 - ratios1).abs().max().item() if ratios2 is not None else 0.0
-    verdict.measured = {"ratios": ratios, "confidence_drift": drift}
-    verdict.measurement = (f"slot weights w_k/w_1, k = 1..{b - 1}: " + ", ".join(f"{r:.4g}" for r in ratios)
-                           + f"; change with the drafter's confidence: {drift:.2g}")
-    if drift > DATA_DEPENDENT:
-        alpha, error = _fit_dpace(lab, [(torch.full_like(grad, 1.0 / v), weights), (p2, weights2)], q, trained)
-        if error < 0.01:
-            verdict.status = "match"
-            verdict.observed = (f"D-PACE weighting (alpha {alpha:.2f}): data-dependent, so gamma does not apply; "
-                                "it is speculators' DFlash training default")
-        else:
-            verdict.reason = (f"data-dependent slot weights (they change by {drift:.2g} with the drafter's confidence) "
-                              "that are not D-PACE: a gamma does not describe them")
-        return verdict
-    k = torch.arange(1, b, dtype=torch.float64) - 1  # k - 1
-    logs = torch.log(torch.tensor(ratios, dtype=torch.float64).clamp_min(1e-300))
-    if logs.abs().max().item() < 1e-6:
-        gamma = math.inf
-        verdict.observed = "no decay: every slot k >= 1 weighs the same (gamma = infinity)"
-    else:
-        gamma = -(k * k).sum().item() / (k * logs).sum().item()
-        residual = (logs + k / gamma).abs().max().item()
-        if gamma <= 0 or residual > EXP_FIT:
-            verdict.reason = f"the slot weights are not exp(-(k-1)/gamma) (residual {residual:.3g} of log-weights)"
+    verdict.observed = text
+    if configured is not None:
+        if not _same_weighting(configured, measured):
+            verdict.status = "mismatch"
+            verdict.observed = f"configured {_describe_weighting(configured)} ({where}), the loss applies: {text}"
+            verdict.fix = "Pass the configured loss weighting (gamma / D-PACE) through to the loss."
             return verdict
-        verdict.observed = f"gamma {gamma:.4g} (weights exp(-(k-1)/{gamma:.4g}))"
-    verdict.measured["gamma"] = gamma if math.isfinite(gamma) else "inf"
-    if not accepted:
+        if from_run_config(where):
+            verdict.status, verdict.config_bound = "match", ["loss_decay_gamma"]
+            verdict.observed = f"the loss applies the configured {_describe_weighting(configured)} ({where})"
+            return verdict
+        if "probe choice" in where:
+            verdict.reason = (f"the code applies a configured weighting as configured ({text}, with "
+                              f"{_describe_weighting(configured)} set by the probe); which weighting the run used is "
+                              "its config's, and none was given")
+            default = lab.configured_value("default_weighting")[0]
+            if default:
+                verdict.reason += f" (the code's default: {default})"
+            return verdict
+        # the subject's own default: judged against the reference like any value
+    if measured["mode"] == "dpace":
+        verdict.status = "match"
+        verdict.observed = text + ": data-dependent, so gamma does not apply; it is speculators' DFlash training default"
+    elif measured["mode"] == "none" and configured is not None:
+        verdict.reason = (f"the default is no decay ({where}); the run's gamma is set by its config, and none was given")
+    elif measured["mode"] == "other":
+        verdict.status = "mismatch"
+        verdict.fix = f"Weigh slot k >= 1 by exp(-(k-1)/{min(accepted) if accepted else 4:g})."
+    elif not accepted:
         verdict.reason = "no expected gamma to compare with"
-    elif any(math.isfinite(gamma) and abs(gamma - g) <= GAMMA_RTOL * g for g in accepted):
+    elif measured["mode"] == "fixed-exp" and any(abs(measured["gamma"] - g) <= GAMMA_RTOL * g for g in accepted):
         verdict.status = "match"
     else:
         verdict.status = "mismatch"
@@ -693,26 +1320,135 @@ def _gamma_verdict(lab: Lab, grad: Tensor, weights: Tensor, q: Tensor, trained: 
     return verdict
 
 
-def _fit_dpace(lab: Lab, runs: list[tuple[Tensor, Tensor | None]], q: Tensor, trained: Tensor) -> tuple[float, float]:
-    """Best alpha of speculators' D-PACE weights for the measured weights at each draft; (alpha, max rel error)."""
-    best = (math.nan, math.inf)
-    mask = trained.double()
-    for step in range(1, 101):
-        alpha = step / 100
-        error = 0.0
-        for p, measured in runs:
-            if measured is None:
-                return best
-            confidence = (p * q).sum(-1)  # exp(-CE) of a one-hot target is p(target)
-            smooth = torch.where(mask > 0, (1 - alpha) * confidence + alpha, torch.ones_like(confidence))
-            prefix = torch.cumprod(smooth, -1)
-            weight = torch.flip(torch.cumsum(torch.flip(prefix * mask, [-1]), -1), [-1]) * mask
-            model = weight[:, 1:] / weight[:, 1:2].clamp_min(1e-30)
-            seen_ = measured[:, 1:] / measured[:, 1:2].clamp_min(1e-30)
-            error = max(error, ((model - seen_).abs() / model.clamp_min(1e-30)).max().item())
-        if error < best[1]:
-            best = (alpha, error)
-    return best
+# --- the anchor sampler ------------------------------------------------------------------------------------------
+
+
+def _sampler_batch(lab: Lab) -> tuple[ProbeBatch, Tensor]:
+    """The probe batch with a loss mask that starts unsupervised and has a hole in the middle (samplers that
+    return ranks among eligible positions instead of positions land in the unsupervised start)."""
+    batch = lab.batch
+    mask = batch.loss_mask.clone()
+    for n, row in enumerate(lab.layout.rows):
+        mask[n, :5] = 0
+        middle = row.length // 2
+        mask[n, middle : middle + 3] = 0
+    return batch.replace(loss_mask=mask), mask
+
+
+def probe_anchor_sampling(lab: Lab) -> list[Verdict]:
+    b = lab.block_size
+    exclusions = list(lab.info.get("anchor_exclusions") or [])
+    verdict = Verdict(
+        invariant="dflash.anchor_sampling", experiment="anchor-sampling",
+        hypothesis="anchors are drawn uniformly without replacement from the supervised positions (less the "
+        "positions the implementation's documented rule excludes), sorted; padded slots are flagged invalid and "
+        "carry no loss",
+        perturbed=f"nothing: the subject's own sampler is called {SAMPLER_DRAWS} times on a loss mask with an "
+        "unsupervised start and a hole, and once on a nearly empty one",
+        measurement="", threshold="exact support; duplicates, unsorted or unsupervised anchors count at once; "
+        "balance of the two halves within 5 standard deviations",
+        expected="uniform over the eligible positions, sorted, without replacement", status="unknown",
+        coverage=lab.coverage(anchor_sampler=lab.info.get("anchor_sampler_source") or "the subject's sample_anchors",
+                              draws=SAMPLER_DRAWS, documented_exclusions=exclusions),
+    )
+    sampler = getattr(lab.subject, "sample_anchors", None)
+    if lab.facts.get("padded_anchor_trained"):
+        verdict.status = "mismatch"
+        verdict.observed = "the padded anchor slot (anchor_valid False) is trained"
+        verdict.fix = "Zero the loss of blocks whose anchor is padding (anchor_valid False)."
+        return [verdict]
+    if not callable(sampler):
+        verdict.reason = "not exercised: the subject's anchor sampler (it exposes no sample_anchors)"
+        return [verdict]
+    batch, mask = _sampler_batch(lab)
+    eligible: list[set[int]] = []
+    allowed: list[set[int]] = []
+    for n, row in enumerate(lab.layout.rows):
+        supervised = {p for p in range(row.length) if mask[n, p]}
+        allowed.append(supervised)
+        keep = set(supervised)
+        if "last B positions" in exclusions:
+            keep = {p for p in keep if p < lab.layout.seq_len - b}
+        if "next token unsupervised" in exclusions:
+            keep = {p for p in keep if p + 1 < row.length and mask[n, p + 1]}
+        eligible.append(keep)
+    smallest = min(len(e) for e in eligible)
+    num = max(2, smallest // 2)
+    counts = [dict.fromkeys(sorted(e), 0) for e in eligible]
+    problems: list[str] = []
+    for draw in range(SAMPLER_DRAWS):
+        torch.manual_seed(lab.seed + 500 + draw)
+        anchors, valid = sampler(batch, num)
+        anchors, valid = anchors.reshape(-1, anchors.shape[-1]), valid.reshape(-1, valid.shape[-1]).bool()
+        for n in range(min(lab.rows, anchors.shape[0])):
+            picked = anchors[n][valid[n]].tolist()
+            if len(picked) != len(set(picked)):
+                problems.append(f"duplicate anchors in one draw (row {n}: {sorted(picked)[:10]})")
+            if picked != sorted(picked):
+                problems.append(f"anchors not sorted (row {n}: {picked[:10]})")
+            if len(picked) != min(num, len(eligible[n])):
+                problems.append(f"{len(picked)} valid anchors drawn where {min(num, len(eligible[n]))} were asked for "
+                                f"and eligible (row {n})")
+            outside = [p for p in picked if p not in allowed[n]]
+            if outside:
+                problems.append(f"anchors at unsupervised positions {outside[:6]} (row {n}; ranks among the eligible "
+                                "positions returned as positions, or the mask ignored)")
+            excluded = [p for p in picked if p in allowed[n] and p not in eligible[n]]
+            if excluded:
+                problems.append(f"anchors at positions the rule excludes ({', '.join(exclusions)}): {excluded[:6]} (row {n})")
+            for p in picked:
+                if p in counts[n]:
+                    counts[n][p] += 1
+        if problems:
+            break
+    never = [(n, p) for n, c in enumerate(counts) for p, k in c.items() if k == 0]
+    skew = []
+    for n, c in enumerate(counts):
+        ordered = list(c.values())
+        half = len(ordered) // 2
+        low, high = sum(ordered[:half]), sum(ordered[len(ordered) - half :])
+        if abs(low - high) > 5 * math.sqrt(max(low + high, 1)) / 2 + 2:
+            skew.append((n, low, high))
+    # Fewer eligible positions than anchors asked for: the extra slots must be flagged invalid.
+    sparse = mask.clone() * 0
+    for n, row in enumerate(lab.layout.rows):
+        sparse[n, 8:11] = 1
+    torch.manual_seed(lab.seed + 999)
+    few_anchors, few_valid = sampler(batch.replace(loss_mask=sparse), 6)
+    few_valid = few_valid.reshape(-1, few_valid.shape[-1]).bool()
+    flagged = [int(few_valid[n].sum()) for n in range(min(lab.rows, few_valid.shape[0]))]
+    few_expected = []
+    for n, row in enumerate(lab.layout.rows):
+        keep = {8, 9, 10}
+        if "next token unsupervised" in exclusions:
+            keep = {p for p in keep if sparse[n, p + 1]}
+        few_expected.append(min(6, len(keep)))
+    verdict.measured = {"never_drawn": never[:20], "skew": skew, "sparse_valid": flagged}
+    verdict.measurement = (f"{SAMPLER_DRAWS} draws of {num} anchors over {[len(e) for e in eligible]} eligible positions: "
+                           f"{len(never)} eligible positions never drawn; halves "
+                           + ", ".join(f"{lo}/{hi}" for _, lo, hi in skew) + f"; with 3 supervised positions and 6 "
+                           f"asked, valid flags {flagged}")
+    if flagged != few_expected[: len(flagged)]:
+        problems.append(f"with fewer eligible positions than anchors, {flagged} slots are flagged valid "
+                        f"(expected {few_expected}): padded slots are not kept invalid")
+    if problems:
+        verdict.status, verdict.observed = "mismatch", problems[0]
+        verdict.fix = ("Draw anchors with randperm over the eligible positions (loss mask 1, the documented "
+                       "exclusions), keep the first max_anchors, sort them, flag the rest invalid.")
+    elif never:
+        verdict.status = "mismatch"
+        verdict.observed = (f"{len(never)} eligible positions are never drawn in {SAMPLER_DRAWS} draws (e.g. row "
+                            f"{never[0][0]}, position {never[0][1]}): not uniform over the eligible positions")
+    elif skew:
+        verdict.status = "mismatch"
+        verdict.observed = f"draws favour one half of the eligible positions ({skew[0][1]} vs {skew[0][2]})"
+    else:
+        verdict.status = "match"
+        verdict.observed = "uniform over the eligible positions, sorted, without replacement, padded slots invalid"
+        if not exclusions:
+            verdict.not_exercised.append("the implementation's documented exclusions (the subject states none; "
+                                         "anchors in the last B positions could not be judged)")
+    return [verdict.gated()]
 
 
 # --- what one optimizer step changes ---------------------------------------------------------------------------
@@ -729,6 +1465,7 @@ def probe_frozen(lab: Lab) -> list[Verdict]:
         threshold="any changed element counts",
         expected="embeddings and lm_head unchanged",
         status="unknown",
+        coverage=lab.coverage(tensors_observed=["every parameter before and after one step"]),
     )
     params = lab.subject.parameters()
     roles = {name: role for name, param in params.items()
@@ -755,7 +1492,7 @@ def probe_frozen(lab: Lab) -> list[Verdict]:
     else:
         verdict.status = "match"
         verdict.observed = "embeddings and lm_head unchanged; the drafter's weights changed"
-    return [verdict]
+    return [verdict.gated()]
 
 
 EXPERIMENTS: dict[str, Callable[[Lab], list[Verdict]]] = {
@@ -763,7 +1500,8 @@ EXPERIMENTS: dict[str, Callable[[Lab], list[Verdict]]] = {
     "attention": probe_attention,
     "context-per-layer": probe_kv_injection,
     "rotary-positions": probe_positions,
-    "loss-gradient": probe_loss,
+    "block-inputs": probe_block_inputs,  # before loss-gradient: it leaves slot 0's tokens in lab.facts
+    "loss-gradient": probe_loss,  # before anchor-sampling: it leaves whether padded anchors are trained
+    "anchor-sampling": probe_anchor_sampling,
     "optimizer-step": probe_frozen,  # last: it changes the weights
 }
-
