@@ -924,16 +924,19 @@ def _describe_source(name: str) -> str:
     return f"lm_head(norm(hidden_states[{layer}])), the output of layer {layer - 1}"
 
 
-def _label_positions(lab: Lab) -> tuple[Tensor, Tensor]:
-    """pos [N, A, B] = anchor + j, and which slots the reference trains: valid block, slot >= 1, label
-    position inside the row's valid part and supervised."""
+def _label_positions(lab: Lab) -> tuple[Tensor, Tensor, Tensor]:
+    """pos [N, A, B] = anchor + j; the slots the reference trains (valid block, slot >= 1, the token at p+j
+    inside the row's valid part, in the anchor's document and supervised); and the slots an implementation
+    may train or not (a supervised token at p+j in the next document: speculators trains it, others mask it)."""
     batch, b = lab.batch, lab.block_size
     pos = batch.anchors[..., None] + torch.arange(b)  # [N, A, B]
     lengths = torch.tensor([r.length for r in lab.layout.rows])[:, None, None]
     inside = pos < lengths
-    supervised = batch.loss_mask.gather(1, pos.clamp(max=lab.layout.seq_len - 1).flatten(1)).view_as(pos).bool()
-    should = batch.anchor_valid[..., None] & (torch.arange(b) > 0) & inside & supervised
-    return pos, should
+    flat = pos.clamp(max=lab.layout.seq_len - 1).flatten(1)
+    supervised = batch.loss_mask.gather(1, flat).view_as(pos).bool()
+    same_doc = batch.doc_ids.gather(1, flat).view_as(pos) == batch.doc_ids.gather(1, batch.anchors)[..., None]
+    base = batch.anchor_valid[..., None] & (torch.arange(b) > 0) & inside & supervised
+    return pos, base & same_doc, base & ~same_doc
 
 
 def probe_loss(lab: Lab) -> list[Verdict]:
@@ -962,7 +965,7 @@ def probe_loss(lab: Lab) -> list[Verdict]:
     q_hat = torch.where(trained[..., None], p - grad / w_hat.clamp_min(1e-30)[..., None], torch.zeros_like(grad))
     q_hat = q_hat.clamp_min(0)
     q_hat = q_hat / q_hat.sum(-1, keepdim=True).clamp_min(1e-30)
-    pos, should = _label_positions(lab)
+    pos, should, optional = _label_positions(lab)
     lab.facts["padded_anchor_trained"] = bool((trained & ~lab.batch.anchor_valid[..., None]).any())
 
     candidates = _candidates(lab)
@@ -989,11 +992,17 @@ def probe_loss(lab: Lab) -> list[Verdict]:
     soft_tv = 0.5 * (q_hat - torch.softmax(teacher_logits, -1)).abs().sum(-1)[judged].mean().item()
     kind = "ce" if one_hot else ("kl" if soft_tv < SOFT_TV else None)
 
-    # The gradient's form at random logits z: CE and forward KL give w * (softmax(z) - q) with q fixed.
+    # The gradient's form at random logits z: CE and forward KL give w * (softmax(z) - q) with q fixed: the
+    # teacher's one-hot argmax or softmax where one explains the targets, else the targets recovered above.
+    agreed = best >= AGREEMENT and runner_up < 0.5 and kind is not None
+    q_model = q_hat
+    if agreed:
+        q_model = (torch.nn.functional.one_hot(teacher_logits.argmax(-1), v).double() if kind == "ce"
+                   else torch.softmax(teacher_logits, -1))
     z2 = 2.0 * torch.randn(n, a, b, v, generator=torch.Generator().manual_seed(lab.seed + 11), dtype=torch.float64)
     grad2 = _gradient_at(lab, z2)
     p2 = torch.softmax(z2, -1)
-    form = _form_residual(grad2, p2, q_hat, judged) if grad2 is not None else math.inf
+    form = _form_residual(grad2, p2, q_model, judged) if grad2 is not None else math.inf
     self_labels = grad2 is not None and _form_residual(
         grad2, p2, torch.nn.functional.one_hot(z2.argmax(-1), v).double(), judged) < GRADIENT_FORM
     measurement = (f"best teacher: {_describe_source(best_name)} at p+j{best_offset:+d} explains {best:.0%} of trained "
@@ -1042,17 +1051,12 @@ def probe_loss(lab: Lab) -> list[Verdict]:
             shift.observed += " (no shift: it learns the token after its own)"
         if shift.status == "mismatch":
             shift.fix = "Gather the teacher logits at p+j-1 for slot j (roll the target logits by one)."
-    _check_alignment(lab, shift, trained, should)
+    _check_alignment(lab, shift, trained, should, optional)
 
     kind_verdict = _kind_verdict(lab, kind, form, self_labels, decided, source, measurement, measured, common)
     # The weights: where they are zero, and how they fall along the block.
     slot0 = _slot0_verdict(lab, trained, w_hat, measurement, common)
-    if decided and kind is not None:
-        q = (torch.nn.functional.one_hot(teacher_logits.argmax(-1), v).double() if kind == "ce"
-             else torch.softmax(teacher_logits, -1))
-    else:
-        q = q_hat
-    gamma = _gamma_verdict(lab, grad, grad2, p2, q, should & trained, common)
+    gamma = _gamma_verdict(lab, grad, grad2, p2, q_model, (should | optional) & trained, common)
     if self_labels or form >= GRADIENT_FORM:
         gamma.status, gamma.observed, gamma.fix = "unknown", "", ""
         gamma.reason = "the slot weights cannot be read: the loss is not CE or KL against a fixed target (see loss_kind)"
@@ -1067,13 +1071,13 @@ def _form_residual(grad: Tensor, p: Tensor, q: Tensor, mask: Tensor) -> float:
     return residual[mask].max().item() if mask.any() else math.inf
 
 
-def _check_alignment(lab: Lab, shift: Verdict, trained: Tensor, should: Tensor) -> None:
+def _check_alignment(lab: Lab, shift: Verdict, trained: Tensor, should: Tensor, optional: Tensor) -> None:
     """Slot 0's token and the loss mask's alignment are part of the shift: either breaks the pairing of a
     slot's input with its target."""
     wrong_tokens = lab.facts.get("slot0_tokens_wrong") or []
     valid = lab.batch.anchor_valid[..., None].expand_as(trained).clone()
     valid[..., 0] = False
-    extra = (trained & ~should & valid)
+    extra = (trained & ~should & ~optional & valid)
     lacking = (~trained & should)
     problems = []
     if wrong_tokens:
