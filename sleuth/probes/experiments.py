@@ -635,19 +635,30 @@ def _rotate_pairs(x: Tensor) -> Tensor:
     return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
 
 
-def _positions_of(pre: Tensor, post: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, float]:
+# (name, rotate function, table layout, sign of the angle): the layouts a rotary embedding is applied in
+_CONVENTIONS = (("rotate_half", _rotate_half, False, 1.0), ("interleaved pairs", _rotate_pairs, True, 1.0),
+                ("rotate_half, angle reversed", _rotate_half, False, -1.0),
+                ("interleaved pairs, angle reversed", _rotate_pairs, True, -1.0))
+
+
+def _positions_of(pre: Tensor, post: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, str]:
     """The position each row of `post` [H, T, hd] was rotated to from `pre`, searched over the rotary table
-    cos/sin [P, hd]; also the worst relative residual at the positions found (both rotate conventions tried)."""
-    best: tuple[Tensor, float] | None = None
-    for turn, (c, s) in ((_rotate_half, (cos, sin)), (_rotate_pairs, (_interleave(cos), _interleave(sin)))):
-        # [H, T, P, hd]: every row rotated to every candidate position
-        candidates = pre[:, :, None, :] * c[None, None] + turn(pre)[:, :, None, :] * s[None, None]
-        error = (candidates - post[:, :, None, :]).pow(2).sum(-1).sum(0)  # [T, P], summed over heads
+    cos/sin [P, rd] (rd < hd: a partial rotary, the rest of the head unrotated); the relative residual per
+    row at the position found [T]; and the convention that fits (the one with the smallest worst residual)."""
+    best: tuple[Tensor, Tensor, str] | None = None
+    rd = cos.shape[-1]
+    norm = post.pow(2).sum(-1).sum(0).clamp_min(1e-30)  # [T]
+    for name, turn, pairs, sign in _CONVENTIONS:
+        c, s_ = (_interleave(cos), _interleave(sin)) if pairs else (cos, sin)
+        head, tail = pre[..., :rd], pre[..., rd:]
+        # [H, T, P, rd]: every row rotated to every candidate position
+        candidates = head[:, :, None, :] * c[None, None] + sign * turn(head)[:, :, None, :] * s_[None, None]
+        error = (candidates - post[:, :, None, :rd]).pow(2).sum(-1).sum(0)  # [T, P], summed over heads
+        error = error + (tail - post[..., rd:]).pow(2).sum(-1).sum(0)[:, None]
         found = error.argmin(-1)  # [T]
-        norm = post.pow(2).sum(-1).sum(0).clamp_min(1e-30)  # [T]
-        residual = (error.gather(1, found[:, None]).squeeze(1) / norm).sqrt().max().item()
-        if best is None or residual < best[1]:
-            best = (found, residual)
+        residual = (error.gather(1, found[:, None]).squeeze(1) / norm).sqrt()  # [T]
+        if best is None or residual.max() < best[1].max():
+            best = (found, residual, name)
     assert best is not None
     return best
 
@@ -716,34 +727,41 @@ def probe_positions(lab: Lab) -> list[Verdict]:
     with torch.no_grad():
         cos, sin = rotary(q_post.new_zeros(1, reach, q_post.shape[-1]), torch.arange(reach)[None])
     cos, sin = cos.reshape(reach, -1).float(), sin.reshape(reach, -1).float()
-    wrong_q, wrong_k, worst = [], [], 0.0
+    wrong_q, wrong_k, worst, conventions = [], [], 0.0, set()
     observed_q: dict[tuple[int, int], list[int]] = {}
     for n in range(n_rows):
-        q_found, q_res = _positions_of(q_pre[n], q_post[n], cos, sin)
-        k_found, k_res = _positions_of(k_pre[n], k_post[n], cos, sin)
+        q_found, q_res, q_conv = _positions_of(q_pre[n], q_post[n], cos, sin)
+        k_found, k_res, k_conv = _positions_of(k_pre[n], k_post[n], cos, sin)
+        conventions |= {q_conv, k_conv}
         row = layout.rows[n]
         for i, a in enumerate(row.anchors):
             got = q_found[i * b : (i + 1) * b].tolist()
             observed_q[(n, i)] = got
-            res_q = _row_residual(q_pre[n], q_post[n], cos, sin, q_found, range(i * b, (i + 1) * b))
-            res_k = _row_residual(k_pre[n], k_post[n], cos, sin, k_found, range(s + i * b, s + (i + 1) * b))
-            worst = max(worst, res_q, res_k)
+            worst = max(worst, q_res[i * b : (i + 1) * b].max().item(), k_res[s + i * b : s + (i + 1) * b].max().item())
             if got != expected_block[(n, i)]:
                 wrong_q.append((n, a, got))
             if k_found[s + i * b : s + (i + 1) * b].tolist() != expected_block[(n, i)]:
                 wrong_k.append((n, a, k_found[s + i * b : s + (i + 1) * b].tolist()))
-        in_docs = [k for k in range(row.length)]
-        ctx = k_found[in_docs].tolist()
-        worst = max(worst, _row_residual(k_pre[n], k_post[n], cos, sin, k_found, in_docs))
+        ctx = k_found[: row.length].tolist()
+        worst = max(worst, k_res[: row.length].max().item())
         if ctx != batch.position_ids[n, : row.length].tolist():
             wrong_k.append((n, "context", ctx))
     verdict.measured = {"query_positions": {f"{n},{i}": v for (n, i), v in observed_q.items()}, "residual": worst}
     verdict.measurement = (f"positions found per query and key by matching each to its rotation (worst residual "
                            f"{worst:.2g}); e.g. row 0 block at {layout.rows[0].anchors[0]}: queries "
                            f"{observed_q.get((0, 0))}")
+    reversed_ = sorted(c for c in conventions if "reversed" in c)
     if worst > POSITION_FIT:
-        verdict.reason = (f"a query or key is not a rotation of its unrotated value at any single position "
-                          f"(residual {worst:.2g}): the rotation could not be read")
+        # The table is the subject's own rotary module's output, so a correct application fits exactly.
+        verdict.status = "mismatch"
+        verdict.observed = (f"queries / keys are not the rotary embedding's rotation of their unrotated values at "
+                            f"any position (residual {worst:.2g}): the rotation is applied wrongly")
+        verdict.fix = "Apply the rotary embedding as q * cos + rotate_half(q) * sin, the same way to queries and keys."
+    elif reversed_ or len(conventions) > 1:
+        verdict.status = "mismatch"
+        verdict.observed = (f"queries / keys rotated as {', '.join(sorted(conventions))}: not the rotary "
+                            "embedding's rotation (the angle is reversed, or queries and keys disagree)")
+        verdict.fix = "Apply the rotary embedding as q * cos + rotate_half(q) * sin, the same way to queries and keys."
     elif wrong_q or wrong_k:
         verdict.status = "mismatch"
         verdict.observed = _describe_wrong_positions(wrong_q, wrong_k, expected_block, layout)
@@ -754,19 +772,6 @@ def probe_positions(lab: Lab) -> list[Verdict]:
         verdict.not_exercised += [g.replace("cross-document rules", "positions restarting per document")
                                   for g in lab.packing_gap()]
     return [verdict.gated()]
-
-
-def _row_residual(pre: Tensor, post: Tensor, cos: Tensor, sin: Tensor, found: Tensor, rows: Any) -> float:
-    index = torch.tensor(list(rows), dtype=torch.long)
-    if index.numel() == 0:
-        return 0.0
-    worst = math.inf
-    for turn, c, s in ((_rotate_half, cos, sin), (_rotate_pairs, _interleave(cos), _interleave(sin))):
-        p = found[index]
-        rotated = pre[:, index] * c[p][None] + turn(pre[:, index]) * s[p][None]
-        err = ((rotated - post[:, index]).pow(2).sum(-1).sum(0) / post[:, index].pow(2).sum(-1).sum(0).clamp_min(1e-30))
-        worst = min(worst, err.sqrt().max().item())
-    return worst
 
 
 def _describe_wrong_positions(wrong_q: list, wrong_k: list, expected: dict, layout: Layout) -> str:
@@ -893,6 +898,7 @@ def _gradient_at(lab: Lab, logits: Tensor) -> Tensor | None:
         return holder["z"]
 
     loss = lab.subject.loss(lab.batch, ProbeHooks(draft_logits=hook))
+    lab.facts["logits_hooked"] = "z" in holder
     if "z" not in holder or not isinstance(loss, Tensor) or not loss.requires_grad:
         return None
     (grad,) = torch.autograd.grad(loss, holder["z"], allow_unused=True)
@@ -956,7 +962,11 @@ def probe_loss(lab: Lab) -> list[Verdict]:
     grad = _gradient_at(lab, torch.zeros(n, a, b, v, dtype=torch.float64))
     if grad is None or grad.abs().max().item() == 0.0:
         reason = "the loss does not depend on the drafter's logits (no gradient reached them)"
-        return [Verdict(invariant=i, status="unknown", hypothesis="", measurement="", reason=reason, **common) for i in ids]
+        found = [Verdict(invariant=i, status="unknown", hypothesis="", measurement="", reason=reason, **common) for i in ids]
+        if lab.facts.get("logits_hooked"):  # the hook replaced the logits the loss reads: the loss ignores them
+            found[2].status, found[2].observed, found[2].reason = "mismatch", reason, ""
+            found[2].fix = "Compute the loss from the drafter's logits (cross-entropy against the teacher)."
+        return found
 
     # With a uniform draft p = 1/V, CE and KL both give grad = w * (p - q): q is the target, w the slot weight.
     p = 1.0 / v
@@ -1175,12 +1185,35 @@ def _profile(weights: Tensor, full: Tensor) -> Tensor | None:
     return (chosen[:, 1:] / chosen[:, 1:2].clamp_min(1e-30)).mean(0)
 
 
+def _relative(weights: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Each block's weights over its first trained slot, and the slots where that ratio says something
+    (trained, in a block with at least two trained slots)."""
+    first = mask.double().argmax(-1, keepdim=True)  # [N, A, 1]
+    ref = weights.gather(-1, first).clamp_min(1e-30)
+    usable = mask & (mask.sum(-1, keepdim=True) >= 2)
+    return weights / ref, usable
+
+
+def _model_error(model: Tensor, measured: Tensor, mask: Tensor) -> float:
+    m, usable = _relative(model, mask)
+    x, _ = _relative(measured, mask)
+    if not usable.any():
+        return math.inf
+    return ((m - x).abs() / m.abs().clamp_min(1e-30))[usable].max().item()
+
+
 def _identify_weighting(lab: Lab, runs: list[tuple[Tensor, Tensor]], q: Tensor, mask: Tensor,
                         full: Tensor) -> tuple[dict[str, Any], str]:
-    """What the measured slot weights are: {"mode": none | fixed-exp | dpace | other, ...} and a description."""
+    """What the measured slot weights are: {"mode": none | fixed-exp | dpace | other, ...} and a description.
+    The weighting is fitted on the blocks whose every slot is trained, and checked on every block (those
+    with unsupervised slots too: a weighting that sums over masked slots shows there)."""
     b = lab.block_size
-    ratios = [(w[:, :, 1:] / w[:, :, 1:2].clamp_min(1e-30))[full] for _, w in runs]
-    drift = (ratios[1] - ratios[0]).abs().max().item() if len(ratios) > 1 and ratios[0].numel() else 0.0
+    trained = mask > 0
+    drift = 0.0
+    if len(runs) > 1:
+        r0, usable = _relative(runs[0][1], trained)
+        r1, _ = _relative(runs[1][1], trained)
+        drift = (r1 - r0)[usable].abs().max().item() if usable.any() else 0.0
     profile = _profile(runs[0][1], full)
     if profile is None:
         return {"mode": None}, "no block has every slot trained: the profile cannot be read"
@@ -1188,29 +1221,36 @@ def _identify_weighting(lab: Lab, runs: list[tuple[Tensor, Tensor]], q: Tensor, 
         best = (math.nan, math.inf)
         for step in range(1, 101):
             alpha = step / 100
-            error = 0.0
-            for p, measured in runs:
-                model = dpace_weights((p * q).sum(-1), mask.double(), alpha)
-                m = (model[:, :, 1:] / model[:, :, 1:2].clamp_min(1e-30))[full]
-                seen_ = (measured[:, :, 1:] / measured[:, :, 1:2].clamp_min(1e-30))[full]
-                error = max(error, ((m - seen_).abs() / m.clamp_min(1e-30)).max().item())
+            error = max(_model_error(dpace_weights((p * q).sum(-1), mask.double(), alpha), measured, trained)
+                        for p, measured in runs)
             if error < best[1]:
                 best = (alpha, error)
         if best[1] < WEIGHT_FIT:
             return {"mode": "dpace", "alpha": best[0], "drift": drift}, f"D-PACE weighting (alpha {best[0]:.2f})"
         return {"mode": "other", "drift": drift}, (f"data-dependent slot weights (they change by {drift:.2g} with the "
-                                                   "drafter's confidence) that are not D-PACE")
+                                                   f"drafter's confidence) that are not D-PACE (best alpha "
+                                                   f"{best[0]:.2f}: error {best[1]:.2g})")
     k = torch.arange(1, b, dtype=torch.float64) - 1  # k - 1
     logs = torch.log(profile.clamp_min(1e-300))
+    slots = torch.arange(b, dtype=torch.float64)
     if logs.abs().max().item() < 1e-6:
-        return {"mode": "none", "drift": drift}, "no decay: every slot k >= 1 weighs the same (gamma = infinity)"
-    gamma = -(k * k).sum().item() / (k * logs).sum().item()
-    residual = (logs + k / gamma).abs().max().item()
-    if gamma <= 0 or residual > EXP_FIT:
-        return {"mode": "other", "drift": drift, "profile": profile.tolist()}, (
-            f"slot weights {', '.join(f'{x:.3g}' for x in profile.tolist())} (relative to slot 1) follow no "
-            f"exp(-(k-1)/gamma) (residual {residual:.3g} of log-weights)")
-    return {"mode": "fixed-exp", "gamma": gamma, "drift": drift}, f"gamma {gamma:.4g} (weights exp(-(k-1)/{gamma:.4g}))"
+        found, text = {"mode": "none", "drift": drift}, "no decay: every slot k >= 1 weighs the same (gamma = infinity)"
+        model = torch.ones(b, dtype=torch.float64)
+    else:
+        gamma = -(k * k).sum().item() / (k * logs).sum().item()
+        residual = (logs + k / gamma).abs().max().item()
+        if gamma <= 0 or residual > EXP_FIT:
+            return {"mode": "other", "drift": drift, "profile": profile.tolist()}, (
+                f"slot weights {', '.join(f'{x:.3g}' for x in profile.tolist())} (relative to slot 1) follow no "
+                f"exp(-(k-1)/gamma) (residual {residual:.3g} of log-weights)")
+        found = {"mode": "fixed-exp", "gamma": gamma, "drift": drift}
+        text = f"gamma {gamma:.4g} (weights exp(-(k-1)/{gamma:.4g}))"
+        model = torch.exp(-(slots - 1).clamp(min=0) / gamma)
+    error = _model_error(model.expand_as(runs[0][1]) * mask, runs[0][1], trained)
+    if error > WEIGHT_FIT:
+        return {"mode": "other", "drift": drift}, (f"{text} where every slot is trained, but not in blocks with "
+                                                   f"unsupervised slots (error {error:.2g})")
+    return found, text
 
 
 def _same_weighting(configured: dict[str, Any], measured: dict[str, Any]) -> bool:
