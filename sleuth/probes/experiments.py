@@ -38,6 +38,7 @@ WEIGHT_FIT = 0.01  # largest relative error of a weighting model (D-PACE, a gamm
 GRADIENT_FORM = 1e-3  # residual of grad = w * (softmax(z) - q) allowed for CE and forward KL
 POSITION_FIT = 1e-3  # relative residual of a query / key against its rotation at the position found
 SAMPLER_DRAWS = 24  # draws of the subject's anchor sampler
+STACK_ROWS = 32  # rows per forward when perturbed copies of the batch are stacked
 # The layer-id rules a subject may follow (DFLASH.md `dflash.target_layer_ids`), each in its convention.
 REFERENCE_DEPTHS = (36, 64)  # target depths the subject's own rule is also called at (besides the probe's)
 
@@ -69,7 +70,7 @@ class Lab:
         # A subject whose forward takes no document ids (describe()["documents_per_row"] = 1) gets one document
         # per row; the verdicts that depend on packing then say so (never `match`).
         self.packed = info.get("documents_per_row") != 1
-        self.max_rows = int(info.get("max_rows") or 2)
+        self.max_rows = int(info.get("max_rows") or STACK_ROWS)
         self.layout: Layout = make_layout(self.block_size, packed=self.packed, rows=min(self.max_rows, 2))
         self.batch: ProbeBatch = make_batch(target, self.layout, seed + 1)
         self.configured: dict[str, dict[str, Any]] = dict(info.get("configured") or {})
@@ -86,6 +87,23 @@ class Lab:
             out = self.subject.draft_logits(batch, hooks or ProbeHooks())
         n, a = batch.anchors.shape
         return out.detach().float().reshape(n, a, self.block_size, out.shape[-1])
+
+    def logits_of_many(self, batches: list[ProbeBatch]) -> list[tuple[Tensor, Tensor]]:
+        """(unperturbed, perturbed) logits for each batch, several per forward where the subject takes that
+        many rows: the copies are stacked as extra rows (dozens of tiny forwards cost far more than a few
+        wider ones), each chunk with an unperturbed copy of its own as the reference. Rows never interact
+        in a correct drafter; a cross-row leak is measured on its own (and would show as a leak here too)."""
+        per = max(1, min(self.max_rows, STACK_ROWS) // self.rows - 1)
+        found: list[tuple[Tensor, Tensor]] = []
+        for start in range(0, len(batches), per):
+            chunk = batches[start : start + per]
+            if per == 1:
+                found += [(self.baseline, self.logits(b)) for b in chunk]
+                continue
+            stacked = self.logits(_stack([self.batch, *chunk]))
+            parts = stacked.split(self.rows)
+            found += [(parts[0], p) for p in parts[1:]]
+        return found
 
     @property
     def baseline(self) -> Tensor:
@@ -138,6 +156,15 @@ class Lab:
         if not isinstance(entry, dict):
             return None, None
         return entry.get("value"), str(entry.get("source") or "")
+
+
+def _stack(batches: list[ProbeBatch]) -> ProbeBatch:
+    first = batches[0]
+    cat = lambda name: torch.cat([getattr(b, name) for b in batches], dim=0)  # noqa: E731
+    return first.replace(
+        input_ids=cat("input_ids"), position_ids=cat("position_ids"), doc_ids=cat("doc_ids"), loss_mask=cat("loss_mask"),
+        anchors=cat("anchors"), anchor_valid=cat("anchor_valid"), last_hidden=cat("last_hidden"), logits=cat("logits"),
+        hidden_states=tuple(torch.cat([b.hidden_states[i] for b in batches], dim=0) for i in range(len(first.hidden_states))))
 
 
 def from_run_config(source: str | None) -> bool:
@@ -208,7 +235,8 @@ def _rule_matches(ids: list[int], convention: str, num_layers: int) -> str | Non
 
 def probe_layers_read(lab: Lab) -> list[Verdict]:
     n_layers = lab.target.num_layers
-    changes = {i: influence(lab.baseline, lab.logits(perturb_layer(lab.batch, i, seed=100 + i))) for i in range(n_layers + 1)}
+    runs = lab.logits_of_many([perturb_layer(lab.batch, i, seed=100 + i) for i in range(n_layers + 1)])
+    changes = {i: influence(before, after) for i, (before, after) in enumerate(runs)}
     convention = lab.info.get("layer_id_convention", "zlab")
     source = lab.info.get("layer_ids_source") or "declared by the subject (describe()['layer_ids'])"
     common = dict(
@@ -340,9 +368,10 @@ def probe_attention(lab: Lab) -> list[Verdict]:
     s = layout.seq_len
     # depends[(row, anchor index)][k]: change of that block when context position k of every row is perturbed
     depends: dict[tuple[int, int], list[float]] = {(n, i): [] for n, i, _ in blocks}
-    for k in range(s):
-        after = lab.logits(perturb_positions(lab.batch, [(n, k) for n in range(lab.rows)], seed=1000 + k))
-        for key, change in _block_changes(base, after, blocks).items():
+    runs = lab.logits_of_many([perturb_positions(lab.batch, [(n, k) for n in range(lab.rows)], seed=1000 + k)
+                               for k in range(s)])
+    for before, after in runs:
+        for key, change in _block_changes(before, after, blocks).items():
             depends[key].append(change)
     cross_row: dict[tuple[int, int], float] = {}
     if lab.rows > 1:

@@ -69,8 +69,9 @@ def plan_for_run(run_dir: Path, code_dir: Path | None, name: str) -> ProbePlan:
     return ProbePlan(subject, spec=spec)
 
 
-def plan_for_code(code: Path, config: dict[str, Any] | None) -> ProbePlan:
-    """speculators or SpecForge source (a package directory or a checkout), by its layout."""
+def plan_for_code(code: Path, config: dict[str, Any] | None, config_path: Path | None = None) -> ProbePlan:
+    """speculators or SpecForge source (a package directory or a checkout), by its layout. The run's config
+    (and its path: a SpecForge recipe names its draft config relative to itself) reach the adapter."""
     code = code.resolve()
     for kind, package, marker in (
         ("speculators", "speculators", Path("models") / "dflash" / "core.py"),
@@ -79,7 +80,8 @@ def plan_for_code(code: Path, config: dict[str, Any] | None) -> ProbePlan:
         for candidate in (code, code / package, code / "src" / package):
             if (candidate / "__init__.py").is_file() and (candidate / marker).is_file() and candidate.name == package:
                 spec = {"subject": kind, "package_dir": str(candidate), "sys_path": [str(candidate.parent)],
-                        "context": {"config": config}}
+                        "context": {"config": config,
+                                    "config_path": str(config_path.resolve()) if config_path else None}}
                 return ProbePlan(f"{kind} at {candidate}", spec=spec)
     return ProbePlan(f"code at {code}", reason=f"{code} is neither speculators nor SpecForge source and no "
                      "--probe-entry module:function was given, so sleuth has no way to run it")
@@ -133,7 +135,7 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
     interpreter = check_python(python)
     outcome.python = interpreter
     spec = {**plan.spec, "expectations": (expectations or Expectations()).to_json(),
-            "threads": threads or min(2, os.cpu_count() or 1), "seed": 0}
+            "threads": threads or 1, "seed": 0}  # tiny tensors: a second thread only adds contention
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     started = time.perf_counter()

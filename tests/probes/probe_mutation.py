@@ -73,12 +73,22 @@ def op_shift(src: Source, node: ast.AST) -> Iterator[tuple[str, str]]:
 
 
 def op_repeat(src: Source, node: ast.AST) -> Iterator[tuple[str, str]]:
-    """repeat_interleave <-> repeat: blocks tiled per query the wrong way."""
-    if isinstance(node, ast.Attribute) and node.attr in ("repeat_interleave", "repeat") and isinstance(src.parents.get(node), ast.Call):
-        other = "repeat" if node.attr == "repeat_interleave" else "repeat_interleave"
-        if other == "repeat" and isinstance(node.value, ast.Name) and node.value.id == "torch":
-            return  # torch.repeat does not exist: that would only crash
-        yield f"{src.seg(node.value)}.{other}", f"`.{node.attr}` -> `.{other}`"
+    """repeat_interleave(r, dim=d) -> the same count tiled (repeat): blocks assigned per query the wrong way."""
+    if not (isinstance(node, ast.Call) and _call_name(node) == "repeat_interleave"):
+        return
+    func = node.func
+    assert isinstance(func, ast.Attribute)
+    if isinstance(func.value, ast.Name) and func.value.id == "torch":  # torch.repeat_interleave(x, r[, dim])
+        if len(node.args) < 2:
+            return
+        tensor, count, rest = node.args[0], node.args[1], node.args[2:]
+    else:
+        if not node.args:
+            return
+        tensor, count, rest = func.value, node.args[0], node.args[1:]
+    dim = next((src.seg(k.value) for k in node.keywords if k.arg == "dim"), src.seg(rest[0]) if rest else None)
+    tiled = f"torch.cat([{src.seg(tensor)}] * ({src.seg(count)}), dim={dim if dim is not None else 0})"
+    yield tiled, f"`{src.seg(node)}` tiled with repeat instead of repeat_interleave"
 
 
 def op_cat_order(src: Source, node: ast.AST) -> Iterator[tuple[str, str]]:
@@ -93,16 +103,41 @@ def op_cat_order(src: Source, node: ast.AST) -> Iterator[tuple[str, str]]:
 
 def op_drop(src: Source, node: ast.AST) -> Iterator[tuple[str, str]]:
     """a * b -> a, a & b -> a, a + b -> a (and -> b): a mask term, a weight, a correction dropped."""
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.BitAnd, ast.BitOr)):
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.BitAnd, ast.BitOr)) and not _shape_context(src, node):
         yield f"({src.seg(node.left)})", f"`{src.seg(node)}` -> `{src.seg(node.left)}`"
         yield f"({src.seg(node.right)})", f"`{src.seg(node)}` -> `{src.seg(node.right)}`"
     if isinstance(node, ast.BoolOp) and len(node.values) == 2:
         yield f"({src.seg(node.values[0])})", f"`{src.seg(node)}` -> `{src.seg(node.values[0])}`"
 
 
+# Calls whose arguments are shapes, dims or attribute names: swapping or changing them only crashes.
+_SHAPE_CALLS = {"getattr", "setattr", "hasattr", "isinstance", "issubclass", "view", "reshape", "expand", "permute",
+                "transpose", "unsqueeze", "squeeze", "full", "zeros", "ones", "empty", "arange", "randperm", "flatten",
+                "unflatten", "split", "chunk", "narrow", "new_zeros", "new_full", "size", "range", "len", "max", "min",
+                "register_buffer", "Linear", "Embedding", "get", "pop", "format", "startswith", "join"}
+_DIM_KEYWORDS = {"dim", "dims", "axis", "keepdim", "dtype", "device", "stacklevel"}
+
+
+def _shape_context(src: Source, node: ast.AST) -> bool:
+    """The node is (inside) an argument of a shape call or of a constructor (a class: its sizes are the
+    architecture's, a design choice, not a DFlash rule), or a dim / dtype keyword."""
+    current, child = src.parents.get(node), node
+    while current is not None and not isinstance(current, ast.stmt):
+        if isinstance(current, ast.keyword) and current.arg in _DIM_KEYWORDS:
+            return True
+        if isinstance(current, ast.Call) and child is not current.func and (
+                _call_name(current) in _SHAPE_CALLS or _call_name(current)[:1].isupper()):
+            return True
+        child, current = current, src.parents.get(current)
+    return False
+
+
 def op_swap_args(src: Source, node: ast.AST) -> Iterator[tuple[str, str]]:
     """f(a, b, ...) -> f(b, a, ...)."""
-    if isinstance(node, ast.Call) and len(node.args) >= 2 and not any(isinstance(a, ast.Starred) for a in node.args[:2]):
+    if isinstance(node, ast.Call) and _call_name(node) in _SHAPE_CALLS:
+        return
+    if isinstance(node, ast.Call) and len(node.args) >= 2 and not any(isinstance(a, ast.Starred) for a in node.args[:2]) \
+            and not any(isinstance(a, ast.Constant) and isinstance(a.value, (int, str)) for a in node.args[:2]):
         a, b = src.seg(node.args[0]), src.seg(node.args[1])
         if a != b:
             head = src.text[_offset(src, node.lineno, node.col_offset):_offset(src, node.args[0].lineno, node.args[0].col_offset)]
@@ -129,7 +164,8 @@ def op_grad(src: Source, node: ast.AST) -> Iterator[tuple[str, str]]:
 
 def op_constant(src: Source, node: ast.AST) -> Iterator[tuple[str, str]]:
     """n -> n + 1 for small integers, x -> 2x for floats, True <-> False."""
-    if isinstance(node, ast.Constant) and not isinstance(src.parents.get(node), (ast.Subscript,)):
+    if isinstance(node, ast.Constant) and not isinstance(src.parents.get(node), (ast.Subscript,)) \
+            and not _shape_context(src, node):
         value = node.value
         if isinstance(value, bool):
             yield repr(not value), f"`{value}` -> `{not value}`"
@@ -270,7 +306,8 @@ def fingerprint(subject: Any, context_seed: int = 0) -> dict[str, Any]:
     lab = Lab(subject, info, target, Expectations(), 0)
     found: dict[str, Any] = {"layer_ids": list(lab.info.get("layer_ids") or [])}
     rule = getattr(subject, "layer_ids_for", None)
-    if callable(rule):
+    ids_source = (lab.configured.get("target_layer_ids") or {}).get("source") or ""
+    if callable(rule) and "run config" not in ids_source:  # the rule is on the run's path only without explicit ids
         found["layer_ids_for"] = {d: list(rule(d)) for d in (8, 36, 64)}
     found["logits"] = lab.baseline
     n, a = lab.batch.anchors.shape

@@ -89,7 +89,8 @@ def test_speculators_layouts_are_recognised(tmp_path: Path):
     for given in (tmp_path, package):
         plan = plan_for_code(given, None)
         assert plan.spec == {"subject": "speculators", "package_dir": str(package.resolve()),
-                             "sys_path": [str(package.parent.resolve())], "context": {"config": None}}
+                             "sys_path": [str(package.parent.resolve())],
+                             "context": {"config": None, "config_path": None}}
 
 
 @pytest.mark.parametrize(("python", "entry", "message"), [

@@ -21,7 +21,7 @@ def test_the_operators_find_sites_of_every_class_in_the_example(tmp_path):
     found = mutants_for(tmp_path, {"probe_protocol.py": ("*",)}, per_operator=1000, total=100000)
     assert {m.operator for m in found} == set(OPERATORS)
     described = " ".join(m.description for m in found)
-    for piece in ("`.repeat_interleave` -> `.repeat`", "cat order", "-> `labels <=", "`torch.no_grad()` -> a null context"):
+    for piece in ("tiled with repeat instead of repeat_interleave", "cat order", "-> `labels <=", "`torch.no_grad()` -> a null context"):
         assert piece in described
 
 
