@@ -44,7 +44,8 @@ class Edit(_Strict):
 
 
 class Expectation(_Strict):
-    status: Literal["mismatch"] = "mismatch"
+    # mismatch: a planted defect; match: a behaviour-preserving rewrite (the invariant must not turn mismatch)
+    status: Literal["mismatch", "match"] = "mismatch"
     observed: str | None = None  # the value sleuth should read, where it is obvious
 
 

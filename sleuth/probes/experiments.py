@@ -497,58 +497,132 @@ def _map_summary(blocks: list, bad: list, missing: list, ambiguous: list, bad_te
             f"{len(missing)} where it {missing_text}, {len(ambiguous)} between the thresholds")
 
 
+def _layer_inputs(args: tuple, kwargs: dict) -> Tensor | None:
+    if args and isinstance(args[0], Tensor):
+        return args[0]
+    value = kwargs.get("hidden_states")
+    return value if isinstance(value, Tensor) else None
+
+
+def _within_layer_changes(lab: Lab, layers: list[Any], tokens: list[int], seed: int) -> list[Tensor]:
+    """For each layer alone: the change of its output per block token [N, T] when its own block-token input
+    is perturbed at `tokens` (attention is the only path between tokens inside a layer)."""
+    outputs: dict[int, Tensor] = {}
+    target = {"layer": -1}
+
+    def pre(index: int):
+        def hook(module, args, kwargs):
+            if index != target["layer"]:
+                return None
+            x = _layer_inputs(args, kwargs)
+            if x is None:
+                raise RuntimeError(f"layer {index} takes no hidden_states")
+            g = torch.Generator().manual_seed(seed + index)
+            bumped = x.clone()
+            idx = torch.tensor(tokens, dtype=torch.long)
+            bumped[..., idx, :] += 3.0 * torch.randn(bumped[..., idx, :].shape, generator=g).to(x.dtype)
+            if args and isinstance(args[0], Tensor):
+                return (bumped, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": bumped}
+
+        return hook
+
+    def post(index: int):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            outputs[index] = out.detach().float().clone()
+
+        return hook
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post(i)))
+    try:
+        lab.logits()
+        base = dict(outputs)
+        changes = []
+        for i in range(len(layers)):
+            target["layer"] = i
+            lab.logits()
+            before, after = base[i], outputs[i]
+            scale = before.abs().max().clamp_min(1e-12)
+            changes.append(((after - before).abs().amax(-1) / scale).reshape(lab.rows, -1))  # [N, T]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return changes
+
+
 def _bidirectional(lab: Lab, blocks: list[tuple[int, int, int]], coverage: dict[str, Any]) -> Verdict:
-    b, base = lab.block_size, lab.baseline
+    """Layer by layer: which slots of a block see which (full attention: all; causal sliding-window layers,
+    where the subject's configuration makes them so: the earlier ones only)."""
+    b = lab.block_size
     first, last = (1, b - 1) if b >= 3 else (0, b - 1)
     slots = lab.layout.num_anchors
-    late = lab.logits(None, lab.bump_block_tokens([i * b + last for i in range(slots)], seed=4001))
-    early = lab.logits(None, lab.bump_block_tokens([i * b + first for i in range(slots)], seed=4002))
-    late_to_early = min((influence(base[n, i, :last], late[n, i, :last]) for n, i, _ in blocks), default=0.0)
-    early_to_late = min((influence(base[n, i, first + 1:], early[n, i, first + 1:]) for n, i, _ in blocks), default=0.0)
-    # slot by slot: every slot before `last` must move when `last` moves, every slot after `first` when `first` does
-    blind = [(n, i, j) for n, i, _ in blocks for j in range(b) if j != last
-             and seen(influence(base[n, i, j], late[n, i, j])) is False]
-    blind += [(n, i, j) for n, i, _ in blocks for j in range(b) if j != first
-              and seen(influence(base[n, i, j], early[n, i, j])) is False]
-    causal = str(lab.info.get("block_attention") or "").startswith("causal")
-    if causal:  # later slots see earlier ones; no slot sees a later one
-        blind = [(n, i, j) for n, i, _ in blocks for j in range(first + 1, b)
-                 if seen(influence(base[n, i, j], early[n, i, j])) is False]
-        peeking = [(n, i, j) for n, i, _ in blocks for j in range(last)
-                   if seen(influence(base[n, i, j], late[n, i, j])) is not False]
+    layers = list(lab.subject.draft_layers() or [])
+    types = list(lab.info.get("layer_types") or ["full_attention"] * len(layers))
+    causal_sliding = bool(lab.info.get("sliding_causal_within_block"))
+    expect = ["causal" if t == "sliding_attention" and causal_sliding else "bidirectional" for t in types]
     bidi = Verdict(
         invariant="dflash.block_bidirectional", experiment="within-block",
-        hypothesis=("every slot of a block sees every earlier slot of it, and no later one (the subject's layers are "
-                    "causal within the block: " + str(lab.info["block_attention"]) + ")") if causal else
-        "every slot of a block sees every other slot of it, in both directions",
-        perturbed=f"the input embedding of slot {last} (then of slot {first}) of every block",
-        measurement=f"smallest change of an earlier slot when slot {last} moves: {late_to_early:.2g}; of a later "
-        f"slot when slot {first} moves: {early_to_late:.2g}; {len(blind)} (block, slot) pairs blind",
-        threshold=f"seen >= {EFFECT:g}; not seen <= {NO_EFFECT:g}",
-        measured={"later_to_earlier": late_to_early, "earlier_to_later": early_to_late, "blind": blind[:20]},
-        expected="both directions seen", status="unknown", coverage=coverage,
+        hypothesis="in every full-attention layer every slot of a block sees every other slot of it, both ways"
+        + ("; in the sliding-window layers (causal within the block by the subject's configuration) a slot sees "
+           "the earlier slots only" if "causal" in expect else ""),
+        perturbed=f"one layer at a time: its input at slot {last}, then at slot {first}, of every block",
+        measurement="", threshold=f"seen >= {EFFECT:g}; not seen <= {NO_EFFECT:g}",
+        expected=", ".join(f"layer {i}: {e}" for i, e in enumerate(expect)) or "bidirectional",
+        status="unknown", coverage={**coverage, "layer_types": types},
     )
     if b < 2:
         bidi.status, bidi.reason = "not_applicable", "a block of one token has no other slot"
-    elif causal:
-        if blind or peeking:
-            bidi.status = "mismatch"
-            bidi.observed = (f"{len(peeking)} (block, slot) pairs see a later slot" if peeking else
-                             f"{len(blind)} (block, slot) pairs do not see an earlier slot of their block")
-            bidi.fix = "Causal sliding-window layers: a slot sees the earlier slots of its own block only."
-        else:
-            bidi.status, bidi.observed = "match", "causal within every block, as the subject's layer types make it"
-    elif blind:
-        bidi.status = "mismatch"
-        causal = seen(early_to_late) and not seen(late_to_early)
-        bidi.observed = ("causal within the block (earlier slots do not see later ones)" if causal else
-                         f"{len(blind)} (block, slot) pairs do not see a slot of their own block (e.g. row "
-                         f"{blind[0][0]}, block {blind[0][1]}, slot {blind[0][2]})")
-        bidi.fix = "Let every slot attend to every slot of its own block (non-causal within the block)."
-    elif seen(late_to_early) is None or seen(early_to_late) is None:
+        return bidi
+    if not layers:
+        bidi.reason = "the subject exposes no draft layers"
+        return bidi
+    late = _within_layer_changes(lab, layers, [i * b + last for i in range(slots)], seed=4001)
+    early = _within_layer_changes(lab, layers, [i * b + first for i in range(slots)], seed=4101)
+    problems: list[str] = []
+    ambiguous = False
+    for layer, mode in enumerate(expect):
+        blind, peek = [], []
+        for n, i, _ in blocks:
+            for j in range(b):
+                to_late = float(early[layer][n, i * b + j])  # slot j when `first` moved
+                to_early = float(late[layer][n, i * b + j])  # slot j when `last` moved
+                if j > first and seen(to_late) is not True:
+                    (blind.append if seen(to_late) is False else lambda _: None)((n, i, j))
+                    ambiguous |= seen(to_late) is None
+                if j < last:
+                    if mode == "bidirectional" and seen(to_early) is not True:
+                        ambiguous |= seen(to_early) is None
+                        if seen(to_early) is False:
+                            blind.append((n, i, j))
+                    if mode == "causal" and seen(to_early) is not False:
+                        ambiguous |= seen(to_early) is None
+                        if seen(to_early):
+                            peek.append((n, i, j))
+        if peek:
+            problems.append(f"layer {layer} ({types[layer]}, causal by configuration) lets {len(peek)} slots see a later slot")
+        if blind:
+            later = sum(1 for _, _, j in blind if j < last)
+            what = "causal within the block (earlier slots do not see later ones)" if mode == "bidirectional" and \
+                later == len(blind) else f"{len(blind)} (block, slot) pairs do not see a slot of their block"
+            problems.append(f"layer {layer} ({types[layer]}): {what}")
+    bidi.measurement = (f"per layer, smallest change of an earlier slot when slot {last} moves: "
+                        + ", ".join(f"{i}: {float(c.min()):.2g}" for i, c in enumerate(late))
+                        + f"; of a later slot when slot {first} moves: "
+                        + ", ".join(f"{i}: {float(c.max()):.2g}" for i, c in enumerate(early)))
+    if problems:
+        bidi.status, bidi.observed = "mismatch", "; ".join(problems)
+        bidi.fix = ("Full-attention layers: every slot attends to every slot of its own block (non-causal); "
+                    "causal sliding-window layers: the earlier slots only.")
+    elif ambiguous:
         bidi.reason = "a change is between the thresholds"
     else:
-        bidi.status, bidi.observed = "match", "every slot sees the others both ways, in every block"
+        bidi.status = "match"
+        bidi.observed = ("every slot sees the others both ways, in every block and layer" if "causal" not in expect
+                         else "as configured per layer: " + ", ".join(f"{i} {e}" for i, e in enumerate(expect)))
     return bidi
 
 
@@ -1566,6 +1640,66 @@ def probe_frozen(lab: Lab) -> list[Verdict]:
         verdict.status = "match"
         verdict.observed = "embeddings and lm_head unchanged; the drafter's weights changed"
     return [verdict.gated()]
+
+
+def run_experiments(lab: Lab, decides: dict[str, tuple[str, ...]]) -> tuple[list[Verdict], dict[str, float]]:
+    """Every experiment on one lab; one that raises gives `unknown` verdicts with the error."""
+    import time
+
+    verdicts: list[Verdict] = []
+    seconds: dict[str, float] = {}
+    for name, experiment in EXPERIMENTS.items():
+        start = time.perf_counter()
+        try:
+            found = experiment(lab)
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            reason = f"the experiment failed: {type(exc).__name__}" + (f": {text[0]}" if text else "")
+            found = [Verdict(invariant=i, status="unknown", experiment=name, hypothesis="", perturbed="",
+                             measurement="", threshold="", reason=reason) for i in decides[name]]
+        seconds[name] = round(time.perf_counter() - start, 3)
+        for verdict in found:
+            verdict.seconds = seconds[name]
+        verdicts += found
+    return verdicts, seconds
+
+
+def probe_variants(subject: Any, verdicts: list[Verdict], expectations: Expectations, seed: int,
+                   decides: dict[str, tuple[str, ...]]) -> list[Verdict]:
+    """The main verdicts, each joined with the same experiment on the subject's variants (`variants()`:
+    the other paths the same code takes under other settings, exercised when no run config fixes the path,
+    e.g. speculators' fixed-exponential weighting beside its D-PACE default). A variant's mismatch is the
+    verdict's (it is a defect of the code, on a path other runs take); otherwise the main verdict stands, and
+    its coverage lists what each variant said."""
+    from sleuth.probes.target import make_target
+
+    found = getattr(subject, "variants", None)
+    variants = found() if callable(found) else {}
+    by_invariant = {v.invariant: v for v in verdicts}
+    for label, variant in (variants or {}).items():
+        try:
+            info = dict(variant.describe())
+            target = make_target(int(info["num_target_layers"]), seed)
+            torch.manual_seed(seed)
+            variant.build(target)
+            randomize_drafter(variant, target, seed + 7)
+            other, _ = run_experiments(Lab(variant, info, target, expectations, seed), decides)
+        except Exception as exc:  # a variant that does not build leaves the main verdicts as they are
+            for verdict in verdicts:
+                verdict.coverage.setdefault("variants", {})[label] = f"not built: {type(exc).__name__}"
+            continue
+        for extra in other:
+            main = by_invariant.get(extra.invariant)
+            if main is None:
+                continue
+            main.coverage.setdefault("variants", {})[label] = extra.status
+            if extra.status == "mismatch" and main.status != "mismatch":
+                main.status, main.reason = "mismatch", ""
+                main.observed = f"with {label}: {extra.observed}"
+                main.measurement = f"{main.measurement}; with {label}: {extra.measurement}"
+                main.fix = extra.fix
+                main.config_bound = []
+    return verdicts
 
 
 EXPERIMENTS: dict[str, Callable[[Lab], list[Verdict]]] = {

@@ -70,9 +70,9 @@ def load_subject(spec: dict[str, Any]) -> Any:
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from sleuth.probes.experiments import EXPERIMENTS, Lab, randomize_drafter
+    from sleuth.probes.experiments import Lab, probe_variants, randomize_drafter, run_experiments
     from sleuth.probes.target import make_target
-    from sleuth.probes.verdict import DECIDES, Expectations, Verdict
+    from sleuth.probes.verdict import DECIDES, Expectations
 
     torch.set_num_threads(int(spec.get("threads") or 1))
     seed = int(spec.get("seed") or 0)
@@ -97,19 +97,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         answer["seconds"]["setup"] = round(time.perf_counter() - started, 3)
         return answer
     answer["seconds"]["setup"] = round(time.perf_counter() - started, 3)
-    for name, experiment in EXPERIMENTS.items():
-        start = time.perf_counter()
-        try:
-            verdicts = experiment(lab)
-        except Exception as exc:
-            reason = f"the experiment failed: {_one_line(exc)}"
-            verdicts = [Verdict(invariant=i, status="unknown", experiment=name, hypothesis="", perturbed="",
-                                measurement="", threshold="", reason=reason) for i in DECIDES[name]]
-        seconds = round(time.perf_counter() - start, 3)
-        answer["seconds"][name] = seconds
-        for verdict in verdicts:
-            verdict.seconds = seconds
-            answer["verdicts"].append(verdict.to_json())
+    verdicts, seconds = run_experiments(lab, DECIDES)
+    answer["seconds"].update(seconds)
+    # The other paths of the same code (its variants), when no run config fixes which one runs.
+    verdicts = probe_variants(subject, verdicts, lab.expectations, seed, DECIDES)
+    answer["verdicts"] = [verdict.to_json() for verdict in verdicts]
     answer["seconds"]["total"] = round(time.perf_counter() - started, 3)
     return answer
 

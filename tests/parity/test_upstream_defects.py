@@ -213,6 +213,17 @@ def test_catalog_option_runs_the_given_catalog(tmp_path: Path, capsys):
     assert f"catalog: {catalog.resolve()}" in capsys.readouterr().out
 
 
+def test_a_rewrite_is_kept_unless_it_turns_something_mismatch():
+    from bench.upstream_defects.catalog import Expectation
+
+    rewrite = _defect(("f.py", "a", "b")).model_copy(update={"expect": Expectation(status="match")})
+    unmodified = Diagnosis(0, 0.1, {"dflash.kv_injection": _finding("mismatch")})
+    kept = classify(rewrite, Diagnosis(0, 0.1, {"dflash.kv_injection": _finding("mismatch"),
+                                                "dflash.fc_norm": _finding("match")}), unmodified)
+    alarm = classify(rewrite, Diagnosis(1, 0.1, {"dflash.fc_norm": _finding("mismatch")}), unmodified)
+    assert (kept.classification, alarm.classification) == ("kept", "false_alarm")
+
+
 # ---- the benchmark on speculators' real source: the parity environment ---------------------------------
 
 # Both catalogs: the 65 defects sleuth's readers were fixed against, and the 45 planted blind afterwards

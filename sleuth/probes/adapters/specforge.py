@@ -45,8 +45,11 @@ _DRAFT_KEEP = ("architectures", "model_type", "auto_map", "block_size", "num_hid
                "num_target_layers", "sliding_window", "use_sliding_window", "max_window_layers")
 
 
+VARIANT = ("SpecForge's D-PACE loss (training.loss_type dpace)", {"training": {"loss_type": "dpace"}})
+
+
 class SpecForgeSubject:
-    def __init__(self, package_dir: str, context: dict[str, Any]) -> None:
+    def __init__(self, package_dir: str, context: dict[str, Any], origin: str | None = None) -> None:
         import specforge
 
         where = Path(specforge.__file__).resolve().parent
@@ -61,6 +64,7 @@ class SpecForgeSubject:
             self.notes.append("the run config is not a SpecForge recipe (no `training:` / `model:`): SpecForge's "
                               "defaults were probed")
         self.config_path = Path(context["config_path"]) if context.get("config_path") else None
+        self.package_dir, self.origin, self.has_run_config = package_dir, origin, bool(config)
         self.run_draft = self._run_draft_config()
         self.cfg_training = self._training_config()
         self.num_target_layers = int(self.run_draft.get("num_target_layers") or DEFAULT_TARGET_LAYERS) \
@@ -89,9 +93,15 @@ class SpecForgeSubject:
         training = {**(self.recipe.get("training") or {}), "strategy": "dflash"}
         return TrainingConfig.model_validate(training)
 
+    def variants(self) -> dict[str, Any]:
+        if self.has_run_config:  # the run's recipe fixes the path the run takes
+            return {}
+        label, config = VARIANT
+        return {label: SpecForgeSubject(self.package_dir, {"config": config}, origin=label)}
+
     def _source(self, key: str) -> str:
         if key in (self.recipe.get("training") or {}):
-            return f"run config training.{key}"
+            return f"probe choice ({self.origin})" if self.origin else f"run config training.{key}"
         return f"SpecForge default (config/schema.py TrainingConfig.{key})"
 
     def describe(self) -> dict[str, Any]:
@@ -134,6 +144,9 @@ class SpecForgeSubject:
         }
         if hasattr(self, "model"):
             info["layer_ids"] = list(self.model.draft_model.target_layer_ids)
+            info["layer_types"] = list(self.model.draft_model.layer_types)
+            # dflash_family_model.py: sliding layers see the earlier slots of their block only
+            info["sliding_causal_within_block"] = True
         return info
 
     def _specforge_config(self) -> Any:

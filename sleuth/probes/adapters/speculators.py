@@ -38,8 +38,15 @@ DEFAULT_TARGET_LAYERS = 8
 _DEFAULT_WHERE = "speculators default (train/config/schema.py TrainConfig for --speculator-type dflash)"
 
 
+# Without a run config, the probes also take speculators' other paths: fixed-exponential weighting (with the
+# default gamma), the KL loss and a full-attention layer (the defaults are D-PACE, CE and sliding layers).
+VARIANT = ("speculators' fixed-exp-decay weighting, KL loss and a full-attention layer",
+           {"train": {"draft": {"full_attention_indices": [0]}, "loss": {"loss_fn": "kl_div"},
+                      "dflash": {"per_position_loss_weight": "fixed-exp-decay"}}})
+
+
 class SpeculatorsSubject:
-    def __init__(self, package_dir: str, context: dict[str, Any]) -> None:
+    def __init__(self, package_dir: str, context: dict[str, Any], origin: str | None = None) -> None:
         import speculators
         from speculators.models.dflash import core
         from speculators.models.dflash.core import DFlashDraftModel
@@ -50,12 +57,21 @@ class SpeculatorsSubject:
         self.core, self.model_class = core, DFlashDraftModel
         self.scratch = Path(tempfile.mkdtemp(prefix="sleuth-speculators-"))
         self.verifier = self.scratch / "verifier"
+        self.package_dir, self.has_run_config = package_dir, bool(context.get("config"))
         self.flat, self.sources = _resolve_train_config(context.get("config") or {}, self.verifier, self.scratch)
+        if origin is not None:  # a variant's settings are the probe's choice, not the run's
+            self.sources = {k: f"probe choice ({origin})" for k in self.sources}
         self.block_size = int(self.flat["block_size"])
         ids = self.flat.get("target_layer_ids")
         self.num_target_layers = max(DEFAULT_TARGET_LAYERS, max(ids) + 3) if ids else DEFAULT_TARGET_LAYERS
         self.call_kwargs, _ = DFlashDraftModel.get_trainer_kwargs(
             **{**self.flat, "loss_implementation": "eager"})  # the fused kernels need Triton (a GPU)
+
+    def variants(self) -> dict[str, Any]:
+        if self.has_run_config:  # the run's config fixes the path the run takes
+            return {}
+        label, config = VARIANT
+        return {label: SpeculatorsSubject(self.package_dir, {"config": config}, origin=label)}
 
     def _source(self, dest: str) -> str:
         return self.sources.get(dest, _DEFAULT_WHERE)
@@ -95,10 +111,9 @@ class SpeculatorsSubject:
             sliding = self.model.sliding_window_indices
             info["layer_types"] = ["sliding_attention" if i in sliding else "full_attention"
                                    for i in range(len(self.model.layers))]
-            if sliding and len(sliding) == len(self.model.layers) and not self.model.sliding_window_non_causal:
-                # DFLASH.md dflash.block_bidirectional: [S] sliding-window layers are causal within the block
-                info["block_attention"] = ("causal: every draft layer is a sliding-window layer and "
-                                           "sliding_window_non_causal is off (speculators' DFlash default)")
+            # DFLASH.md dflash.block_bidirectional: [S] sliding-window layers are causal within the block
+            # unless sliding_window_non_causal (off by default for DFlash)
+            info["sliding_causal_within_block"] = not self.model.sliding_window_non_causal
         return info
 
     def build(self, target: Any) -> None:
