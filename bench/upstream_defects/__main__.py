@@ -16,7 +16,7 @@ $UPSTREAM_SPECFORGE_PATH / $UPSTREAM_ZLAB_PATH (a missing one is skipped with th
 $UPSTREAM_BENCH_SLEUTH, else the repo's .venv running this checkout's sleuth.
 --probe: every copy is also probed (`sleuth diagnose --probe`, in --probe-python: an interpreter with torch
 and the sources' imports, the parity venv); --SOURCE-config gives that source's run config (--config) to every
-diagnosis of it. Rewrites (`expect.status: match`) are `kept` or a `false_alarm`.
+diagnosis of it. Rewrites (`expect.status: clean`) are `kept` or a `false_alarm`.
 Prints one row per defect and the totals on stdout (progress on stderr). Exit 0 when every sleuth run gave a
 report, 1 when some did not (the results are incomplete: see the errors), 2 when the benchmark could not run
 (no source, a defect that no longer plants, no sleuth environment, a bad flag).

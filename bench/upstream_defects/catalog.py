@@ -44,8 +44,9 @@ class Edit(_Strict):
 
 
 class Expectation(_Strict):
-    # mismatch: a planted defect; match: a behaviour-preserving rewrite (the invariant must not turn mismatch)
-    status: Literal["mismatch", "match"] = "mismatch"
+    # mismatch: a planted defect; clean (or match): a behaviour-preserving rewrite, for which a diagnosis
+    # should report no mismatch beyond the unmodified source's
+    status: Literal["mismatch", "clean", "match"] = "mismatch"
     observed: str | None = None  # the value sleuth should read, where it is obvious
 
 

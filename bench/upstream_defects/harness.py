@@ -13,7 +13,7 @@ and then, from OUT/report.json, the finding of the invariant the defect breaks:
   error               sleuth exited 2, timed out or wrote no readable report
 The unmodified source is diagnosed the same way: every `mismatch` there is a false alarm.
 
-A rewrite (`expect.status: match`, behaviour-preserving) is `kept` when its invariant is not `mismatch`
+A rewrite (`expect.status: clean`, behaviour-preserving) is `kept` when its invariant is not `mismatch`
 (beyond what the unmodified source has), and `false_alarm` when it is.
 
 By default no `--config` and no probes: the code is the only evidence. With `probe` (the CLI's `--probe`)
@@ -182,7 +182,7 @@ def classify(defect: Defect, diagnosis: Diagnosis, unmodified: Diagnosis) -> Def
     before = unmodified.findings.get(defect.invariant)
     status = finding["status"] if finding else None
     new_mismatches = sorted(diagnosis.ids_with("mismatch") - unmodified.ids_with("mismatch") - {defect.invariant})
-    rewrite = defect.expect.status == "match"
+    rewrite = defect.expect.status in ("clean", "match")
     if diagnosis.error is not None:
         classification = "error"
     elif rewrite:

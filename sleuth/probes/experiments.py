@@ -111,6 +111,29 @@ class Lab:
             self._baseline = self.logits()
         return self._baseline
 
+    def with_anchors(self, keep: int) -> Lab:
+        """This lab with only the first `keep` anchors of each row (and the padded slot): a batch whose blocks
+        are fewer than the row's positions."""
+        import copy
+
+        from sleuth.probes.target import Layout, Row
+
+        rows = tuple(Row(documents=r.documents, length=r.length, anchors=r.anchors[:keep], holes=r.holes)
+                     for r in self.layout.rows)
+        layout = Layout(block_size=self.block_size, seq_len=self.layout.seq_len, rows=rows, packed=self.packed)
+        other = copy.copy(self)
+        other.layout, other.facts, other._baseline = layout, dict(self.facts), None
+        slots = layout.num_anchors
+        anchors = torch.zeros(self.rows, slots, dtype=torch.long)
+        valid = torch.zeros(self.rows, slots, dtype=torch.bool)
+        for n, row in enumerate(rows):
+            anchors[n, : len(row.anchors)] = torch.tensor(row.anchors)
+            valid[n, : len(row.anchors)] = True
+        other.batch = self.batch.replace(anchors=anchors, anchor_valid=valid)
+        other.facts["slot0_tokens_wrong"] = [t for t in self.facts.get("slot0_tokens_wrong") or []
+                                             if any(t[1] in r.anchors for r in rows)]
+        return other
+
     def valid_blocks(self) -> list[tuple[int, int, int]]:
         return self.layout.blocks()
 
@@ -1049,6 +1072,30 @@ def _label_positions(lab: Lab) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def probe_loss(lab: Lab) -> list[Verdict]:
+    """The loss on the probe's batch, and again with two blocks per row: implementations take other paths
+    when the blocks' tokens outnumber the row's positions than when they do not (speculators gathers the
+    teacher logits per block in one case and rolls the whole row's in the other), so both regimes run."""
+    many = _loss_pass(lab)
+    few_lab = lab.with_anchors(2)
+    if few_lab.layout.num_anchors * lab.block_size >= lab.layout.seq_len:
+        return many
+    few = _loss_pass(few_lab)
+    lab.facts["padded_anchor_trained"] = lab.facts.get("padded_anchor_trained") or few_lab.facts.get("padded_anchor_trained")
+    regimes = {"many": f"{lab.layout.num_anchors} anchor slots per row (A*B > S)",
+               "few": f"{few_lab.layout.num_anchors} anchor slots per row (A*B < S)"}
+    combined = []
+    for main, other in zip(many, few):
+        main.coverage["anchor_regimes"] = regimes
+        if other.status == "mismatch" and main.status != "mismatch":
+            other.observed = f"with few blocks per row (A*B < S): {other.observed}"
+            other.coverage = main.coverage
+            combined.append(other)
+        else:
+            combined.append(main)
+    return combined
+
+
+def _loss_pass(lab: Lab) -> list[Verdict]:
     b, v = lab.block_size, lab.target.vocab_size
     n, a = lab.batch.anchors.shape
     ids = ("dflash.target_logits_source", "dflash.target_shift", "dflash.loss_kind",

@@ -65,11 +65,12 @@ SPECFORGE_SITES = {
     "training/model_utils.py": ("resolve_mask_token_id",),
     "algorithms/model_providers.py": ("_build_dflash_family_model", "populate_dflash_generated_config"),
 }
-# The test recipe with gamma 7 and its two-layer draft config, SpecForge's defaults, and D-PACE.
+# The test recipe with gamma 7 and its two-layer draft config, SpecForge's defaults, and D-PACE with a
+# three-layer drafter whose ids SpecForge's override path computes (build_target_layer_ids for k = 3).
 SPECFORGE_CONFIGS = [
     {"config_path": str(FIXTURES / "specforge" / "recipe-sf-tiny-gamma7.yaml")},
     {"config": None},
-    {"config": {"training": {"strategy": "dflash", "loss_type": "dpace"}}},
+    {"config": {"model": {"draft_num_hidden_layers": 3}, "training": {"strategy": "dflash", "loss_type": "dpace"}}},
 ]
 
 
@@ -107,4 +108,4 @@ def test_specforge_mutants_are_never_vouched_for():
                         reason="SpecForge 0.2.0 is installed by bench/setup_speculators_env.sh")
     package = _installed("specforge")
     _check(score_package("specforge", "specforge", package, SPECFORGE_SITES, _with_recipes(SPECFORGE_CONFIGS),
-                         sys.executable, per_operator=2, total=24, jobs=JOBS))
+                         sys.executable, per_operator=3, total=28, jobs=JOBS))

@@ -216,7 +216,7 @@ def test_catalog_option_runs_the_given_catalog(tmp_path: Path, capsys):
 def test_a_rewrite_is_kept_unless_it_turns_something_mismatch():
     from bench.upstream_defects.catalog import Expectation
 
-    rewrite = _defect(("f.py", "a", "b")).model_copy(update={"expect": Expectation(status="match")})
+    rewrite = _defect(("f.py", "a", "b")).model_copy(update={"expect": Expectation(status="clean")})
     unmodified = Diagnosis(0, 0.1, {"dflash.kv_injection": _finding("mismatch")})
     kept = classify(rewrite, Diagnosis(0, 0.1, {"dflash.kv_injection": _finding("mismatch"),
                                                 "dflash.fc_norm": _finding("match")}), unmodified)

@@ -45,7 +45,11 @@ _DRAFT_KEEP = ("architectures", "model_type", "auto_map", "block_size", "num_hid
                "num_target_layers", "sliding_window", "use_sliding_window", "max_window_layers")
 
 
-VARIANT = ("SpecForge's D-PACE loss (training.loss_type dpace)", {"training": {"loss_type": "dpace"}})
+# Without a recipe, the probes also take SpecForge's other paths: the D-PACE loss, and a drafter of three
+# layers, whose target layer ids its override path computes with build_target_layer_ids (the default
+# generated drafter has one layer, which reads [L // 2]).
+VARIANT = ("SpecForge's D-PACE loss and a 3-layer drafter (model.draft_num_hidden_layers)",
+           {"model": {"draft_num_hidden_layers": 3}, "training": {"loss_type": "dpace"}})
 
 
 class SpecForgeSubject:
@@ -102,6 +106,8 @@ class SpecForgeSubject:
     def _source(self, key: str) -> str:
         if key in (self.recipe.get("training") or {}):
             return f"probe choice ({self.origin})" if self.origin else f"run config training.{key}"
+        if self.origin and key in (self.recipe.get("model") or {}):
+            return f"probe choice ({self.origin})"
         return f"SpecForge default (config/schema.py TrainingConfig.{key})"
 
     def describe(self) -> dict[str, Any]:

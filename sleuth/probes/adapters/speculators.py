@@ -39,10 +39,11 @@ _DEFAULT_WHERE = "speculators default (train/config/schema.py TrainConfig for --
 
 
 # Without a run config, the probes also take speculators' other paths: fixed-exponential weighting (with the
-# default gamma), the KL loss and a full-attention layer (the defaults are D-PACE, CE and sliding layers).
-VARIANT = ("speculators' fixed-exp-decay weighting, KL loss and a full-attention layer",
-           {"train": {"draft": {"full_attention_indices": [0]}, "loss": {"loss_fn": "kl_div"},
-                      "dflash": {"per_position_loss_weight": "fixed-exp-decay"}}})
+# default gamma), the KL loss, a full-attention layer and non-causal sliding layers (the defaults are D-PACE, CE,
+# sliding layers only, causal within the block).
+VARIANT = ("speculators' fixed-exp-decay weighting, KL loss, a full-attention layer and non-causal sliding layers",
+           {"train": {"draft": {"full_attention_indices": [0], "sliding_window_non_causal": True},
+                      "loss": {"loss_fn": "kl_div"}, "dflash": {"per_position_loss_weight": "fixed-exp-decay"}}})
 
 
 class SpeculatorsSubject:
