@@ -151,9 +151,12 @@ class TinyDFlash:
         self.num_target_layers, self.num_features = num_target_layers, num_features
         self.layer_ids = self.layer_ids_for(num_target_layers)
 
-    def layer_ids_for(self, num_target_layers: int) -> list[int]:
-        """This implementation's layer-id rule, for a target of any depth."""
-        return reference_layer_ids(num_target_layers, self.num_features)
+    def layer_ids_for(self, num_target_layers: int, count: int | None = None) -> list[int]:
+        """This implementation's layer-id rule, for a target of any depth (and any number of layers)."""
+        return reference_layer_ids(num_target_layers, count or self.num_features)
+
+    def feature_projection(self) -> nn.Module:
+        return self.drafter.fc
 
     def describe(self) -> dict[str, Any]:
         weighting = {"decay": "fixed-exp" if self.gamma is not None else "none", "dpace": "dpace"}[self.weighting]

@@ -135,6 +135,9 @@ class TrainerProbeSubject:
         """The trainer's own id rule for a target of that depth (the run's explicit ids, if it set them)."""
         return list(self.config.resolved_layer_ids(num_target_layers))
 
+    def feature_projection(self) -> nn.Module:
+        return self.drafter.fc
+
     def sample_anchors(self, batch: Any, num_anchors: int) -> tuple[Tensor, Tensor]:
         """The training loop's sampler (sample_step_anchors) with max_anchors = num_anchors; the step number
         is drawn from torch's global generator, which the probe seeds per draw."""

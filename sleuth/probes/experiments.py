@@ -40,7 +40,8 @@ POSITION_FIT = 1e-3  # relative residual of a query / key against its rotation a
 SAMPLER_DRAWS = 24  # draws of the subject's anchor sampler
 STACK_ROWS = 32  # rows per forward when perturbed copies of the batch are stacked
 # The layer-id rules a subject may follow (DFLASH.md `dflash.target_layer_ids`), each in its convention.
-REFERENCE_DEPTHS = (36, 64)  # target depths the subject's own rule is also called at (besides the probe's)
+REFERENCE_DEPTHS = (36, 45, 64)  # target depths the subject's rule is also called at (45: rounding and truncation part)
+RULE_COUNTS = (2, 3, 4, 5)  # numbers of selected layers the rule is called for, where it takes one
 
 
 def influence(before: Tensor, after: Tensor) -> float:
@@ -293,31 +294,90 @@ def probe_layers_read(lab: Lab) -> list[Verdict]:
         fc.observed = f"{len(read)} of {len(declared)} selected layers read (hidden_states {read})"
         if fc.status == "mismatch":
             fc.fix = "Concatenate every selected layer into fc: Linear(k*H, H) over all k target_layer_ids."
+    if fc.status == "match":
+        _check_fc_layout(lab, fc, read, declared)
     verdicts.append(fc)
     verdicts.append(_layer_ids_verdict(lab, common, read, declared, ambiguous, convention, source, fc.reason))
     return [v.gated() for v in verdicts]
+
+
+def _check_fc_layout(lab: Lab, fc: Verdict, read: list[int], declared: list[int]) -> None:
+    """fc's own input (`feature_projection()`): each selected layer fills its own contiguous block of k*H
+    columns, in the order of the ids, and fc has no bias (DFLASH.md: Linear(k*H, H, bias=False))."""
+    projection = getattr(lab.subject, "feature_projection", None)
+    module = projection() if callable(projection) else None
+    if module is None:
+        fc.not_exercised.append("fc's input layout (the subject exposes no feature_projection): which columns each "
+                                "layer fills")
+        return
+    if getattr(module, "bias", None) is not None:
+        fc.status = "mismatch"
+        fc.observed = "fc has a bias: the reference's fc (and the serving engine's) is bias-free"
+        fc.fix = "Build fc as Linear(k*H, H, bias=False)."
+        return
+    seen_inputs: list[Tensor] = []
+    handle = module.register_forward_pre_hook(lambda _m, args: seen_inputs.append(args[0].detach().float().clone()))
+    try:
+        lab.logits()
+        for index in read:
+            lab.logits(perturb_layer(lab.batch, index, seed=100 + index))
+    finally:
+        handle.remove()
+    if len(seen_inputs) != len(read) + 1 or seen_inputs[0].shape[-1] % max(len(read), 1):
+        fc.not_exercised.append("fc's input layout (fc was not called once per forward on the features)")
+        return
+    width = seen_inputs[0].shape[-1] // len(read)
+    blocks = []
+    for after in seen_inputs[1:]:
+        moved = ((after - seen_inputs[0]).abs().reshape(-1, after.shape[-1]).amax(0) > 0).nonzero().squeeze(-1).tolist()
+        blocks.append(moved)
+    expected = [list(range(j * width, (j + 1) * width)) for j in range(len(read))]
+    fc.measured = {**(fc.measured or {}), "fc_columns": [[b[0], b[-1], len(b)] if b else [] for b in blocks]}
+    if blocks != expected:
+        fc.status = "mismatch"
+        order = [next((j for j, e in enumerate(expected) if b == e), None) for b in blocks]
+        fc.observed = ("fc's input interleaves or spreads the layers (a layer's state does not fill one contiguous "
+                       f"block of {width} columns)" if None in order else
+                       f"fc's input holds the layers in another order ({order} for hidden_states {read})")
+        fc.fix = "Concatenate the selected layers on the last dim, in the order of the ids: cat([h_i for i in ids], -1)."
+    else:
+        fc.observed += f"; each fills its own block of {width} columns of fc's input, in order"
+
+
+def _call_rule(rule: Callable[..., Any], depth: int, count: int | None) -> list[int] | None:
+    if count is None:
+        return [int(i) for i in rule(depth)]
+    try:
+        return [int(i) for i in rule(depth, count)]
+    except TypeError:  # a rule for the subject's own count only
+        return None
 
 
 def _layer_ids_verdict(lab: Lab, common: dict[str, Any], read: list[int], declared: list[int], ambiguous: list[int],
                        convention: str, source: str, fc_reason: str) -> Verdict:
     n_layers = lab.target.num_layers
     configured_ids, ids_source = lab.configured_value("target_layer_ids")
-    by_rule = not from_run_config(ids_source)
     rule_for = getattr(lab.subject, "layer_ids_for", None)
-    depths = (n_layers, *REFERENCE_DEPTHS)
-    rule_ids: dict[int, list[int]] = {}
+    # (depth, count) -> ids: the subject's rule for the probe's target, other depths (odd ones and ones where
+    # rounding and truncation part), and other numbers of layers where the rule takes one.
+    rule_ids: dict[tuple[int, int | None], list[int]] = {}
     rule_error = None
-    if by_rule and callable(rule_for):
+    if configured_ids is None and callable(rule_for):
         try:
-            rule_ids = {depth: [int(i) for i in rule_for(depth)] for depth in depths}
+            for depth in (n_layers, *REFERENCE_DEPTHS):
+                for count in (None, *RULE_COUNTS):
+                    found = _call_rule(rule_for, depth, count)
+                    if found is not None and found not in [v for (d, _), v in rule_ids.items() if d == depth]:
+                        rule_ids[(depth, count)] = found
         except Exception as exc:  # the subject's rule failing is a finding about it, not a crash of the probe
             rule_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    coverage = lab.coverage(layer_ids_from=source, rule_called_at=sorted(rule_ids),
-                            tensors_observed=["draft logits"])
+    coverage = lab.coverage(layer_ids_from=source, rule_called_at=sorted({d for d, _ in rule_ids}),
+                            rule_counts=sorted({len(v) for v in rule_ids.values()}), tensors_observed=["draft logits"])
     ids = Verdict(
         invariant="dflash.target_layer_ids",
         hypothesis="the layers read are the selected ids (id i = hidden_states[i+1] in z-lab's convention, "
-        "hidden_states[i] in vLLM's), and the ids follow an accepted rule for the target's depth",
+        "hidden_states[i] in vLLM's), and the ids are the configured ones or follow an accepted rule for the "
+        "target's depth",
         status="unknown", coverage=coverage, **common,
     )
     ids.expected = (f"ids {reference_layer_ids(n_layers, max(len(declared), 1))} (z-lab) for an L={n_layers} target, "
@@ -341,30 +401,37 @@ def _layer_ids_verdict(lab: Lab, common: dict[str, Any], read: list[int], declar
     else:
         ids.coverage["reading"] = ("not the subject's: its features arrive selected by the serving engine "
                                    "(vLLM id i = hidden_states[i]); only its id rule is probed")
-    if not by_rule:
-        ids.config_bound = ["target_layer_ids"]
+    if configured_ids is not None:  # the configured ids must be the ones the drafter selects
         ids.observed = (ids.observed + "; " if ids.observed else "") + f"ids {configured_ids} from the {ids_source}"
+        if declared and [int(i) for i in configured_ids] != declared:
+            ids.status = "mismatch"
+            ids.observed += f", but the drafter selects {declared}: the configured ids do not reach it"
+            ids.fix = "Pass the configured target layer ids to the drafter."
+            return ids
         ids.status = "match"
+        if from_run_config(ids_source):
+            ids.config_bound = ["target_layer_ids"]
         return ids
     if rule_error is not None:
         ids.status = "mismatch"
-        ids.observed = f"the subject's layer-id rule fails at depths {list(depths)}: {rule_error}"
+        ids.observed = f"the subject's layer-id rule fails: {rule_error}"
         return ids
     if not rule_ids:
-        rule_ids = {n_layers: declared}
+        rule_ids = {(n_layers, None): declared}
         ids.not_exercised.append(f"the subject's layer-id rule at other target depths ({', '.join(map(str, REFERENCE_DEPTHS))}; "
-                                 "it exposes no layer_ids_for): only its ids for this L={n_layers} target were seen")
-    written = "vllm" if convention == "vllm" or convention == "external" else "zlab"
-    if rule_ids.get(n_layers) is not None and declared and rule_ids[n_layers] != declared:
-        problems.append(f"its rule gives {rule_ids[n_layers]} at L={n_layers} but the built drafter selects {declared}")
-    matched: dict[int, str | None] = {depth: _rule_matches(found, written, depth) for depth, found in rule_ids.items()}
-    wrong = {depth: rule_ids[depth] for depth, name in matched.items() if name is None}
+                                 f"it exposes no layer_ids_for): only its ids for this L={n_layers} target were seen")
+    written = "vllm" if convention in ("vllm", "external") else "zlab"
+    own = rule_ids.get((n_layers, None))
+    if own is not None and declared and own != declared:
+        problems.append(f"its rule gives {own} at L={n_layers} but the built drafter selects {declared}")
+    matched = {key: _rule_matches(found, written, key[0]) for key, found in rule_ids.items()}
+    wrong = {key: rule_ids[key] for key, name in matched.items() if name is None}
     if wrong:
         problems.append("ids follow no accepted rule: " + ", ".join(
-            f"L={d}: {i} (z-lab rule: {_in_convention(reference_layer_ids(d, len(i)), 'zlab', written)})"
-            for d, i in wrong.items()))
+            f"L={d}, k={len(i)}: {i} (z-lab rule: {_in_convention(reference_layer_ids(d, len(i)), 'zlab', written)})"
+            for (d, _), i in list(wrong.items())[:4]))
     names = sorted({n for n in matched.values() if n})
-    rule_text = "; ".join(f"L={d}: {i}" for d, i in rule_ids.items())
+    rule_text = "; ".join(f"L={d}: {i}" for (d, c), i in rule_ids.items() if c is None)
     ids.observed = (ids.observed + "; " if ids.observed else "") + f"the subject's rule: {rule_text}"
     if problems:
         ids.status = "mismatch"
@@ -372,7 +439,7 @@ def _layer_ids_verdict(lab: Lab, common: dict[str, Any], read: list[int], declar
         ids.fix = "Select round(1 + i*(L-4)/(k-1)) for i < k (z-lab ids; +1 in vLLM's convention)."
     else:
         ids.status = "match"
-        ids.observed += f" ({' / '.join(names)})"
+        ids.observed += f" ({' / '.join(names)}; {len(rule_ids)} (depth, count) pairs)"
     return ids
 
 
@@ -715,6 +782,14 @@ def probe_kv_injection(lab: Lab) -> list[Verdict]:
             handle.remove()
     changes = [influence(before[i], outputs[i]) for i in range(len(layers))]
     verdict.measured = changes
+    untrained = _context_path_untrained(lab)
+    if untrained:
+        verdict.status = "mismatch"
+        verdict.observed = (f"the loss's gradient does not reach the context projection ({untrained}): the context "
+                            "is detached on its way into the layers, so fc and its norm never train")
+        verdict.measurement = "change of each layer's output: " + ", ".join(f"{i}: {c:.2g}" for i, c in enumerate(changes))
+        verdict.fix = "Do not detach the fused context before the layers' k/v projections."
+        return [verdict]
     verdict.measurement = "change of each layer's output: " + ", ".join(f"{i}: {c:.2g}" for i, c in enumerate(changes))
     if any(seen(c) is None for c in changes):
         verdict.reason = "a layer's change is between the thresholds"
@@ -726,6 +801,25 @@ def probe_kv_injection(lab: Lab) -> list[Verdict]:
         verdict.observed = f"context does not reach layers {missing} of {len(layers)} directly"
         verdict.fix = "Project the fused context with every layer's own k_proj/v_proj and prepend it to that layer's K/V."
     return [verdict.gated()]
+
+
+def _context_path_untrained(lab: Lab) -> str | None:
+    """The parameters of the feature projection (fc) that get no gradient from the loss, or None."""
+    projection = getattr(lab.subject, "feature_projection", None)
+    module = projection() if callable(projection) else None
+    if module is None:
+        return None
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return "fc does not require grad"
+    for p in params:
+        p.grad = None
+    loss = lab.subject.loss(lab.batch, ProbeHooks())
+    if not isinstance(loss, Tensor) or not loss.requires_grad:
+        return None
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    dead = [i for i, g in enumerate(grads) if g is None or g.abs().max().item() == 0.0]
+    return f"{len(dead)} of {len(params)} fc tensors get no gradient" if len(dead) == len(params) else None
 
 
 # --- block position ids ---------------------------------------------------------------------------------------
@@ -1220,6 +1314,12 @@ def _loss_pass(lab: Lab) -> list[Verdict]:
     if self_labels or form >= GRADIENT_FORM:
         gamma.status, gamma.observed, gamma.fix = "unknown", "", ""
         gamma.reason = "the slot weights cannot be read: the loss is not CE or KL against a fixed target (see loss_kind)"
+    elif gamma.status == "mismatch" and lab.configured_value("weighting")[0] == "dpace" and kind_verdict.status != "mismatch":
+        # D-PACE is a kind of loss (speculators' --per-position-loss-weight, SpecForge's loss_type): a weighting
+        # that is not the configured D-PACE is a different loss, not only a different gamma
+        kind_verdict.status, kind_verdict.reason = "mismatch", ""
+        kind_verdict.observed = f"the configured D-PACE loss is not what is trained: {gamma.observed}"
+        kind_verdict.fix = gamma.fix
     return [vv.gated() for vv in (source, shift, kind_verdict, slot0, gamma)]
 
 
@@ -1263,7 +1363,9 @@ def _kind_verdict(lab: Lab, kind: str | None, form: float, self_labels: bool, de
                       measurement=measurement, measured=measured,
                       expected=str(configured) if configured else " or ".join(lab.expectations.loss_kinds), **common)
     if self_labels:
-        verdict.reason = source.observed
+        verdict.status = "mismatch"
+        verdict.observed = "CE against the drafter's own argmax, not the target's (the labels move with its logits)"
+        verdict.fix = "Take the CE labels from the teacher (the target's logits or the data), never the draft logits."
         return verdict
     measured_kind = kind if form < GRADIENT_FORM else ("other" if math.isfinite(form) else None)
     if measured_kind is None:
@@ -1603,6 +1705,18 @@ def probe_anchor_sampling(lab: Lab) -> list[Verdict]:
         low, high = sum(ordered[:half]), sum(ordered[len(ordered) - half :])
         if abs(low - high) > 5 * math.sqrt(max(low + high, 1)) / 2 + 2:
             skew.append((n, low, high))
+    # More anchors asked for than one row has but fewer than another: each row gets what it can hold.
+    sizes = sorted(len(e) for e in eligible)
+    if len(sizes) > 1 and sizes[0] < sizes[-1] and not problems:
+        between = (sizes[0] + sizes[-1]) // 2
+        torch.manual_seed(lab.seed + 998)
+        _anchors, some_valid = sampler(batch, between)
+        some_valid = some_valid.reshape(-1, some_valid.shape[-1]).bool()
+        got = [int(some_valid[n].sum()) for n in range(min(lab.rows, some_valid.shape[0]))]
+        want = [min(between, len(e)) for e in eligible][: len(got)]
+        if got != want:
+            problems.append(f"asked for {between} anchors, rows with {[len(e) for e in eligible]} eligible positions got "
+                            f"{got} valid anchors (expected {want}): one row's count limits another's")
     # Fewer eligible positions than anchors asked for: the extra slots must be flagged invalid.
     sparse = mask.clone() * 0
     for n, row in enumerate(lab.layout.rows):

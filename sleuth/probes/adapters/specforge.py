@@ -48,8 +48,10 @@ _DRAFT_KEEP = ("architectures", "model_type", "auto_map", "block_size", "num_hid
 # Without a recipe, the probes also take SpecForge's other paths: the D-PACE loss, and a drafter of three
 # layers, whose target layer ids its override path computes with build_target_layer_ids (the default
 # generated drafter has one layer, which reads [L // 2]).
-VARIANT = ("SpecForge's D-PACE loss and a 3-layer drafter (model.draft_num_hidden_layers)",
-           {"model": {"draft_num_hidden_layers": 3}, "training": {"loss_type": "dpace"}})
+VARIANT = ("SpecForge's D-PACE loss (alpha 0.3), a 3-layer drafter (model.draft_num_hidden_layers) and the SDPA "
+           "mask builder", {"model": {"draft_num_hidden_layers": 3},
+                            "training": {"loss_type": "dpace", "dpace_alpha": 0.3, "attention_backend": "sdpa"}})
+TAIL = 5  # positions each stored sample has beyond max_len, so the offline normaliser's truncation runs
 
 
 class SpecForgeSubject:
@@ -145,6 +147,9 @@ class SpecForgeSubject:
             "anchor_sampler_source": "SpecForge OnlineDFlashModel._sample_anchor_positions",
             "layer_ids_source": ids_from,
             "mask_token_source": "SpecForge resolve_mask_token_id over the target's tokenizer (training/model_utils.py)",
+            "features_source": "SpecForge extract_context_feature, normalize_offline_sample and its collator",
+            "attention_backend": f"{training.attention_backend} mask builder, SDPA attention (flex mask_mod "
+                                 "evaluated densely)",
             "notes": [*self.notes, f"loss_type {training.loss_type}, loss_decay_gamma {gamma}, block {self.block_size}; "
                       "attention SDPA (flex attention needs compilation)"],
         }
@@ -201,12 +206,20 @@ class SpecForgeSubject:
                                                tokenizer)
         self.model = parts.model.float()
         self.block_size = int(self.model.block_size)
+        # The run's mask builder (flex_attention by default) with SDPA attention: its flex mask_mod is evaluated
+        # densely (create_mask, as speculators' SDPA path does), since flex attention needs compilation.
+        self.model.attention_backend = self.cfg_training.attention_backend
+        if self.model.attention_backend not in ("flex_attention", "sdpa"):
+            self.model.attention_backend = "sdpa"
 
-    def layer_ids_for(self, num_target_layers: int) -> list[int]:
-        """SpecForge's own rule for that depth, for the number of draft layers this drafter has."""
+    def layer_ids_for(self, num_target_layers: int, count: int | None = None) -> list[int]:
+        """SpecForge's own rule for that depth, for `count` draft layers (default: this drafter's)."""
         from specforge.modeling.draft.dflash import build_target_layer_ids
 
-        return list(build_target_layer_ids(num_target_layers, len(self.model.draft_model.layers)))
+        return list(build_target_layer_ids(num_target_layers, count or len(self.model.draft_model.layers)))
+
+    def feature_projection(self) -> nn.Module:
+        return self.model.draft_model.fc
 
     def parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.model.named_parameters())
@@ -231,20 +244,49 @@ class SpecForgeSubject:
 
         handles = [self.model.embed_tokens.register_forward_hook(lambda _m, _a, out: hooks.block_embeddings(out)),
                    self.model.lm_head.register_forward_hook(on_logits)]
+        from torch.nn.attention.flex_attention import create_mask
+
+        from specforge.algorithms.common import dflash_family_model as family
+
+        original = family.create_block_mask
+        family.create_block_mask = lambda mod, B, H, Q_LEN, KV_LEN, device: create_mask(mod, B, H, Q_LEN, KV_LEN, device)
         try:
             yield drafted
         finally:
+            family.create_block_mask = original
             del self.model._sample_anchor_positions
             for handle in handles:
                 handle.remove()
 
-    def _forward(self, batch: Any, hooks: Any) -> tuple[Tensor, list[Tensor]]:
+    def _through_data_path(self, batch: Any) -> dict[str, Tensor]:
+        """The rows as SpecForge's training gets them: the selected layers (its extract_context_feature), each
+        row stored as an offline sample a few positions longer than max_len, its offline normaliser
+        (normalize_offline_sample) and its collator (zero padding)."""
+        from specforge.algorithms.common.dflash_family_data import build_collator, normalize_offline_sample
         from specforge.modeling.draft.dflash import extract_context_feature
 
         features = extract_context_feature(list(batch.hidden_states), list(self.model.draft_model.target_layer_ids))
+        g = torch.Generator().manual_seed(11)
+        samples = []
+        for row in range(batch.input_ids.shape[0]):
+            length = int((batch.doc_ids[row] >= 0).sum())
+            raw = {"input_ids": torch.cat([batch.input_ids[row, :length], torch.randint(1, 60, (TAIL,), generator=g)]),
+                   "loss_mask": torch.cat([batch.loss_mask[row, :length], torch.ones(TAIL, dtype=batch.loss_mask.dtype)]),
+                   "hidden_states": torch.cat([features[row, :length],
+                                               torch.randn(TAIL, features.shape[-1], generator=g).to(features.dtype)])}
+            samples.append(normalize_offline_sample(raw, max_len=length))
+        collated = build_collator()(samples)
+        width = batch.input_ids.shape[1]
+        if collated["input_ids"].shape[1] != width:  # rows all padded: the collator pads to the longest only
+            pad = width - collated["input_ids"].shape[1]
+            collated = {k: torch.nn.functional.pad(v, (0, 0, 0, pad) if v.dim() == 3 else (0, pad)) for k, v in collated.items()}
+        return collated
+
+    def _forward(self, batch: Any, hooks: Any) -> tuple[Tensor, list[Tensor]]:
+        fed = self._through_data_path(batch)
         with self._wired(batch, hooks) as drafted:
-            loss, _accuracy, _metrics = self.model(input_ids=batch.input_ids, hidden_states=features,
-                                                   loss_mask=batch.loss_mask)
+            loss, _accuracy, _metrics = self.model(input_ids=fed["input_ids"], hidden_states=fed["hidden_states"],
+                                                   loss_mask=fed["loss_mask"])
         return loss, drafted
 
     def draft_logits(self, batch: Any, hooks: Any) -> Tensor:
@@ -258,9 +300,10 @@ class SpecForgeSubject:
         return loss
 
     def sample_anchors(self, batch: Any, num_anchors: int) -> tuple[Tensor, Tensor]:
-        """SpecForge's sampler, as its forward calls it, on the batch's loss mask."""
+        """SpecForge's sampler, as its forward calls it, on the batch's loss mask (through its data path)."""
         self.model.num_anchors = num_anchors
-        return self.model._sample_anchor_positions(batch.loss_mask.shape[1], batch.loss_mask, batch.loss_mask.device)
+        mask = self._through_data_path(batch)["loss_mask"]
+        return self.model._sample_anchor_positions(mask.shape[1], mask, mask.device)
 
     def train_step(self, batch: Any) -> None:
         # SpecForge's BF16Optimizer is AdamW over the parameters that require grad (specforge/optimizer.py).

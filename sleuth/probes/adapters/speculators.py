@@ -41,9 +41,16 @@ _DEFAULT_WHERE = "speculators default (train/config/schema.py TrainConfig for --
 # Without a run config, the probes also take speculators' other paths: fixed-exponential weighting (with the
 # default gamma), the KL loss, a full-attention layer and non-causal sliding layers (the defaults are D-PACE, CE,
 # sliding layers only, causal within the block).
-VARIANT = ("speculators' fixed-exp-decay weighting, KL loss, a full-attention layer and non-causal sliding layers",
-           {"train": {"draft": {"full_attention_indices": [0], "sliding_window_non_causal": True},
-                      "loss": {"loss_fn": "kl_div"}, "dflash": {"per_position_loss_weight": "fixed-exp-decay"}}})
+# Settings other than the defaults, so a value that never reaches the code shows (gamma 7, alpha 0.3, explicit
+# layer ids).
+VARIANTS = {
+    "speculators' fixed-exp-decay weighting with gamma 7, KL loss, explicit layer ids, a full-attention layer "
+    "and non-causal sliding layers": {"train": {
+        "draft": {"full_attention_indices": [0], "sliding_window_non_causal": True, "target_layer_ids": [1, 3, 6]},
+        "loss": {"loss_fn": "kl_div"},
+        "dflash": {"per_position_loss_weight": "fixed-exp-decay", "dflash_decay_gamma": 7.0}}},
+    "speculators' D-PACE with alpha 0.3": {"train": {"dflash": {"dpace_alpha": 0.3}}},
+}
 
 
 class SpeculatorsSubject:
@@ -71,8 +78,8 @@ class SpeculatorsSubject:
     def variants(self) -> dict[str, Any]:
         if self.has_run_config:  # the run's config fixes the path the run takes
             return {}
-        label, config = VARIANT
-        return {label: SpeculatorsSubject(self.package_dir, {"config": config}, origin=label)}
+        return {label: SpeculatorsSubject(self.package_dir, {"config": config}, origin=label)
+                for label, config in VARIANTS.items()}
 
     def _source(self, dest: str) -> str:
         return self.sources.get(dest, _DEFAULT_WHERE)
@@ -103,6 +110,7 @@ class SpeculatorsSubject:
             "layer_ids_source": ("the run config's target_layer_ids" if flat.get("target_layer_ids") else
                                  "speculators resolve_target_layer_ids for the verifier's depth (models/utils.py)"),
             "mask_token_source": "speculators resolve_mask_token_id from the verifier's tokenizer (train/utils.py)",
+            "features_source": "speculators ArrowDataset (the cached hidden states read) and CollateFn (packing)",
             "notes": [f"trainer call kwargs: loss {flat['loss_fn']} (eager), weighting {kwargs['per_position_loss_weight']}, "
                       f"gamma {kwargs['gamma']}, block {self.block_size}; attention SDPA over speculators' mask_mod "
                       "(flex attention needs compilation); optimizer " + str(flat.get("optimizer"))],
@@ -128,8 +136,12 @@ class SpeculatorsSubject:
         self.layer_ids = list(self.model.target_layer_ids)
         self._masks: dict[tuple, Any] = {}
 
-    def layer_ids_for(self, num_target_layers: int) -> list[int]:
-        """speculators' own rule for a verifier of that depth (a config.json is all it reads)."""
+    def feature_projection(self) -> nn.Module:
+        return self.model.fc
+
+    def layer_ids_for(self, num_target_layers: int, count: int | None = None) -> list[int]:
+        """speculators' own rule for a verifier of that depth (a config.json is all it reads; it always
+        picks three, whatever `count`)."""
         from speculators.models.utils import resolve_target_layer_ids
 
         where = self.scratch / f"verifier-{num_target_layers}"
@@ -185,21 +197,44 @@ class SpeculatorsSubject:
                 sliding_window_non_causal=sliding_window_non_causal)
         return self._masks[key]
 
-    def _features(self, batch: Any) -> Tensor:
-        return torch.cat([batch.hidden_states[i] for i in self.layer_ids], dim=-1)  # vLLM ids: hidden_states[i]
+    def _through_data_path(self, batch: Any) -> dict[str, Tensor]:
+        """The row as speculators' training gets it: each document stored as vLLM hands it over (the selected
+        layers, id i = hidden_states[i], then the final layer before its norm: [seq, k+1, H]), read by its
+        dataset (`ArrowDataset._get_raw_data`, `BaseDataset.__getitem__`) and packed by its `CollateFn`
+        (document ids, positions restarting per document)."""
+        from speculators.train.data import ArrowDataset, CollateFn
+
+        stack = torch.stack([batch.hidden_states[i][0] for i in self.layer_ids] + [batch.last_hidden[0]], dim=1)
+        docs = batch.doc_ids[0]
+        spans, start = [], 0
+        for p in range(1, docs.numel() + 1):
+            if p == docs.numel() or docs[p] != docs[start]:
+                if docs[start] >= 0:
+                    spans.append((start, p))
+                start = p
+        stored = [{"hidden_states": stack[a:b], "token_ids": batch.input_ids[0, a:b]} for a, b in spans]
+        dataset = ArrowDataset.__new__(ArrowDataset)  # the reading, without the files it would read from
+        dataset.transfer = SimpleNamespace(get_cached=lambda index: stored[index])
+        dataset.data = [{"input_ids": batch.input_ids[0, a:b], "loss_mask": batch.loss_mask[0, a:b]} for a, b in spans]
+        dataset._map_to_file_idx = lambda index: index
+        dataset.on_missing = "raise"
+        collate = CollateFn(max_len=batch.input_ids.shape[1], hidden_size=stack.shape[-1],
+                            num_target_layers=len(self.layer_ids), dtype=stack.dtype)
+        return collate([dataset[i] for i in range(len(spans))])
 
     def _forward(self, batch: Any, hooks: Any) -> tuple[Tensor, list[Tensor]]:
         if batch.input_ids.shape[0] != 1:
             raise ValueError("speculators' DFlash forward takes one packed row")
         kwargs = {**self.call_kwargs, "max_anchors": int(batch.anchors.shape[1])}
+        fed = self._through_data_path(batch)
         with self._wired(batch, hooks) as drafted:
             _, loss, _metrics = self.model(
-                hidden_states=self._features(batch),
-                input_ids=batch.input_ids,
-                loss_mask=batch.loss_mask,
-                verifier_last_hidden_states=batch.last_hidden,
-                document_ids=batch.doc_ids,
-                position_ids=batch.position_ids,
+                hidden_states=fed["hidden_states"],
+                input_ids=fed["input_ids"],
+                loss_mask=fed["loss_mask"],
+                verifier_last_hidden_states=fed["verifier_last_hidden_states"],
+                document_ids=fed["document_ids"],
+                position_ids=fed["position_ids"],
                 **kwargs,
             )
         return loss, drafted
@@ -216,8 +251,9 @@ class SpeculatorsSubject:
 
     def sample_anchors(self, batch: Any, num_anchors: int) -> tuple[Tensor, Tensor]:
         """speculators' sampler where its forward calls it (`_build_attention_mask`), on the batch's mask."""
+        fed = self._through_data_path(batch)
         _full, _sliding, anchors, valid = self.model._build_attention_mask(
-            batch.loss_mask, num_anchors, batch.doc_ids, batch.loss_mask.device)
+            fed["loss_mask"], num_anchors, fed["document_ids"], batch.loss_mask.device)
         return anchors.reshape(1, -1), valid.reshape(1, -1)
 
     def train_step(self, batch: Any) -> None:
