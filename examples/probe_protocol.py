@@ -44,6 +44,8 @@ DEFECTS = {
     "gamma_ignored": "the loss decays with gamma 4 whatever the config says",
     "sampler_ranks": "the sampler returns ranks among the eligible positions instead of the positions",
     "mask_is_pad": "slots 1..B-1 hold the pad token (0) instead of the mask token",
+    "fc_interleaved": "fc's input interleaves the layers feature by feature (stack, then flatten)",
+    "context_detached": "the fused context is detached before the layers (fc never trains)",
 }
 DEFAULTS = {"gamma": 4.0, "loss": "ce", "weighting": "decay", "block_size": 6}
 
@@ -104,9 +106,10 @@ class Layer(nn.Module):
 
 class Drafter(nn.Module):
     def __init__(self, num_features: int, hidden: int, layers: int, heads: int, head_dim: int,
-                 intermediate: int, theta: float, context_first_layer_only: bool, block_size: int) -> None:
+                 intermediate: int, theta: float, context_first_layer_only: bool, block_size: int,
+                 context_detached: bool = False) -> None:
         super().__init__()
-        self.block_size = block_size
+        self.block_size, self.context_detached = block_size, context_detached
         self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden)
         self.layers = nn.ModuleList(Layer(hidden, heads, head_dim, intermediate) for _ in range(layers))
@@ -117,6 +120,8 @@ class Drafter(nn.Module):
     def forward(self, block: Tensor, features: Tensor, position_ids: Tensor, mask: Tensor,
                 slot_positions: bool = False) -> Tensor:
         context = self.hidden_norm(self.fc(features))  # [N, S, H]
+        if self.context_detached:
+            context = context.detach()
         cos, sin = self.rotary(block, position_ids)
         query_rotation = None
         if slot_positions:  # the defect: queries at their slot index within the block
@@ -185,7 +190,7 @@ class TinyDFlash:
         self.read = [i if "layer_offset" in self.defects else i + 1 for i in read]  # hidden_states indices
         self.drafter = Drafter(len(self.read), target.hidden_size, 2, target.num_heads, target.head_dim,
                                target.intermediate_size, target.rope_theta, "context_first_layer_only" in self.defects,
-                               self.block_size)
+                               self.block_size, "context_detached" in self.defects)
 
     def parameters(self) -> dict[str, nn.Parameter]:
         found = dict(self.drafter.named_parameters())
@@ -230,7 +235,10 @@ class TinyDFlash:
         ids = torch.full((n, a, b), 0 if "mask_is_pad" in self.defects else self.target.mask_token_id)
         ids[:, :, 0] = batch.input_ids.gather(1, batch.anchors)
         block = hooks.block_embeddings(F.embedding(ids.view(n, a * b), self.embed))
-        features = torch.cat([batch.hidden_states[i] for i in self.read], dim=-1)
+        if "fc_interleaved" in self.defects:
+            features = torch.stack([batch.hidden_states[i] for i in self.read], dim=-1).flatten(-2)
+        else:
+            features = torch.cat([batch.hidden_states[i] for i in self.read], dim=-1)
         shift = 1 if "position_offset" in self.defects else 0
         block_positions = batch.position_ids.gather(1, batch.anchors)[..., None] + torch.arange(b) + shift
         positions = torch.cat([batch.position_ids, block_positions.view(n, a * b)], dim=1)

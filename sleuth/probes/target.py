@@ -52,7 +52,8 @@ def make_target(num_layers: int, seed: int = 0) -> ProbeTarget:
         mask_token_id=VOCAB - 1,
         embed_weight=torch.randn(VOCAB, HIDDEN, generator=g),
         lm_head_weight=torch.randn(VOCAB, HIDDEN, generator=g) * LM_HEAD_STD,
-        norm_weight=1.0 + 0.1 * torch.randn(HIDDEN, generator=g),  # not all ones: a missing norm shows
+        # far from all ones: a teacher built without the final norm's gain (or with another) changes many argmaxes
+        norm_weight=torch.exp(0.5 * torch.randn(HIDDEN, generator=g)),
     )
 
 

@@ -289,3 +289,44 @@ def test_behaviour_probe_tells_a_real_defect_from_a_no_op(tmp_path: Path, capsys
     out = capsys.readouterr().out
     assert "hs-spec-gamma-scaled-by-block: changed (loss_T32_fixed-exp-decay" in out
     assert "comment-only: not exercised" in out
+
+
+# ---- with probes: the blind catalog of defects for the probes (defects_probes.yaml, parity venv) ----------
+
+PROBES_CATALOG = "defects_probes.yaml"  # 30 defects and 7 rewrites planted blind in speculators 0.9.0 and SpecForge 0.2.0
+
+
+@pytest.fixture(scope="module")
+def probes_result() -> dict:
+    from bench.upstream_defects.harness import ProbeOptions
+
+    catalog = load_catalog(resolve_catalog_path(PROBES_CATALOG))
+    for name in ("speculators", "specforge"):
+        if importlib.util.find_spec(name) is None:
+            if REQUIRED:
+                pytest.fail(f"SPECULATORS_PARITY_REQUIRED=1 but {name} is not installed here", pytrace=False)
+            pytest.skip(f"{name} is not installed here: the probe benchmark runs in the parity venv (`make parity`)")
+    try:
+        command = sleuth_command()
+    except CatalogError as exc:
+        pytest.skip(f"no environment to run sleuth in: {exc}")
+    result = run_benchmark(catalog, ["speculators", "specforge"], {}, command, jobs=2,
+                           probes=ProbeOptions(python=sys.executable))
+    if out := os.environ.get("UPSTREAM_BENCH_OUT"):
+        path = Path(out)
+        path.with_name(f"{path.stem}-{Path(PROBES_CATALOG).stem}{path.suffix}").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+@pytest.mark.slow
+def test_probes_catalog_meets_its_bar(probes_result: dict):
+    """With --probe: every defect diagnosed, no silent match, no mismatch on the unmodified sources or on a
+    behaviour-preserving rewrite, recall >= 90 %."""
+    t = probes_result["totals"]
+    rows = {r["id"]: (r["classification"], r["status"], str(r["observed"])[:80]) for r in probes_result["defects"]}
+    assert t["error"] == 0 and t["unmodified_errors"] == 0, rows
+    assert t["silent_false_match"] == 0, {k: v for k, v in rows.items() if v[0] == "silent_false_match"}
+    assert t["false_alarms"] == 0, ({n: u["false_alarms"] for n, u in probes_result["unmodified"].items()},
+                                   {k: v for k, v in rows.items() if v[0] == "false_alarm"})
+    assert t["rewrites"] == 7 and t["kept"] == 7
+    assert t["recall"] >= 0.9, rows

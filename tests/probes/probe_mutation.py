@@ -294,7 +294,9 @@ def fingerprint(subject: Any, context_seed: int = 0) -> dict[str, Any]:
     parameter names or the loss's scale."""
     import torch
 
-    from sleuth.probes.experiments import Lab, _capture_block_tokens, _gradient_at, randomize_drafter
+    from sleuth.probes.experiments import Lab, randomize_drafter
+    from sleuth.probes.experiments.inputs import _capture_block_tokens
+    from sleuth.probes.experiments.loss import _gradient_at
     from sleuth.probes.target import make_target
     from sleuth.probes.verdict import Expectations
 

@@ -52,11 +52,24 @@ DEFECT_CASES = [
     ("self_labels", "loss-gradient", "dflash.target_logits_source", "the drafter's own argmax"),
     ("sampler_ranks", "anchor-sampling", "dflash.anchor_sampling", "anchors at unsupervised positions"),
     ("mask_is_pad", "block-inputs", "dflash.mask_token_distinct", "is the pad / eos token"),
+    ("fc_interleaved", "layers-read", "dflash.fc_input_layers", "interleaves or spreads the layers"),
+    ("context_detached", "context-per-layer", "dflash.kv_injection", "does not reach the context projection"),
 ]
 # A defect may break a neighbouring rule of the same experiment as well; nothing else may turn.
 ALSO = {"future_context": {"dflash.context_excludes_anchor"}, "anchor_tiling": {"dflash.blocks_isolated"},
         "cross_block": {"dflash.context_excludes_anchor"}, "softmax_ce": {"dflash.loss_decay_gamma"},
         "self_labels": {"dflash.target_shift", "dflash.loss_kind", "dflash.loss_decay_gamma"}}
+
+
+def test_the_layer_id_rule_is_called_at_depths_and_counts_where_rounding_matters():
+    lab = make_lab(example_subject())
+    ids = {v.invariant: v for v in EXPERIMENTS["layers-read"](lab)}["dflash.target_layer_ids"]
+    assert ids.status == "match" and 45 in ids.coverage["rule_called_at"] and ids.coverage["rule_counts"] == [2, 3, 4, 5]
+    # A rule that truncates instead of rounding agrees at the probe's depth and is caught at L = 45.
+    lab.subject.layer_ids_for = lambda depth, count=None: [int(1 + i * (depth - 4) / ((count or 3) - 1))
+                                                           for i in range(count or 3)]
+    truncated = {v.invariant: v for v in EXPERIMENTS["layers-read"](lab)}["dflash.target_layer_ids"]
+    assert truncated.status == "mismatch" and "L=45" in truncated.observed
 
 
 @pytest.mark.parametrize(("defect", "experiment", "invariant", "observed"), DEFECT_CASES, ids=[c[0] for c in DEFECT_CASES])

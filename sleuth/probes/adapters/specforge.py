@@ -100,10 +100,13 @@ class SpecForgeSubject:
         return TrainingConfig.model_validate(training)
 
     def variants(self) -> dict[str, Any]:
-        if self.has_run_config:  # the run's recipe fixes the path the run takes
-            return {}
+        """The code's other paths: its defaults (when a recipe chose others) and the settings above."""
         label, config = VARIANT
-        return {label: SpecForgeSubject(self.package_dir, {"config": config}, origin=label)}
+        found = {label: SpecForgeSubject(self.package_dir, {"config": config}, origin=label)}
+        if self.has_run_config and not self.origin:
+            found = {"SpecForge's defaults": SpecForgeSubject(self.package_dir, {}, origin="SpecForge's defaults"),
+                     **found}
+        return found
 
     def _source(self, key: str) -> str:
         if key in (self.recipe.get("training") or {}):

@@ -76,10 +76,13 @@ class SpeculatorsSubject:
             **{**self.flat, "loss_implementation": "eager"})  # the fused kernels need Triton (a GPU)
 
     def variants(self) -> dict[str, Any]:
-        if self.has_run_config:  # the run's config fixes the path the run takes
-            return {}
-        return {label: SpeculatorsSubject(self.package_dir, {"config": config}, origin=label)
-                for label, config in VARIANTS.items()}
+        """The code's other paths: its defaults (when a run config chose others) and the settings above."""
+        found = {label: SpeculatorsSubject(self.package_dir, {"config": config}, origin=label)
+                 for label, config in VARIANTS.items()}
+        if self.has_run_config:
+            found = {"speculators' defaults": SpeculatorsSubject(self.package_dir, {}, origin="speculators' defaults"),
+                     **found}
+        return found
 
     def _source(self, dest: str) -> str:
         return self.sources.get(dest, _DEFAULT_WHERE)
