@@ -15,9 +15,13 @@ PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_CPU_VERSION:-2.13.0}"
 SPECULATORS_VERSION="${SPECULATORS_VERSION:-0.9.0}"
 SPECFORGE_VERSION="${SPECFORGE_VERSION:-0.2.0}"
+SPECFORGE_EXTRAS="accelerate==1.15.0 psutil==7.2.2 yunchang==0.6.4"
 PIP="$VENV/bin/python -m pip"
+# The marker holds what was installed: an environment built with other pins (or before SpecForge was
+# added) is brought up to date in place instead of being taken as ready.
+STAMP="torch $TORCH_VERSION speculators $SPECULATORS_VERSION specforge $SPECFORGE_VERSION $SPECFORGE_EXTRAS"
 
-if [ -f "$VENV/.installed" ]; then
+if [ -f "$VENV/.installed" ] && [ "$(cat "$VENV/.installed")" = "$STAMP" ]; then
     echo "speculators environment ready: $VENV"
     exit 0
 fi
@@ -35,8 +39,9 @@ $PIP uninstall -y -q torchvision torchaudio
 # What our trainer package and the parity tests import besides torch and transformers (speculators
 # brings transformers, safetensors, pydantic, pyyaml, rich, typer, tokenizers, httpx already).
 $PIP install -q pytest platformdirs tensorboard  # tensorboard: `speculators train --logger tensorboard` (tools/make_speculators_fixture.py)
-# SpecForge without its dependency pins (CUDA torch, sglang); its DFlash training code needs only these on CPU.
-$PIP install -q --no-deps "specforge==$SPECFORGE_VERSION" accelerate psutil yunchang
+# SpecForge without its dependency pins (CUDA torch, sglang); its DFlash training code needs only these on CPU
+# (pinned to what the reference environment was measured with: BENCHMARKS.md, the probes catalog).
+$PIP install -q --no-deps "specforge==$SPECFORGE_VERSION" $SPECFORGE_EXTRAS
 
 # Fail here, not in CI, if the environment cannot import what the parity tests need.
 PYTHONPATH=. "$VENV/bin/python" - <<'PY'
@@ -50,5 +55,5 @@ from importlib.metadata import version
 print(f"speculators {version('speculators')}, specforge {version('specforge')}, torch {torch.__version__}, "
       f"transformers {transformers.__version__}")
 PY
-touch "$VENV/.installed"
+echo "$STAMP" > "$VENV/.installed"
 echo "speculators environment ready: $VENV"

@@ -10,6 +10,7 @@ import typer
 
 from sleuth.commands.diagnose import diagnose_command
 from sleuth.commands.fetch_reference import fetch_reference
+from sleuth.commands.probe import app as probe_app
 
 app = typer.Typer(
     name="sleuth",
@@ -20,6 +21,7 @@ app = typer.Typer(
 )
 app.command("fetch-reference")(fetch_reference)
 app.command("diagnose")(diagnose_command)
+app.add_typer(probe_app, name="probe")
 
 
 def main() -> None:

@@ -15,11 +15,13 @@ so tests can drive the agent with fakes; by default the real ones are imported l
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sleuth.artifacts import shown
 from sleuth.findings import Finding, TraceStep
 from sleuth.investigation.inputs import (  # noqa: F401 - re-exported: usable on their own
     InputDiscovery,
@@ -34,7 +36,7 @@ from sleuth.investigation.report_builder import (  # noqa: F401 - re-exported
     write_diagnosis,
 )
 from sleuth.investigation.request import DEFAULT_PLAYBOOK, DEFAULT_REFERENCE, DiagnoseError, DiagnoseRequest
-from sleuth.regression import Regression, RegressionRefused, find_regression
+from sleuth.regression import Candidate, Regression, RegressionRefused, find_regression
 from sleuth.runs import RunError, RunInfo, list_run_dirs, read_run, resolve_run_dir
 from sleuth.trace import Trace
 
@@ -86,14 +88,16 @@ def diagnose(
     *,
     engine: Engine | None = None,
     listener: Callable[[TraceStep], None] | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> Diagnosis:
     """Run the whole investigation and write `<out>/report.{md,json,sarif}`, fix.yaml, chart.png, trace.jsonl.
 
     Raises DiagnoseError (one line) for a user's mistake; damaged inputs become `unknown` findings instead.
+    `announce` hears, before any code under diagnosis runs, what will run and how it is isolated.
     """
     if request.run is None and request.code is None:
         raise DiagnoseError("nothing to diagnose: give --run NAME|PATH, or --code PATH for any DFlash implementation")
-    investigation = _Investigation(request, engine, Trace(listener))
+    investigation = _Investigation(request, engine, Trace(listener), announce)
     try:
         return investigation.run()
     except (RunError, RegressionRefused) as exc:
@@ -109,7 +113,7 @@ AGENT_STEPS = frozenset({
     "read-run", "regression", "load-playbook", "resolve-reference", "read-config", "locate-checkpoint",
     "locate-code", "check-invariants", "look-for-evidence", "recheck-invariants", "merge-findings",
     "check-contract", "rank-findings", "draw-chart", "write-report", "run-probes", "apply-probes",
-    "check-speculators-config",
+    "check-speculators-config", "located-piece",
 })
 
 
@@ -139,9 +143,13 @@ class _Investigation(InputDiscovery):
     """The agent: input discovery (InputDiscovery), then its own steps (regression, playbook, reference,
     checks, follow-up), then report building (sleuth.investigation.report_builder)."""
 
-    def __init__(self, request: DiagnoseRequest, engine: Engine | None, trace: Trace) -> None:
+    def __init__(self, request: DiagnoseRequest, engine: Engine | None, trace: Trace,
+                 announce: Callable[[str], None] | None = None) -> None:
         super().__init__(request, trace)
         self._engine = engine
+        self.announce = announce
+        self.probe_outcome: Any = None  # sleuth.probes.runner.ProbeOutcome, when a probe was planned
+        self.probe_policy: str | None = None
         self.regression: Regression | None = None
         self.baseline_infos: list[RunInfo] = []
         self.playbook: Any = None
@@ -194,15 +202,19 @@ class _Investigation(InputDiscovery):
                 regression = find_regression(info, [], baseline)
                 others = [baseline]
             else:
-                others = []
+                others, unreadable = [], []
                 for path in list_run_dirs(runs_dir):
                     if path.resolve() == info.path.resolve():
                         continue
                     try:
                         others.append(read_run(path))
-                    except RunError:
-                        continue
-                regression = find_regression(info, others)
+                    except Exception as exc:  # noqa: BLE001 - a damaged sibling never stops this run's diagnosis
+                        if os.environ.get("SLEUTH_DEBUG") and not isinstance(exc, RunError):
+                            raise
+                        why = _one_line(exc) if isinstance(exc, RunError) else f"{type(exc).__name__}: {_one_line(exc)}"
+                        unreadable.append(Candidate(name=shown(path.name), path=str(path), comparable=False,
+                                                    reason=f"cannot be read, skipped ({why[:200]})"))
+                regression = find_regression(info, others, skipped=unreadable)
             step.outcome = f"{regression.verdict}: {regression.summary}"
         self.regression = regression
         # The chart shows the chosen baseline first, then the other comparable runs, best first.
@@ -329,13 +341,14 @@ class _Investigation(InputDiscovery):
         from sleuth.probes.agent import probe_findings
 
         request, info = self.request, self.run_info
-        return probe_findings(
+        findings, self.probe_outcome, self.probe_policy = probe_findings(
             findings, trace=self.trace, playbook=self.playbook, probe=request.probe, entry=request.probe_entry,
             python=request.probe_python, run_dir=info.path if info is not None else None,
             run_name=info.name if info is not None else None, run_code=info.code_dir if info is not None else None,
-            code=request.code, config=self.config, timeout_s=request.probe_timeout_s,
+            code=request.code, config=self.config, timeout_s=request.probe_timeout_s, announce=self.announce,
             config_path=request.config,
         )
+        return findings
 
     def write(self, findings: list[Finding]) -> Diagnosis:
         report, out_dir, files = write_diagnosis(self, findings)

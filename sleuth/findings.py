@@ -46,6 +46,9 @@ class Finding(BaseModel):
     fix: Fix | None = None
     reason: str | None = Field(None, description="why the status is what it is, esp. for unknown")
     notes: list[str] = Field(default_factory=list, description="e.g. references that disagree")
+    input_problem: str | None = Field(None, description=(
+        "the run's input that left this finding undecided (a config value of the wrong type): the run is then "
+        "not reported clean"))
     static_agreement: bool = Field(False, description=(
         "status is unknown, but the code read statically agrees with the rule at the cited site: what the "
         "value's whole path does was not traced or measured, so it is not claimed as a match"))

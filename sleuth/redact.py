@@ -4,8 +4,10 @@ stderr, report.md/json/sarif, fix.yaml, trace.jsonl, cache metadata).
 
 What counts as a secret: the userinfo of any URL (`https://x-access-token:TOKEN@github.com/...`; a token
 can be the user name alone), credential-like query parameters (`?access_token=`, `&sig=`, ...), bearer
-headers, the well-known token shapes (GitHub's `ghp_`/`github_pat_`, GitLab's `glpat-`), and the value of
-GITHUB_TOKEN itself wherever it appears. Hosts and paths are kept: they are what a reader needs to act.
+headers, the well-known token shapes (GitHub's `ghp_`/`github_pat_`, GitLab's `glpat-`), private key blocks
+(`-----BEGIN ... PRIVATE KEY-----`), and the value of any secret-looking variable of sleuth's own environment
+(GITHUB_TOKEN, HF_TOKEN, AWS_SECRET_ACCESS_KEY, ...: a name with TOKEN, SECRET, PASSWORD, API_KEY, ...)
+wherever it appears. Hosts and paths are kept: they are what a reader needs to act.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ _BEARER = re.compile(
 _TOKEN_SHAPES = re.compile(
     r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_\-]{20,})"
 )
-_TOKEN_ENV_VARS = ("GITHUB_TOKEN", "GH_TOKEN")
+_PRIVATE_KEY = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.DOTALL)
+_SECRET_ENV_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL", re.IGNORECASE)
 
 
 def redact(text: str) -> str:
@@ -43,9 +46,10 @@ def redact(text: str) -> str:
     text = _SECRET_QUERY.sub(lambda m: f"{m['key']}{MASK}", text)
     text = _BEARER.sub(lambda m: f"{m['key']}{MASK}", text)
     text = _TOKEN_SHAPES.sub(MASK, text)
-    for var in _TOKEN_ENV_VARS:
-        value = os.environ.get(var, "").strip()
-        if len(value) >= 8:  # a short value would mask ordinary words
+    text = _PRIVATE_KEY.sub(MASK, text)
+    for name, value in os.environ.items():
+        value = value.strip()
+        if len(value) >= 8 and _SECRET_ENV_NAME.search(name):  # a short value would mask ordinary words
             text = text.replace(value, MASK)
     return text
 
@@ -68,7 +72,9 @@ class RedactingWriter(io.TextIOBase):
         self._stream = stream
 
     def write(self, text: str) -> int:
-        self._stream.write(redact(text))
+        from sleuth.artifacts import printable  # a non-UTF-8 file name: spelled out, not a UnicodeEncodeError
+
+        self._stream.write(printable(redact(text)))
         return len(text)
 
     def flush(self) -> None:

@@ -219,9 +219,11 @@ def compare_runs(run: RunInfo, baseline: RunInfo) -> list[MetricComparison]:
     return comparisons
 
 
-def find_regression(run: RunInfo, others: list[RunInfo], baseline: RunInfo | None = None) -> Regression:
+def find_regression(run: RunInfo, others: list[RunInfo], baseline: RunInfo | None = None, *,
+                    skipped: Sequence[Candidate] = ()) -> Regression:
     """Compare `run` with `baseline`, or with the best comparable earlier run among `others`.
 
+    `skipped`: candidates that could not be read at all (a damaged sibling run), listed with their reason.
     Raises RegressionRefused when an explicit `baseline` is not comparable.
     """
     if baseline is not None:
@@ -234,7 +236,7 @@ def find_regression(run: RunInfo, others: list[RunInfo], baseline: RunInfo | Non
     if not any(run.series(metric)[0] for metric in METRICS):
         reason = f"{run.name} logged no acc, streak, tau or loss to compare"
         return Regression(run=run.name, verdict="unknown", reason=reason, summary=reason)
-    candidates: list[Candidate] = []
+    candidates: list[Candidate] = list(skipped)
     scored: list[tuple[float, RunInfo, list[MetricComparison], Candidate]] = []
     run_created = run.created
     for other in others:

@@ -8,25 +8,30 @@ an error (`RunError`).
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
 import struct
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from sleuth.artifacts import (
+    ArtifactError,
+    exists,
+    is_dir,
+    json_kind,
+    list_dir,
+    parse_json,
+    read_bytes,
+    read_json_object,
+    regular_file,
+    shown,
+)
+# RunInfo lives in its own module (sleuth.interop builds it too); importers of sleuth.runs keep finding it here.
+from sleuth.run_info import MAX_METRIC_MAGNITUDE, RunInfo, is_step, metric_value
 
 EXPORT_WEIGHTS = "model.safetensors"  # what `trainer export` (and z-lab / speculators) write
 
 DEFAULT_RUNS_DIR = Path("runs")
-
-# Metric values past this magnitude are not measurements (an accuracy, a loss, a streak) but overflow or
-# corruption; keeping them would overflow the chart's axis arithmetic and the regression's differences.
-# Steps past MAX_STEP likewise. Both are part of the run-directory contract as sleuth reads it.
-MAX_METRIC_MAGNITUDE = 1e15
-MAX_STEP = 10**12
 
 # A safetensors header is a little-endian u64 length followed by that many bytes of JSON. Real drafter
 # headers are a few KiB; anything past this is a damaged length field, not a header worth reading.
@@ -35,107 +40,12 @@ _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 _CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _MAX_LATEST = 4096
 
-# run.json, config.json and eval.json are a few KiB; a file far larger is not one of them.
-_MAX_JSON_FILE = 16 * 1024 * 1024
+# metrics.jsonl grows a few hundred bytes per logged step: a million steps fit; more is not a metrics file.
+_MAX_METRICS_FILE = 512 * 1024 * 1024
 
 
 class RunError(Exception):
     """A run cannot be found or read at all; the message is one line."""
-
-
-@dataclass
-class RunInfo:
-    """Everything sleuth read from one run directory, with a reason for each thing it could not read."""
-
-    name: str
-    path: Path
-    run_json: dict[str, Any] | None = None
-    config: dict[str, Any] | None = None
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    metrics_sha256: str | None = None
-    eval_report: dict[str, Any] | None = None
-    checkpoint: Path | None = None
-    checkpoint_step: int | None = None
-    code_dir: Path | None = None
-    problems: list[str] = field(default_factory=list)
-    # What another trainer's reader (sleuth.interop) read, for checks in that trainer's conventions.
-    interop: Any = None
-
-    @property
-    def config_path(self) -> Path:
-        return self.path / "config.json"
-
-    @property
-    def created(self) -> datetime | None:
-        raw = (self.run_json or {}).get("created")
-        if not isinstance(raw, str):
-            return None
-        try:
-            created = datetime.fromisoformat(raw.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-        # Naive and aware timestamps cannot be compared; treat a naive one as UTC, as the trainer writes UTC.
-        if created.tzinfo is None:
-            created = created.replace(tzinfo=timezone.utc)
-        return created
-
-    @property
-    def target_fingerprint(self) -> str | None:
-        return _nested_str(self.run_json, "target", "fingerprint")
-
-    @property
-    def data_fingerprint(self) -> str | None:
-        return _nested_str(self.run_json, "data", "fingerprint")
-
-    @property
-    def block_size(self) -> int | None:
-        value = (self.config or {}).get("block_size")
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-    @property
-    def status(self) -> str | None:
-        value = (self.run_json or {}).get("status")
-        return value if isinstance(value, str) else None
-
-    @property
-    def steps_done(self) -> int | None:
-        value = (self.run_json or {}).get("steps_done")
-        return value if isinstance(value, int) else None
-
-    def series(self, metric: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of one metric, in step order; rows without a finite number for it are skipped.
-
-        A step logged twice (a resumed run re-logs the steps after its checkpoint) keeps the later row.
-        `val_<name>` reads the validation rows (`"split": "val"`, held-out data); any other name reads the
-        training rows (no `split`, or `"split": "train"`), so the two never overwrite each other.
-        """
-        split = "val" if metric.startswith("val_") else "train"
-        name = metric.removeprefix("val_")
-        by_step: dict[int, float] = {}
-        for row in self.metrics:
-            if row.get("split", "train") != split:
-                continue
-            step, value = row.get("step"), metric_value(row.get(name))
-            if not _is_step(step) or value is None:
-                continue
-            by_step[step] = value
-        steps = sorted(by_step)
-        return steps, [by_step[s] for s in steps]
-
-
-def metric_value(value: object) -> float | None:
-    """The value as a float when it is a usable measurement: a finite number within ±MAX_METRIC_MAGNITUDE."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)  # an int of 400 digits overflows here rather than later
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) and abs(number) <= MAX_METRIC_MAGNITUDE else None
-
-
-def _is_step(step: object) -> bool:
-    return isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP
 
 
 def resolve_run_dir(run: str | Path, runs_dir: Path | None = None) -> Path:
@@ -158,39 +68,44 @@ def resolve_run_dir(run: str | Path, runs_dir: Path | None = None) -> Path:
 
 
 def list_run_dirs(runs_dir: Path) -> list[Path]:
-    """The run directories directly inside `runs_dir`: those with a run.json, config.json or metrics."""
-    if not runs_dir.is_dir():
+    """The run directories directly inside `runs_dir`: those with a run.json or metrics (ours), or a
+    run.yaml / train_command.txt (a speculators save directory).
+
+    A directory with only a config.json is not a run: a verifier or target model beside the runs, an
+    exported drafter; it has no history to compare with.
+    """
+    if not is_dir(runs_dir):
         return []
     from sleuth.interop import FOREIGN_RUN_MARKERS, is_foreign_save_dir
 
     if is_foreign_save_dir(runs_dir):
         return []  # a speculators save directory holds one run's checkpoints, not runs
-    markers = ("run.json", "config.json", "metrics.jsonl", *FOREIGN_RUN_MARKERS)
-    return sorted(p for p in runs_dir.iterdir() if p.is_dir() and any((p / m).is_file() for m in markers))
+    markers = ("run.json", "metrics.jsonl", *FOREIGN_RUN_MARKERS)
+    return [p for p in list_dir(runs_dir) if is_dir(p) and any(exists(p / m) for m in markers)]
 
 
 def read_run(path: Path) -> RunInfo:
     """Read everything sleuth uses from a run directory; damaged parts become `problems`, not errors."""
-    if not path.is_dir():
-        raise RunError(f"run directory {path} does not exist")
+    if not is_dir(path):
+        raise RunError(f"run directory {shown(path)} does not exist")
     from sleuth.interop import read_foreign_run
 
     foreign = read_foreign_run(path)  # a speculators save directory or checkpoint, read in its own layout
     if foreign is not None:
         return foreign
     markers = ("run.json", "config.json", "metrics.jsonl", "checkpoints", "code", EXPORT_WEIGHTS)
-    if not any((path / m).exists() for m in markers):
+    if not any(exists(path / m) for m in markers):
         raise RunError(
-            f"{path} is not a run directory: it has none of run.json, config.json, metrics.jsonl, "
+            f"{shown(path)} is not a run directory: it has none of run.json, config.json, metrics.jsonl, "
             "checkpoints/, code/ (nor an exported drafter's model.safetensors)"
         )
     info = RunInfo(name=path.name, path=path)
-    info.run_json = _read_json_object(path / "run.json", info.problems)
+    info.run_json = _read_json_object(path / "run.json", info.problems, path)
     if info.run_json and isinstance(info.run_json.get("name"), str) and info.run_json["name"]:
         info.name = info.run_json["name"]
-    info.config = _read_json_object(path / "config.json", info.problems)
+    info.config, info.config_sha256 = _read_config(path / "config.json", info.problems, path)
     _read_metrics(path / "metrics.jsonl", info)
-    info.eval_report = _read_json_object(path / "eval.json", None)
+    info.eval_report = _read_json_object(path / "eval.json", None, path)
     if is_export_dir(path, info.config):
         # A serving export (`trainer export`, z-lab's or speculators' layout): its config and weights are
         # all there is; no metrics, no code, no run.json.
@@ -199,8 +114,11 @@ def read_run(path: Path) -> RunInfo:
         return info
     _find_checkpoint(path / "checkpoints", info)
     code = path / "code"
-    if code.is_dir():
+    if is_dir(code, within=path):
         info.code_dir = code
+    elif is_dir(code):
+        # A shipped run can point code/ at any tree (the system's Python library): it is not this run's copy.
+        info.problems.append("code/ is a link leading outside the run directory; not read")
     else:
         info.problems.append("the run has no code/ copy of the source it executed")
     return info
@@ -208,54 +126,63 @@ def read_run(path: Path) -> RunInfo:
 
 def is_export_dir(path: Path, config: dict[str, Any] | None) -> bool:
     """A drafter exported for serving: a config.json that says DFlash, plus model.safetensors."""
-    if config is None or not (path / EXPORT_WEIGHTS).is_file() or (path / "run.json").exists():
+    if config is None or not _is_file(path / EXPORT_WEIGHTS, path) or exists(path / "run.json"):
         return False
     return "dflash_config" in config or config.get("speculators_model_type") == "dflash"
 
 
-def _read_json_object(path: Path, problems: list[str] | None) -> dict[str, Any] | None:
-    """A JSON object from `path`, or None with a problem line (None `problems`: the file is optional)."""
-    if not path.is_file():
+def _is_file(path: Path, within: Path) -> bool:
+    """A regular file inside the run (not a FIFO, a device or a link leaving it); never raises."""
+    try:
+        return regular_file(path, within=within)
+    except ArtifactError:
+        return False
+
+
+def _read_json_object(path: Path, problems: list[str] | None, run: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`, or None with a problem line (None `problems`: the file is optional).
+    Read under sleuth.artifacts' discipline: a regular file inside the run, bounded in size, depth and
+    number length; every failure is one line naming the file."""
+    try:
+        return read_json_object(path, within=run)
+    except FileNotFoundError:
         if problems is not None:
             problems.append(f"{path.name} is missing")
-        return None
-    try:
-        if path.stat().st_size > _MAX_JSON_FILE:
-            raise ValueError(f"{path.stat().st_size} bytes, more than such a file can be")
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as exc:
+    except ArtifactError as exc:
         if problems is not None:
-            problems.append(f"{path.name} cannot be read: {exc.strerror or exc}")
-        return None
-    except UnicodeDecodeError as exc:
-        if problems is not None:
-            problems.append(f"{path.name} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})")
-        return None
-    except json.JSONDecodeError as exc:
-        if problems is not None:
-            problems.append(f"{path.name} is not valid JSON (line {exc.lineno}: {exc.msg})")
-        return None
-    except (ValueError, RecursionError) as exc:  # an int of 5000 digits, nesting too deep, too large
-        if problems is not None:
-            problems.append(f"{path.name} cannot be read as JSON: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-        return None
-    if not isinstance(data, dict):
-        if problems is not None:
-            problems.append(f"{path.name} does not hold a JSON object")
-        return None
-    return data
+            problems.append(f"{shown(path.name)} {exc.reason}")
+    return None
 
 
-def _read_metrics(path: Path, info: RunInfo) -> None:
-    if not path.is_file():
-        info.problems.append("metrics.jsonl is missing")
-        return
+def _read_config(path: Path, problems: list[str], run: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """config.json as `_read_json_object` reads it, with the sha256 of the bytes parsed."""
     import hashlib
 
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        info.problems.append(f"metrics.jsonl cannot be read: {exc}")
+        raw = read_bytes(path, within=run)
+        data = parse_json(raw, path)
+    except FileNotFoundError:
+        problems.append(f"{path.name} is missing")
+        return None, None
+    except ArtifactError as exc:
+        problems.append(f"{shown(path.name)} {exc.reason}")
+        return None, None
+    if not isinstance(data, dict):
+        problems.append(f"{path.name} holds {json_kind(data)}, not a JSON object")
+        return None, None
+    return data, hashlib.sha256(raw).hexdigest()
+
+
+def _read_metrics(path: Path, info: RunInfo) -> None:
+    import hashlib
+
+    try:
+        raw = read_bytes(path, within=info.path, max_bytes=_MAX_METRICS_FILE)
+    except FileNotFoundError:
+        info.problems.append("metrics.jsonl is missing")
+        return
+    except ArtifactError as exc:
+        info.problems.append(f"metrics.jsonl {exc.reason}")
         return
     info.metrics_sha256 = hashlib.sha256(raw).hexdigest()
     skipped: list[int] = []
@@ -264,12 +191,12 @@ def _read_metrics(path: Path, info: RunInfo) -> None:
         if not line.strip():
             continue
         try:
-            row = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):  # not UTF-8, garbled, a 5000-digit int
+            row = parse_json(line, path)
+        except ArtifactError:  # not UTF-8, garbled, nested too deep, a number of 400 digits
             skipped.append(number)
             continue
         step = row.get("step") if isinstance(row, dict) else None
-        if not _is_step(step):
+        if not is_step(step):
             skipped.append(number)
             continue
         # NaN, ±Infinity and overflowed numbers are not measurements: dropped from the row (and named),
@@ -294,33 +221,40 @@ def _read_metrics(path: Path, info: RunInfo) -> None:
 
 def _find_checkpoint(checkpoints: Path, info: RunInfo) -> None:
     """The newest complete checkpoint's drafter weights: `checkpoints/latest` names its directory."""
-    if not checkpoints.is_dir():
+    if not is_dir(checkpoints, within=info.path):
         info.problems.append("the run has no checkpoints/ directory")
         return
     latest_file = checkpoints / "latest"
     step_dir: Path | None = None
-    if latest_file.is_file():
-        name = latest_file.read_bytes()[:_MAX_LATEST].decode("utf-8", errors="replace").strip()
+    try:
+        latest = read_bytes(latest_file, within=info.path, max_bytes=_MAX_LATEST, head=True)
+    except (FileNotFoundError, ArtifactError) as exc:
+        latest = None
+        if isinstance(exc, ArtifactError):
+            info.problems.append(f"checkpoints/latest {exc.reason}")
+    if latest is not None:
+        name = latest.decode("utf-8", errors="replace").strip()
         # `latest` names a directory inside checkpoints/, nothing else: a path in it could point anywhere.
-        if _CHECKPOINT_NAME.fullmatch(name) and name not in (".", "..") and (checkpoints / name).is_dir():
+        if _CHECKPOINT_NAME.fullmatch(name) and name not in (".", "..") and is_dir(checkpoints / name, within=info.path):
             step_dir = checkpoints / name
         else:
             name = name if len(name) <= 80 else name[:77] + "..."
-            info.problems.append(f"checkpoints/latest names {name!r}, which does not exist")
+            info.problems.append(f"checkpoints/latest names {shown(name)!r}, which does not exist")
     # Without a usable pointer, the highest-numbered step directory is the best guess; say so.
     if step_dir is None:
-        candidates = sorted(p for p in checkpoints.glob("step-*") if (p / "drafter.safetensors").is_file())
+        candidates = [p for p in list_dir(checkpoints) if p.name.startswith("step-")
+                      and _is_file(p / "drafter.safetensors", info.path)]
         if not candidates:
             info.problems.append("no checkpoint with drafter.safetensors under checkpoints/")
             return
         step_dir = candidates[-1]
-        if latest_file.is_file():
-            info.problems.append(f"using {step_dir.name} instead")
+        if latest is not None:
+            info.problems.append(f"using {shown(step_dir.name)} instead")
         else:
-            info.problems.append(f"checkpoints/latest is missing; using {step_dir.name}")
+            info.problems.append(f"checkpoints/latest is missing; using {shown(step_dir.name)}")
     weights = step_dir / "drafter.safetensors"
-    if not weights.is_file():
-        info.problems.append(f"checkpoints/{step_dir.name} has no drafter.safetensors")
+    if not _is_file(weights, info.path):
+        info.problems.append(f"checkpoints/{shown(step_dir.name)} has no drafter.safetensors")
         return
     info.checkpoint = weights
     try:
@@ -329,11 +263,16 @@ def _find_checkpoint(checkpoints: Path, info: RunInfo) -> None:
         info.checkpoint_step = None
     problem = safetensors_header_problem(weights)
     if problem:
-        info.problems.append(f"checkpoints/{step_dir.name}/drafter.safetensors {problem}")
+        info.problems.append(f"checkpoints/{shown(step_dir.name)}/drafter.safetensors {problem}")
 
 
 def safetensors_header_problem(path: Path) -> str | None:
     """Why a safetensors file cannot be read (cheaply: its header only, no torch), or None if it can."""
+    try:
+        if not regular_file(path):
+            return "is missing"
+    except ArtifactError as exc:
+        return exc.reason
     try:
         size = path.stat().st_size
         with path.open("rb") as handle:
@@ -343,10 +282,10 @@ def safetensors_header_problem(path: Path) -> str | None:
             (length,) = struct.unpack("<Q", prefix)
             if length == 0 or length > _MAX_SAFETENSORS_HEADER or 8 + length > size:
                 return "is corrupt: its header length field is impossible (truncated or not safetensors)"
-            header = json.loads(handle.read(length))
+            header = parse_json(handle.read(length), path)
     except OSError as exc:
         return f"cannot be read: {exc}"
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except ArtifactError:
         return "is corrupt: its header is not valid JSON"
     if not isinstance(header, dict):
         return "is corrupt: its header is not a JSON object"
@@ -362,12 +301,3 @@ def safetensors_header_problem(path: Path) -> str | None:
     if ends and 8 + length + max(ends) > size:
         return "is corrupt: truncated (tensor data ends before the header says)"
     return None
-
-
-def _nested_str(data: dict[str, Any] | None, *keys: str) -> str | None:
-    value: Any = data
-    for key in keys:
-        if not isinstance(value, dict):
-            return None
-        value = value.get(key)
-    return value if isinstance(value, str) and value else None

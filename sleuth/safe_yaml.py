@@ -15,6 +15,8 @@ from pathlib import Path
 # far below what could hang a reader.
 MAX_EXPANDED_NODES = 100_000
 MAX_FILE_BYTES = 10 * 1024 * 1024
+# As for JSON (sleuth.artifacts.MAX_JSON_DEPTH): no recursive reader downstream meets the recursion limit.
+MAX_DEPTH = 64
 
 
 class YamlLimitError(ValueError):
@@ -48,13 +50,17 @@ def load_yaml(text: str, *, max_nodes: int = MAX_EXPANDED_NODES) -> object:
         loader.dispose()
 
 
-def read_text_file(path: Path, *, what: str, max_bytes: int = MAX_FILE_BYTES) -> str:
-    """A user's text file, size-capped and strictly UTF-8; YamlLimitError / UnicodeDecodeError / OSError
-    carry one-line reasons for the caller to wrap."""
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise YamlLimitError(f"{what} {path} is {size} bytes; more than the {max_bytes >> 20} MiB a config may be")
-    return path.read_bytes().decode("utf-8")
+def read_text_file(path: Path, *, what: str, max_bytes: int = MAX_FILE_BYTES, within: Path | None = None) -> str:
+    """A user's text file, size-capped and strictly UTF-8, read under sleuth.artifacts' discipline (a regular
+    file: a FIFO is refused, not waited on; inside `within` when given). YamlLimitError / UnicodeDecodeError /
+    OSError carry one-line reasons for the caller to wrap."""
+    from sleuth.artifacts import ArtifactError, read_bytes, shown
+
+    try:
+        data = read_bytes(path, max_bytes=max_bytes, within=within)
+    except ArtifactError as exc:
+        raise YamlLimitError(f"{what} {shown(path)} {exc.reason}") from None
+    return data.decode("utf-8")
 
 
 def describe_decode_error(exc: UnicodeDecodeError) -> str:
@@ -73,8 +79,10 @@ def _children(node: object) -> list[object]:
 
 def _check_expanded_size(root: object, max_nodes: int) -> None:
     """Post-order walk of the node graph: a node's expanded size is 1 + its children's, each shared node
-    measured once. A node met again while it is still open is an alias to an ancestor: a cycle."""
+    measured once. A node met again while it is still open is an alias to an ancestor: a cycle.
+    Depth is measured the same way (1 + the deepest child)."""
     sizes: dict[int, int] = {}
+    depths: dict[int, int] = {}
     open_nodes: set[int] = set()
     stack: list[tuple[object, bool]] = [(root, False)]
     while stack:
@@ -82,11 +90,15 @@ def _check_expanded_size(root: object, max_nodes: int) -> None:
         key = id(node)
         if children_done:
             open_nodes.discard(key)
-            total = 1 + sum(sizes[id(child)] for child in _children(node))
+            children = _children(node)
+            total = 1 + sum(sizes[id(child)] for child in children)
             if total > max_nodes:
                 raise YamlLimitError(f"YAML expands to more than {max_nodes} nodes through its aliases "
                                      "(an alias bomb?); refused")
-            sizes[key] = total
+            depth = 1 + max((depths[id(child)] for child in children), default=0)
+            if depth > MAX_DEPTH:
+                raise YamlLimitError(f"YAML nested too deeply to read (more than {MAX_DEPTH} levels)")
+            sizes[key], depths[key] = total, depth
             continue
         if key in sizes:
             continue

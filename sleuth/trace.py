@@ -40,7 +40,10 @@ class Trace:
                 self._listener(record)
 
     def write_jsonl(self, path: Path) -> None:
-        path.write_text("".join(redact(json.dumps(s.model_dump())) + "\n" for s in self.steps))
+        # Written by rename (sleuth.artifacts.write_atomic): a trace.jsonl that is a link is replaced, not followed.
+        from sleuth.artifacts import write_atomic
+
+        write_atomic(path, "".join(redact(json.dumps(s.model_dump())) + "\n" for s in self.steps))
 
 
 def _jsonable(value: object) -> object:

@@ -8,6 +8,7 @@ reads, so field names and meanings only change with a CHANGELOG entry.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +34,98 @@ class ConfigError(ValueError):
     """A user's config is wrong; the message is one line that says what and where."""
 
 
+DraftLayerType = Literal["full_attention", "sliding_attention"]
+
+
+class DraftConfig(BaseModel):
+    """The drafter's own shape where it differs from the target's: every field None is the target's value.
+
+    The fields are Qwen3Config's (the drafter's layers are Qwen3 decoder layers). The width stays the
+    target's hidden size: the fused context and the target's embeddings / lm_head live in that space.
+    Resolved against the target by trainer/model/drafter.py `draft_config_from_target`; the resolved
+    values are in run.json `drafter` and in every export's config.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    num_attention_heads: int | None = Field(
+        None, ge=1, le=1024, description="Query heads. Alone, it also sets head_dim = hidden // heads and "
+        "num_key_value_heads = heads (the target's values belong to the target's head count).")
+    num_key_value_heads: int | None = Field(None, ge=1, le=1024, description="K/V heads; must divide the query heads.")
+    head_dim: int | None = Field(None, ge=2, le=1024, description="Per-head width (even: RoPE rotates pairs).")
+    intermediate_size: int | None = Field(None, ge=1, description="MLP width.")
+    layer_types: list[DraftLayerType] | None = Field(
+        None, description="One per drafter layer: 'full_attention' or 'sliding_attention' (a window over the "
+        "context before the anchor; trainer/model/attention_mask.py). None: every layer full attention.")
+    sliding_window: int | None = Field(
+        None, ge=1, le=MAX_SEQ_LEN, description="W of the sliding_attention layers: context positions "
+        "anchor-W .. anchor-1 (speculators' semantics); at least block_size.")
+    sliding_window_non_causal: bool = Field(
+        False, description="Sliding layers attend bidirectionally within the block (speculators' flag); "
+        "False: causally (speculators' and the published Qwen3.6 drafter's default). Full layers always "
+        "attend bidirectionally.")
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base; None: the target's.")
+    rope_parameters: dict[str, Any] | None = Field(
+        None, description="The whole RoPE (transformers 5 `rope_parameters`: rope_type, rope_theta, scaling "
+        "factors) instead of the target's. The drafter rotates its whole head with 1-D positions, so neither "
+        "partial_rotary_factor below 1 nor mRoPE sections are accepted.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for key, value in values.items():
+                field = cls.model_fields.get(key)
+                if field is not None and field.annotation is not bool and isinstance(value, bool):
+                    raise ValueError(f"draft_config.{key} takes a number, not a boolean (got {value!r})")
+        return values
+
+    @field_validator("rope_parameters")
+    @classmethod
+    def _rope_the_drafter_can_rotate(cls, rope: dict[str, Any] | None) -> dict[str, Any] | None:
+        if rope is None:
+            return None
+        partial = rope.get("partial_rotary_factor", 1.0)
+        if not isinstance(partial, (int, float)) or isinstance(partial, bool) or partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial!r}: the drafter's Qwen3 layers rotate the whole head; "
+                             "drop the key (speculators #613: a copied 0.25 is served as a quarter-head rotation)")
+        for key in ("mrope_section", "mrope_interleaved"):
+            if key in rope:
+                raise ValueError(f"{key}: the drafter's positions are 1-D text positions (plain RoPE); drop the key")
+        theta = rope.get("rope_theta")
+        if isinstance(theta, str):  # YAML 1.1 reads `1e7` (no dot) as a string
+            try:
+                theta = float(theta)
+            except ValueError:
+                pass
+        if theta is not None and (not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0):
+            raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
+        return rope if theta is None else {**rope, "rope_theta": float(theta)}
+
+    @model_validator(mode="after")
+    def _attention_consistent(self) -> DraftConfig:
+        slides = "sliding_attention" in (self.layer_types or [])
+        if slides and self.sliding_window is None:
+            raise ValueError("draft_config.layer_types has sliding_attention layers but no sliding_window")
+        if self.sliding_window is not None and not slides:
+            raise ValueError(f"draft_config.sliding_window {self.sliding_window} is set but no layer is "
+                             "sliding_attention: set draft_config.layer_types")
+        if self.sliding_window_non_causal and not slides:
+            raise ValueError("draft_config.sliding_window_non_causal only applies to sliding_attention layers")
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv is not None and heads % kv:
+            raise ValueError(f"draft_config.num_attention_heads {heads} is not divisible by num_key_value_heads {kv}")
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError(f"draft_config.head_dim {self.head_dim} must be even (RoPE rotates pairs)")
+        if self.rope_theta is not None and self.rope_parameters is not None:
+            raise ValueError("draft_config sets both rope_theta and rope_parameters; put rope_theta in rope_parameters")
+        return self
+
+    def as_shape(self) -> dict[str, Any]:
+        """The overrides for trainer.model.drafter.draft_config_from_target (None = the target's)."""
+        return self.model_dump()
+
+
 class TrainConfig(BaseModel):
     # allow_inf_nan=False: `lr: .inf` or `nan` would train to NaN losses and call the run completed.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -42,8 +135,9 @@ class TrainConfig(BaseModel):
     # --- what is trained on -------------------------------------------------------------------------
     target: str = Field(
         "embedded",
-        description="'embedded' (the small Qwen3 target built by `trainer target build`) or the path of "
-        "any Hugging Face causal-LM directory, loaded with AutoModelForCausalLM.from_pretrained.",
+        description="'embedded' (the small Qwen3 target built by `trainer target build`), 'embedded-qwen3_5' "
+        "(a tiny qwen3_5 hybrid built the same way on first use) or the path of any Hugging Face causal-LM "
+        "directory, loaded with AutoModelForCausalLM.from_pretrained.",
     )
     data: str = Field(
         "embedded",
@@ -69,6 +163,11 @@ class TrainConfig(BaseModel):
     # --- DFlash architecture: the invariants sleuth checks ---------------------------------------------
     block_size: int = Field(8, ge=1, le=MAX_BLOCK_SIZE, description="Tokens per draft block: slot 0 anchor + B-1 masks.")
     draft_layers: int = Field(5, ge=1, le=64, description="Qwen3-style decoder layers in the drafter.")
+    draft_config: DraftConfig = Field(
+        default_factory=DraftConfig,
+        description="The drafter's own heads, head_dim, MLP width, per-layer attention (layer_types, "
+        "sliding_window) and RoPE where they differ from the target's (DraftConfig; empty: the target's).",
+    )
     target_layer_ids: list[int] | None = Field(
         None,
         description="Target decoder layers whose outputs condition the drafter (z-lab convention: id i is "
@@ -174,10 +273,10 @@ class TrainConfig(BaseModel):
     )
 
     # --- target fidelity (trainer/target/fidelity.py, `dflash.target_forward_fidelity`) ------------------
-    target_packing: Literal["auto", "positions", "layer_masks", "per_document"] = Field(
+    target_packing: Literal["auto", "positions", "layer_masks", "varlen", "per_document"] = Field(
         "auto",
         description="How packed rows go through the target. auto: the first way whose fidelity check passes "
-        "(per_document, exact but slower, is the last resort).",
+        "(varlen only on CUDA with flash-linear-attention; per_document, exact but slower, is the last resort).",
     )
     target_fidelity_tolerance: float | None = Field(
         None, gt=0,
@@ -237,6 +336,15 @@ class TrainConfig(BaseModel):
             raise ValueError("loss_weighting 'dpace' needs loss 'ce' (D-PACE weighs cross-entropy confidences)")
         if self.seq_len <= self.block_size:
             raise ValueError(f"seq_len {self.seq_len} must exceed block_size {self.block_size}")
+        draft = self.draft_config
+        if draft.layer_types is not None and len(draft.layer_types) != self.draft_layers:
+            raise ValueError(f"draft_config.layer_types names {len(draft.layer_types)} layers but draft_layers is "
+                             f"{self.draft_layers}")
+        if draft.sliding_window is not None and draft.sliding_window < self.block_size:
+            # A window shorter than a block would hide part of the context the block's own slots predict from
+            # (ModelOpt and speculators' configs enforce the same bound).
+            raise ValueError(f"draft_config.sliding_window {draft.sliding_window} must be at least block_size "
+                             f"{self.block_size}")
         return self
 
     # --- derived values ----------------------------------------------------------------------------------
@@ -314,6 +422,44 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The published Qwen3.6-27B drafter (z-lab/Qwen3.6-27B-DFlash; SpecForge configs/qwen3.6-27b-dflash.json,
+# z-lab 1fe684b "Add Draft sliding window"): 5 Qwen3 layers at the target's width 5120, 32 / 8 heads of 128,
+# MLP 17408, four sliding-window layers (W = 2048) then one full-attention layer, full rotary at theta 1e7
+# (the target rotates a quarter of its 256-wide heads with interleaved mRoPE; the drafter does neither),
+# block 16, taps [1, 16, 31, 46, 61] on the 64-layer target (the layer rule, target_layer_ids: null), the mask
+# token from the target's tokenizer. For a real qwen3_5 target: --preset zlab-qwen3.6-27b --set target=DIR.
+QWEN36_LAYER_TYPES = ["sliding_attention"] * 4 + ["full_attention"]
+ZLAB_QWEN36_27B: dict[str, Any] = {
+    "block_size": 16,
+    "draft_layers": 5,
+    "draft_config": {
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 17408,
+        "layer_types": QWEN36_LAYER_TYPES, "sliding_window": 2048,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7},
+    },
+}
+PRESETS["zlab-qwen3.6-27b"] = ZLAB_QWEN36_27B
+# The same structure at 1/64 of the width on the tiny `embedded-qwen3_5` target (hidden 80, 8 layers in the
+# target's 3 x linear + 1 x full pattern), so it trains on a CPU: heads 32 / 8 -> 4 / 1 (the 4:1 grouping) of
+# 128 -> 16 (heads x head_dim 4096 -> 64, as hidden 5120 -> 80), MLP 17408 -> 272, and the window with the
+# sequence length, 2048 of 8192 -> 32 of 128 (still two blocks of 16, so decoding on held-out prompts runs
+# well past it and eval measures acceptance beyond the window); anchors keep the default density (32 per 256
+# tokens -> 16 per 128). Layer types, block, rotary, theta, the layer rule (on 8 layers [1, 2, 3, 4, 5]) and
+# the mask-token rule are unchanged.
+PRESETS["zlab-qwen3.6"] = {
+    "target": "embedded-qwen3_5",
+    "block_size": 16,
+    "draft_layers": 5,
+    "seq_len": 128,
+    "max_anchors": 16,
+    "draft_config": {
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 272,
+        "layer_types": QWEN36_LAYER_TYPES, "sliding_window": 32,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7},
+    },
+}
+
+
 class BoundedSafeLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses documents whose aliases expand past MAX_YAML_NODES nodes.
 
@@ -374,19 +520,38 @@ def load_yaml(text: str, what: str) -> Any:
         raise ConfigError(f"{what} nests too deeply to be a config") from None
 
 
+# Nested sections of the config: --set SECTION.key=value sets one key, and a config file's section is merged
+# over the preset's key by key (a file that sets draft_config.sliding_window keeps the preset's layer types).
+NESTED_SECTIONS: dict[str, type[BaseModel]] = {"draft_config": DraftConfig}
+
+
 def parse_override(item: str) -> tuple[str, Any]:
-    """`key=value` from --set; the value is parsed as YAML so `7`, `null`, `[0,1]` and `final` all work."""
+    """`key=value` from --set; the value is parsed as YAML so `7`, `null`, `[0,1]` and `final` all work.
+    `draft_config.sliding_window=64` sets one key of a nested section."""
     if "=" not in item:
         raise ConfigError(f"--set expects key=value, got {item!r}")
     key, raw = item.split("=", 1)
     key = key.strip()
-    if key not in TrainConfig.model_fields:
+    section, _, sub = key.partition(".")
+    if sub and section in NESTED_SECTIONS:
+        if sub not in NESTED_SECTIONS[section].model_fields:
+            raise ConfigError(f"unknown config key {key!r} in --set {item!r}{_suggest(sub, section)}")
+    elif key not in TrainConfig.model_fields:
         raise ConfigError(f"unknown config key {key!r} in --set {item!r}{_suggest(key)}")
     try:
         value = yaml.load(raw, Loader=BoundedSafeLoader) if raw.strip() else None  # noqa: S506
     except (yaml.YAMLError, RecursionError):
         value = raw
     return key, value
+
+
+def _merge(values: dict[str, Any], update: dict[str, Any]) -> None:
+    """values <- update, nested sections merged key by key (a section that is not a mapping replaces)."""
+    for key, value in update.items():
+        if key in NESTED_SECTIONS and isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}
+        else:
+            values[key] = value
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -425,13 +590,14 @@ def build_config(
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        values.update(PRESETS[preset])
+        _merge(values, copy.deepcopy(PRESETS[preset]))
     if config_file is not None:
-        values.update(load_config_file(config_file))
-    values.update(extra or {})
+        _merge(values, load_config_file(config_file))
+    _merge(values, extra or {})
     for item in overrides or []:
         key, value = parse_override(item)
-        values[key] = value
+        section, _, sub = key.partition(".")
+        _merge(values, {section: {sub: value}} if sub else {key: value})
     return validate_config(values)
 
 
@@ -456,8 +622,10 @@ def _one_line(exc: ValidationError) -> str:
     for error in exc.errors():
         loc = ".".join(str(p) for p in error["loc"]) or "config"
         if error["type"] == "extra_forbidden":
-            parts.append(f"unknown config key {loc!r}{_suggest(str(error['loc'][-1]))}")
-        elif not error["loc"]:  # a whole-config check: its message names the keys itself
+            section = str(error["loc"][0]) if len(error["loc"]) > 1 else None
+            parts.append(f"unknown config key {loc!r}{_suggest(str(error['loc'][-1]), section)}")
+        elif not error["loc"] or (error["type"] == "value_error" and error["msg"].startswith(f"Value error, {loc}")):
+            # a whole-config (or whole-section) check: its message names the keys itself
             parts.append(error["msg"].removeprefix("Value error, "))
         else:
             value = error.get("input")
@@ -466,12 +634,14 @@ def _one_line(exc: ValidationError) -> str:
     return "invalid config: " + "; ".join(parts)
 
 
-def _suggest(key: str) -> str:
+def _suggest(key: str, section: str | None = None) -> str:
     import difflib
 
-    fields = list(TrainConfig.model_fields)
+    model = NESTED_SECTIONS.get(section or "", TrainConfig)
+    prefix = f"{section}." if section in NESTED_SECTIONS else ""
+    fields = list(model.model_fields)
     close = difflib.get_close_matches(key, fields, n=1)
     if not close:  # "gama" is far from "loss_decay_gamma" as a whole, but close to its last word
         by_last_word = {field.rsplit("_", 1)[-1]: field for field in fields}
         close = [by_last_word[w] for w in difflib.get_close_matches(key, by_last_word, n=1)]
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""

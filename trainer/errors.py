@@ -1,7 +1,8 @@
 """The one place where an error becomes what the user sees: every `trainer` command runs in `user_errors()`.
 
 A user's mistake or a damaged file is one line on stderr and exit code 2, never a traceback; an
-interrupted run exits 130 and says how to resume; a bug in the trainer is one line too, with the
+interrupted run exits 130 and says how to resume (SIGTERM and SIGHUP, a scheduler's stop or a closed
+terminal, are interruptions too: 128 + the signal's number); a bug in the trainer is one line too, with the
 environment variable that shows its traceback.
 """
 
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,6 +28,41 @@ DEBUG_ENV = "TRAINER_DEBUG"
 
 class UsageError(ValueError):
     """A bad command-line argument: the message says which and what is allowed."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: the command stops as it does for Ctrl-C (a run is marked `interrupted`
+    and resumes), instead of dying where it stands with run.json still saying `running`."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """While inside: SIGTERM / SIGHUP raise Terminated in the main thread (once; a second signal while the
+    first is being handled is ignored, so the run's record is written whole). Elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = False
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise Terminated(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 # (module, class) of every error whose message is written for the user.
@@ -73,12 +111,18 @@ def one_line(exc: BaseException) -> str:
 def user_errors() -> Iterator[None]:
     """Map every error to one line: exit 2 for anything a user can cause (and, with a hint, for bugs)."""
     try:
-        yield
+        with stop_signals_interrupt():
+            yield
     except (typer.Exit, typer.Abort, SystemExit):
         raise
-    except KeyboardInterrupt:
-        print_error("interrupted: resume with `trainer run NAME --resume` (the last checkpoint is intact)")
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+        what = f"stopped by {signal.Signals(signum).name}" if isinstance(exc, Terminated) else "interrupted"
+        try:  # after SIGHUP the terminal may be gone: the run's record is already written
+            print_error(f"{what}: resume with `trainer run NAME --resume` (the last checkpoint is intact)")
+        except OSError:
+            pass
+        raise typer.Exit(128 + int(signum) if isinstance(exc, Terminated) else EXIT_INTERRUPTED) from None
     except OSError as exc:
         print_error(os_error_message(exc))
         raise typer.Exit(EXIT_USER_ERROR) from None

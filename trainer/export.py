@@ -177,10 +177,11 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
             "as an auxiliary hidden state; export with --format zlab instead"
         )
     # The layer config as speculators writes it (transformers 5 keys only: it requires transformers 5).
+    # sliding_window_non_causal is speculators' top-level field, not the layer config's.
     draft = {
         k: v
         for k, v in _draft_fields(spec.draft_config, dtype).items()
-        if k not in ("rope_theta", "rope_scaling", "torch_dtype", "transformers_version")
+        if k not in ("rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "sliding_window_non_causal")
     }
     return {
         "architectures": ["DFlashDraftModel"],
@@ -215,7 +216,8 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
         "num_target_layers": spec.num_target_layers,
         **({"verifier_tables_in_checkpoint": spec.speculators_tables} if spec.speculators_tables else {}),
         "mask_token_id": spec.mask_token_id,
-        "sliding_window_non_causal": False,
+        # speculators' own flag: its sliding layers attend causally within a block unless it is true
+        "sliding_window_non_causal": bool(getattr(spec.draft_config, "sliding_window_non_causal", False)),
         "sample_from_anchor": False,
         "tie_word_embeddings": False,
         "dtype": _dtype_name(dtype),
@@ -255,11 +257,11 @@ def _target_dir(config: TrainConfig, info: dict[str, Any]) -> Path:
     recorded = (info.get("target") or {}).get("path")
     if recorded and (Path(recorded) / "config.json").is_file():
         return Path(recorded)
-    if config.target == "embedded":
-        from trainer.target.embedded import embedded_target_dir
+    from trainer.target.embedded import BUILT_IN_TARGETS, built_in_target_dir
 
-        path = embedded_target_dir()
-        hint = "; build it with `trainer target build`"
+    if config.target in BUILT_IN_TARGETS:
+        path = built_in_target_dir(config.target)
+        hint = "; build it with `trainer target build`" if config.target == "embedded" else "; any run on it builds it"
     else:
         path, hint = Path(config.target).expanduser(), ""
     if not (path / "config.json").is_file():
@@ -304,7 +306,10 @@ def drafter_spec_for_run(run: RunDir) -> tuple[DrafterSpec, TrainConfig]:
         config = resolve_for_target(config, num_target_layers)
     except ConfigError as exc:
         raise ExportError(f"run {run.name!r} does not fit its target {target_dir}: {exc}") from None
-    draft_config = draft_config_from_target(target_config, config.draft_layers)
+    try:
+        draft_config = draft_config_from_target(target_config, config.draft_layers, config.draft_config.as_shape())
+    except ConfigError as exc:
+        raise ExportError(f"run {run.name!r}: {exc}") from None
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # serving stacks read them from the draft too
         setattr(draft_config, name, getattr(text_config, name, None))
     spec = DrafterSpec(
@@ -454,14 +459,50 @@ def _checked_weights(spec: DrafterSpec, weights_file: Path, run: RunDir) -> dict
 # --- writing ---------------------------------------------------------------------------------------------------
 
 
+# Every export's model.safetensors carries this in its metadata (`exported_by`): the mark `--force` looks for.
+EXPORT_MARK = "dflash-trainer"
+
+
 def check_out_dir(out: Path, force: bool) -> list[str]:
-    """Refuse a non-empty `out` unless force. Returns the entries there that an export does not write."""
+    """Refuse a non-empty `out` unless force; with force, refuse anything but an export of ours (a run, a
+    Hugging Face model, another tool's files). Returns the entries there that an export does not write."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if entries and not force:
         raise ExportError(f"--out {out} is not empty; pass --force to overwrite the export in it")
-    return [name for name in entries if name not in EXPORT_FILES]
+    if entries:
+        problem = _not_an_export(out, entries)
+        if problem is not None:
+            raise ExportError(f"--out {out} {problem}; --force only replaces an earlier `trainer export` output")
+    return [name for name in entries if name not in EXPORT_FILES and not _is_staging(name)]
+
+
+def _is_staging(name: str) -> bool:
+    return name in {f".{file}.partial" for file in EXPORT_FILES}
+
+
+def _not_an_export(out: Path, entries: list[str]) -> str | None:
+    """Why `out` is not a directory `trainer export` wrote (None when it is): its model.safetensors must
+    carry our mark. A run directory (config.json, checkpoints/), a model directory or another run's files
+    are never replaced, so `--out <the run itself> --force` cannot overwrite a run's config.json."""
+    if any(marker in entries for marker in ("run.json", "checkpoints", "metrics.jsonl", "code")):
+        return "is a run directory"
+    if all(_is_staging(name) for name in entries):
+        return None  # only what a killed export left behind
+    weights = out / WEIGHTS_FILE
+    if WEIGHTS_FILE not in entries or weights.is_symlink() or not weights.is_file():
+        return f"holds no {WEIGHTS_FILE} written by trainer export"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as handle:
+            exported_by = (handle.metadata() or {}).get("exported_by", "")
+    except Exception:  # safetensors raises several types for a damaged file: not ours to replace either way
+        return f"holds a {WEIGHTS_FILE} that is not readable as an export of ours"
+    if not exported_by.startswith(EXPORT_MARK):
+        return f"holds a {WEIGHTS_FILE} that trainer export did not write (a model of its own, another tool's)"
+    return None
 
 
 def export_run(
@@ -512,6 +553,11 @@ def export_run(
             notes.append(f"the export carries the target's embeddings and lm_head and names no verifier path: "
                          f"{spec.speculators_tables}")
 
+    # How the drafter trained, as the run recorded it off its modules (run.json `drafter`): sleuth compares
+    # it with what a server builds from the rest of this config (rope, sliding windows). Loaders ignore it.
+    config["dflash_training"] = {"exported_by": f"dflash-trainer {trainer.__version__}", "run": run.name,
+                                 "step": checkpoint.step, "drafter": _trained_record(run)}
+
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.to(out_dtype).contiguous() for name, t in weights.items()}
     if vocab_ids is not None and export_format == "speculators":
@@ -520,7 +566,7 @@ def export_run(
     metadata = {
         "format": "pt",  # transformers' from_pretrained expects it
         "layout": export_format,
-        "exported_by": f"dflash-trainer {trainer.__version__}",
+        "exported_by": f"{EXPORT_MARK} {trainer.__version__}",  # the mark `--force` requires to replace it
         "run": run.name,
         "step": str(checkpoint.step),
     }
@@ -535,6 +581,15 @@ def export_run(
         path=out, format=export_format, run=run.name, step=checkpoint.step, config=config,
         target_layer_ids=list(written_ids), tensors=len(tensors), other_files=other_files, notes=notes,
     )
+
+
+def _trained_record(run: RunDir) -> dict[str, Any] | None:
+    """run.json `drafter` (None for a run that does not record it)."""
+    try:
+        record = run.read_info().get("drafter")
+    except RunError:
+        return None
+    return record if isinstance(record, dict) and record else None
 
 
 def _draft_vocabulary(run: RunDir, run_config: TrainConfig) -> torch.Tensor | None:
@@ -588,10 +643,12 @@ class DFlashDrafterForExport(Qwen3PreTrainedModel):
         self.layers = built.layers
         self.norm = built.norm
         self.rotary_emb = built.rotary_emb
+        self.attention = built.attention  # per-layer type and window, read from this config as the loaders do
         self.post_init()
 
     # The drafter's forward reads only the submodules adopted above, so it is shared, not copied.
     forward = DFlashDrafter.forward
+    _decode_masks = DFlashDrafter._decode_masks
 
 
 def load_exported_drafter(path: Path, device: str | torch.device = "cpu") -> DFlashDrafterForExport:

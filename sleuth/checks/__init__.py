@@ -2,7 +2,9 @@
 
     dflash.train_serve_gap            train_serve_gap.py    teacher-forced acceptance vs real tau
     dflash.mask_token_distinct        mask_token.py         mask id is not pad/eos/bos nor a data token
-    dflash.rope_matches_target        rope.py               drafter rotary settings = the target's
+    dflash.rope_served_as_trained     rope.py               served rotation = the one the drafter trained with
+    dflash.sliding_window_served      sliding_window.py     served layer windows = the trained ones
+    dflash.target_tables_resolve      target_tables.py      mask id and embedding / lm_head names exist in the target
     dflash.hidden_state_capture       hidden_states.py      an offline cache recomputed layer by layer
     dflash.chat_template_consistency  chat_template.py      one template for data, prompts and serving
     dflash.export_contract            export_contract.py    an export holds what its loader reads
@@ -21,14 +23,18 @@ from sleuth.checks.context import ContractContext
 from sleuth.checks.export_contract import check_export_contract
 from sleuth.checks.hidden_states import check_hidden_state_capture
 from sleuth.checks.mask_token import check_mask_token_distinct
-from sleuth.checks.rope import check_rope_matches_target
+from sleuth.checks.rope import check_rope_served_as_trained
+from sleuth.checks.sliding_window import check_sliding_window_served
+from sleuth.checks.target_tables import check_target_tables_resolve
 from sleuth.checks.train_serve_gap import check_train_serve_gap
 from sleuth.findings import Finding
 
 # Order matters only for train_serve_gap, which reads the others' verdicts.
 CONTRACT_CHECKS: dict[str, Callable[[ContractContext], Finding]] = {
     "dflash.mask_token_distinct": check_mask_token_distinct,
-    "dflash.rope_matches_target": check_rope_matches_target,
+    "dflash.rope_served_as_trained": check_rope_served_as_trained,
+    "dflash.sliding_window_served": check_sliding_window_served,
+    "dflash.target_tables_resolve": check_target_tables_resolve,
     "dflash.hidden_state_capture": check_hidden_state_capture,
     "dflash.chat_template_consistency": check_chat_template_consistency,
     "dflash.export_contract": check_export_contract,

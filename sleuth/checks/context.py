@@ -6,7 +6,6 @@ hidden states) imports it itself, only when it runs.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,11 +72,15 @@ class ContractContext:
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
+    """A JSON object from a model directory beside the run, under sleuth.artifacts' discipline (regular files
+    only, bounded); None when missing or damaged. A tokenizer.json of a large vocabulary is tens of MiB."""
+    from sleuth.artifacts import optional_json_object
+
+    return optional_json_object(path, None, max_bytes=256 * 1024 * 1024)
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []  # a damaged file's field of another type reads as empty
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -126,11 +129,12 @@ def tokenizer_facts(target_dir: Path) -> TokenizerFacts:
     model = tokenizer_json.get("model") if isinstance(tokenizer_json.get("model"), dict) else {}
     vocab = model.get("vocab") if isinstance(model.get("vocab"), dict) else {}
     added = {
-        t["content"]: t["id"] for t in tokenizer_json.get("added_tokens") or []
+        t["content"]: t["id"] for t in _list(tokenizer_json.get("added_tokens"))
         if isinstance(t, dict) and isinstance(t.get("content"), str) and int_or_none(t.get("id")) is not None
     }
-    for key, entry in (tokenizer_config.get("added_tokens_decoder") or {}).items():
-        if isinstance(entry, dict) and isinstance(entry.get("content"), str) and str(key).isdigit():
+    decoder = tokenizer_config.get("added_tokens_decoder")
+    for key, entry in (decoder if isinstance(decoder, dict) else {}).items():
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str) and str(key).isdecimal() and len(str(key)) < 12:
             added.setdefault(entry["content"], int(key))
     special: dict[str, list[int]] = {}
     sources: dict[str, str] = {}

@@ -27,7 +27,7 @@ def configured_mask_token(config: dict[str, Any] | None) -> tuple[int | None, st
     return None, None
 
 
-def _resolved_mask(facts: TokenizerFacts) -> tuple[int | None, str]:
+def resolved_mask(facts: TokenizerFacts) -> tuple[int | None, str]:
     """What a trainer resolves when the config leaves the mask unset: the tokenizer's mask token, else
     the first embedding row no token maps to (README: `mask_token_id` default)."""
     if facts.special.get("mask"):
@@ -45,7 +45,7 @@ def check_mask_token_distinct(ctx: ContractContext) -> Finding:
     if mask is not None:
         evidence.append(Evidence(kind="config", location=f"{ctx.config_source or 'config'}: {key}", value=str(mask)))
     elif facts is not None:
-        mask, how = _resolved_mask(facts)
+        mask, how = resolved_mask(facts)
         if mask is not None:
             evidence.append(Evidence(kind="config", location=f"{target_dir}: {how}", value=str(mask)))
     if mask is None:

@@ -1,16 +1,19 @@
-"""`dflash.rope_matches_target`: the drafter rotates queries and keys exactly as the target does.
+"""`dflash.rope_served_as_trained`: serving rotates the drafter's queries and keys as training did.
 
-The drafter's context K/V are projections of the target's hidden states at the target's positions, and
-its block sits at anchor + j: both only line up if the drafter's rotary embedding is the target's (theta,
-scaling type and factors, the rotated fraction `partial_rotary_factor`, head dim). speculators #613 /
-#738: `partial_rotary_factor` ignored in training gave good validation and poor served acceptance.
+What matters is not the target's rope but the drafter's own, on both sides of the export: the drafter learned
+its attention under one rotation (theta, scaling, how much of each head is rotated, 1-D positions, the pair
+layout), and a server builds another from the exported config. A published drafter for Qwen3.6-27B rotates
+its whole 128-wide head with 1-D positions although its target rotates a quarter of a 256-wide head with
+interleaved mRoPE: correct, and no finding. The failures users hit:
+    * speculators #613 / #733, DeepSpec #71: the target's `partial_rotary_factor` 0.25 copied into the drafter
+      config; training rotated the whole head, vLLM a quarter: acceptance 1.04;
+    * speculators PR #1050: the target's `mrope_section` inherited into a drafter trained with 1-D RoPE;
+    * vLLM #53063 / PR #54373: the pair layout (`is_neox_style`) taken from the target, not the drafter.
 
-Read from both configs: the drafter's (ours and z-lab's: the top-level config of the exported directory;
-speculators': `transformer_layer_config`; a training run directory: run.json `drafter`, the rotary settings
-the run trained with, the rotated width read off the module's frequencies) against the target's /
-verifier's config.json. Both the
-transformers 4 layout (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`, possibly per layer type)
-are understood.
+Compared (sleuth/checks/served.py): the drafter's rotation as trained (run.json `drafter`: the rotated width
+read off the module's frequencies, theta, scaling, `rope_layout`; or an export's `dflash_training.drafter`)
+against what a server builds from the exported layer config (for a training run, run.json
+`drafter.draft_config`, the config its exports write).
 """
 
 from __future__ import annotations
@@ -19,94 +22,74 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.checks.context import ContractContext, read_json, text_config
+from sleuth.checks.served import served_config, served_rope, trained_record, trained_rope
 from sleuth.findings import Evidence, Finding, Fix
 
-ID = "dflash.rope_matches_target"
-_DEFAULT_THETA = 10000.0
+ID = "dflash.rope_served_as_trained"
+
+def _remedy(key: str, trained: Any) -> str:
+    """What the exported config should say to serve the trained value of `key`."""
+    if key == "partial_rotary_factor" and trained == 1.0:
+        return "drop partial_rotary_factor from the drafter config (it rotated the whole head)"
+    if key == "mrope_section" and trained is None:
+        return "drop mrope_section / mrope_interleaved (the drafter was trained with 1-D positions)"
+    if key == "rope_layout":
+        return f"set is_neox_style to {trained == 'neox'} (it trained with the {trained} pair layout)"
+    if key == "rope_theta":
+        return f"set rope_theta and rope_parameters.rope_theta to {trained!r}"
+    return f"set {key} to {trained!r}"
 
 
-def rope_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """Canonical rotary settings: theta, type, scaling factors, partial_rotary_factor, head_dim."""
-    config = text_config(config)
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
-        params = params["full_attention"]  # per layer type (Gemma 3): the drafter's layers are full attention
-    params = dict(params) if isinstance(params, dict) else {}
-    scaling = config.get("rope_scaling")
-    if isinstance(scaling, dict):
-        params = {**scaling, **params}
-    theta = params.pop("rope_theta", config.get("rope_theta", _DEFAULT_THETA))
-    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
-    partial = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    heads = config.get("num_attention_heads")
-    head_dim = config.get("head_dim") or (config["hidden_size"] // heads if heads and config.get("hidden_size") else None)
-    factors = {k: v for k, v in sorted(params.items()) if v is not None}
-    return {
-        "rope_theta": float(theta) if isinstance(theta, (int, float)) else theta,
-        "rope_type": rope_type,
-        "scaling": factors,
-        "partial_rotary_factor": float(partial) if isinstance(partial, (int, float)) else partial,
-        "head_dim": head_dim,
-    }
-
-
-def drafter_config(config: dict[str, Any] | None) -> tuple[dict[str, Any] | None, str]:
-    """The drafter's own model config inside a drafter config.json, and where it sits."""
-    if not config:
-        return None, ""
-    layer = config.get("transformer_layer_config")
-    if isinstance(layer, dict):
-        return layer, "transformer_layer_config"
-    if any(k in config for k in ("rope_theta", "rope_parameters", "rope_scaling", "head_dim")):
-        return config, "config.json"
-    return None, ""
-
-
-def run_drafter_record(ctx: ContractContext) -> tuple[dict[str, Any] | None, str]:
-    """run.json `drafter` of a training run directory (run-directory contract), and where it sits."""
-    if ctx.run is None or not isinstance(ctx.run.run_json, dict):
-        return None, ""
-    record = ctx.run.run_json.get("drafter")
-    if isinstance(record, dict) and any(k in record for k in ("rope_parameters", "rope_theta", "head_dim")):
-        return record, "drafter"
-    return None, ""
-
-
-def check_rope_matches_target(ctx: ContractContext) -> Finding:
-    draft, where = drafter_config(ctx.config)
-    draft_file = ctx.config_source or "config.json"
-    if draft is None:
-        draft, where = run_drafter_record(ctx)
-        draft_file = str(ctx.run.path / "run.json") if draft is not None and ctx.run is not None else draft_file
-    if draft is None:
-        reason = ("neither the config nor the run records the drafter's rotary settings (run.json `drafter`, "
-                  "a drafter config.json or speculators' transformer_layer_config)")
-        return ctx.finding(ID, "unknown", reason=reason)
-    target_dir, source = ctx.resolve_target_dir()
-    target_config = read_json(target_dir / "config.json") if target_dir is not None else None
-    if target_config is None:
-        why = source if target_dir is None else f"{target_dir / 'config.json'} is missing or unreadable"
-        return ctx.finding(ID, "unknown", reason=f"the target's config was not read: {why}")
-    ours, theirs = rope_settings(draft), rope_settings(target_config)
-    differing = [k for k in ours if ours[k] != theirs[k]]
-    location = f"{draft_file}: {where}"
-    evidence = [
-        Evidence(kind="config", location=location, value=_describe(ours)),
-        Evidence(kind="config", location=str(Path(target_dir) / "config.json"), value=_describe(theirs)),
-    ]
-    expected = f"the target's rotary settings ({_describe(theirs)})"
+def check_rope_served_as_trained(ctx: ContractContext) -> Finding:
+    layer, _top, served_where = served_config(ctx)
+    record, record_where = trained_record(ctx)
+    if layer is None:
+        return ctx.finding(ID, "unknown", reason="no drafter layer config to read (an export's config.json, "
+                           "speculators' transformer_layer_config, or run.json `drafter.draft_config`)")
+    served = served_rope(layer)
+    evidence = [Evidence(kind="config", location=served_where, value=f"served: {_describe(served)}")]
+    trained = trained_rope(record) if record is not None else None
+    expected = "the rotation the drafter trained with: theta, scaling, rotated fraction, 1-D positions, pair layout"
+    if trained is None:
+        return ctx.finding(ID, "unknown", expected=expected, observed=f"served: {_describe(served)}",
+                           evidence=evidence, notes=_target_notes(ctx, served),
+                           reason="nothing records how the drafter rotated in training (run.json `drafter` with "
+                                  "`rotary_dim`, an export's `dflash_training.drafter`)")
+    evidence.append(Evidence(kind="config", location=record_where, value=f"trained: {_describe(trained)}"))
+    differing = [key for key in trained if key != "rope_layout" and trained[key] != served[key]]
+    if trained["rope_layout"] is not None and trained["rope_layout"] != served["rope_layout"]:
+        differing.append("rope_layout")
     if not differing:
-        return ctx.finding(ID, "match", expected=expected, observed=_describe(ours), evidence=evidence, confidence=0.9)
-    observed = "; ".join(f"{k} {ours[k]!r} (target {theirs[k]!r})" for k in differing)
-    patch = {k: theirs[k] for k in differing if k in ("rope_theta", "partial_rotary_factor", "head_dim")}
+        notes = [] if trained["rope_layout"] is not None else [
+            "the run does not record its pair layout (rope_layout); only theta, scaling, the rotated fraction and "
+            "mRoPE were compared"]
+        return ctx.finding(ID, "match", expected=expected, observed=f"{_describe(served)}, trained and served",
+                           evidence=evidence, confidence=0.9, notes=notes)
+    observed = "; ".join(f"{key} {served[key]!r} served, {trained[key]!r} trained" for key in differing)
+    remedies = [_remedy(key, trained[key]) for key in differing]
     return ctx.finding(
         ID, "mismatch", expected=expected, observed=observed, evidence=evidence, confidence=0.95,
-        reason="the drafter's positions do not line up with the target's features: acceptance drops at serving",
-        fix=Fix(config_patch={}, applicability="unsafe",
-                code_hint="Build the drafter's rotary embedding from the target's config (copy "
-                f"{', '.join(differing)}: {patch or 'the scaling settings'}) and retrain."),
+        notes=_target_notes(ctx, served),
+        reason="the server rotates the drafter's queries and keys differently from training: every attention "
+               "score moves and acceptance collapses (speculators #613: 1.04)",
+        fix=Fix(config_patch={}, applicability="safe",
+                code_hint="Fix the exported drafter config (no retraining: the weights learned the trained "
+                          f"rotation): {'; '.join(remedies)}; or re-export with `trainer export`."),
     )
 
 
+def _target_notes(ctx: ContractContext, served: dict[str, Any]) -> list[str]:
+    """Where a served value is the target's own (the copy signature of speculators #613), say so."""
+    target_dir, _ = ctx.resolve_target_dir()
+    target = read_json(Path(target_dir) / "config.json") if target_dir is not None else None
+    if target is None:
+        return []
+    theirs = served_rope(text_config(target))
+    copied = [key for key in ("partial_rotary_factor", "mrope_section") if served[key] == theirs[key]
+              and theirs[key] not in (None, 1.0)]
+    return [f"the served {key} {served[key]!r} is the target's own: copied from the target's config"
+            for key in copied]
+
+
 def _describe(settings: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in settings.items())
+    return ", ".join(f"{k}={v}" for k, v in settings.items() if v is not None)

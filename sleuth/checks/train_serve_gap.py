@@ -16,6 +16,14 @@ tells a training objective that scores more than serving accepts from ties. At t
 tokens are what serving verifies against, so `label_agreement` (training labels = decoded tokens) below 99%
 measures directly that training scores against other labels, and says which side of the contract (labels
 or the drafter's inputs) the explanation is on.
+
+The serving side comes first: both numbers assume the eval decoded the target's own greedy continuation. If
+it did not (eval.json `lossless` false at T=0, beyond argmax ties), tau and the served tokens belong to a
+decoder that is off, and a low label agreement measures that decoder, not training's labels. The known way
+to get there: a target with a recurrent state (linear attention, state-space, lightning attention layers:
+Qwen3-Next / Qwen3.5 / Qwen3.6, Kimi Linear, MiniMax, Granite 4 hybrid, Mamba ...) decoded with a plain
+KV-cache crop after a rejected block, which leaves the rejected tokens in the state (transformers: such a
+cache is not croppable). eval.json `target_rollback` says how the eval rolled back (`state_replay`: exact).
 """
 
 from __future__ import annotations
@@ -25,8 +33,8 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any
 
-from sleuth.checks.context import ContractContext
-from sleuth.findings import Evidence, Finding
+from sleuth.checks.context import ContractContext, read_json, text_config
+from sleuth.findings import Evidence, Finding, Fix
 
 ID = "dflash.train_serve_gap"
 # The invariants whose violation makes training score something serving does not reward.
@@ -38,7 +46,9 @@ EXPLAINS_GAP = (
     "dflash.block_position_ids",
     "dflash.target_forward_fidelity",
     "dflash.mask_token_distinct",
-    "dflash.rope_matches_target",
+    "dflash.rope_served_as_trained",
+    "dflash.sliding_window_served",
+    "dflash.target_tables_resolve",
     "dflash.hidden_state_capture",
     "dflash.chat_template_consistency",
     "dflash.export_contract",
@@ -69,6 +79,19 @@ MIN_SHORTFALL_AT_VERIFY = 0.02
 # tenth of the predicted gain over plain decoding.
 MIN_RELATIVE_SHORTFALL = 0.10
 PROBE_HINT = "run the probes (`sleuth diagnose --probe`) to localise it"
+# Layer kinds that carry a recurrent state across positions (transformers' layer_types names), and families
+# whose config.json names none of them yet keep such a state.
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "mamba", "mamba2", "hybrid", "hybrid_sliding", "recurrent", "rwkv"})
+RECURRENT_MODEL_TYPES = frozenset({
+    "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "kimi_linear", "minimax",
+    "granitemoehybrid", "falcon_h1", "falcon_mamba", "mamba", "mamba2", "jamba", "bamba", "zamba", "zamba2",
+    "nemotron_h", "rwkv", "recurrent_gemma", "xlstm",
+})
+STATE_FIX = ("evaluate with a decoder that restores a recurrent state after a rejected block (`trainer eval` "
+             "saves the state before each verify pass and replays the committed tokens; its eval.json says "
+             "`target_rollback: state_replay`), then compare again")
+DECODER_FIX = ("find where the eval's speculative output leaves greedy decoding (in float32 it must not: the verify "
+               "pass, the cache rollback, the stop rule), then compare again")
 
 
 @dataclass
@@ -181,6 +204,70 @@ def sign_test_p(above: int, below: int) -> float:
     return sum(math.comb(n, k) for k in range(above, n + 1)) / 2**n
 
 
+@dataclass
+class _ServingSide:
+    off: bool  # established: the eval's decoding is not the target's greedy decoding beyond argmax ties
+    cause: str  # what is known about it ('' when nothing is)
+    evidence: list[Evidence]
+    unverified: bool = False  # a recurrent target decoded without a recorded rollback, losslessness unchecked
+    remedy: str = DECODER_FIX
+
+
+def _recurrent_target(ctx: ContractContext) -> str | None:
+    """'kimi_linear (linear_attention layers)' when the target's config.json describes a recurrent state."""
+    target_dir, _ = ctx.resolve_target_dir()
+    config = read_json(target_dir / "config.json") if target_dir is not None else None
+    if config is None:
+        return None
+    text = text_config(config)
+    model_type = text.get("model_type") or config.get("model_type")
+    kinds = sorted({k for k in text.get("layer_types") or [] if isinstance(k, str)} & RECURRENT_LAYER_TYPES)
+    if kinds:
+        return f"{model_type or 'the target'} ({', '.join(kinds)} layers)"
+    if model_type in RECURRENT_MODEL_TYPES or config.get("model_type") in RECURRENT_MODEL_TYPES:
+        return f"{model_type} (recurrent-state layers)"
+    return None
+
+
+def _serving_side(ctx: ContractContext, m: _Measurement) -> _ServingSide:
+    """Whether the eval's own decoding is the target's (eval.json lossless, target_rollback and the target's
+    layer kinds), before anything is blamed on training."""
+    run = ctx.run
+    report = (run.eval_report if run is not None else None) or {}
+    where = str(run.path / "eval.json") if run is not None else "eval.json"
+    lossless = report.get("lossless")
+    rollback = report.get("target_rollback")
+    recurrent = _recurrent_target(ctx)
+    mismatched = report.get("lossless_mismatch_prompts")
+    prompts = len(report.get("tau_per_prompt") or []) or None
+    unrolled = recurrent is not None and rollback != "state_replay"
+    rolled = ("records no state rollback (no target_rollback: a decoder that crops the cache)" if rollback is None
+              else f"records target_rollback {rollback!r}")
+    state = (f"the target {recurrent} keeps a recurrent state that no cache crop can roll back, and the eval "
+             f"{rolled}") if unrolled else ""
+    evidence = []
+    if lossless is False:
+        count = f"{len(mismatched)} of {prompts}" if isinstance(mismatched, list) and prompts else "some"
+        evidence.append(Evidence(kind="metrics", location=f"{where}: lossless", value=f"false ({count} prompts)"))
+        # Argmax ties (bf16) flip a token here and there, and greedy decoding resumes right after: the labels
+        # still equal the served tokens at >= 99% of the slots. A decoder that is off drifts for good.
+        ties = m.label_agreement is not None and m.label_agreement >= LABEL_AGREEMENT_FLOOR
+        if not ties:
+            cause = (f"the eval's speculative decoding is not the target's greedy decoding (eval.json lossless false: "
+                     f"{count} prompts differ at temperature 0)")
+            if not state:
+                return _ServingSide(True, cause, evidence)
+            cause += f": {state}, so every step after a rejected block decodes from a state the target never has"
+            return _ServingSide(True, cause, evidence, remedy=STATE_FIX)
+        return _ServingSide(False, f"eval.json lossless false at {count} prompts, but training's labels equal the "
+                                   f"served tokens at {m.label_agreement:.1%}: argmax ties, not a decoder that is off",
+                            evidence)
+    if state and lossless is None:
+        return _ServingSide(False, f"{state}; eval.json does not say whether the decoding was lossless, so the "
+                                   "served side is unverified", evidence, unverified=True, remedy=STATE_FIX)
+    return _ServingSide(False, "", evidence)
+
+
 def check_train_serve_gap(ctx: ContractContext) -> Finding:
     run = ctx.run
     if run is None:
@@ -199,6 +286,7 @@ def check_train_serve_gap(ctx: ContractContext) -> Finding:
             "teacher_forced / metrics tf_acceptance), so the two cannot be compared on the same data" + hint,
         )
     m = measurement
+    serving = _serving_side(ctx, m)
     se, paired = paired_standard_error(m.predicted_per_prompt, m.tau_per_prompt)
     gap = m.predicted - m.tau
     at = f"at step {m.step}" if m.step is not None else "at the last eval"
@@ -208,8 +296,9 @@ def check_train_serve_gap(ctx: ContractContext) -> Finding:
     expected = ("real tau within noise of the teacher-forced acceptance on the same eval sequences, and (greedy "
                 "eval) training's labels the served tokens")
     if se is None:
-        return ctx.finding(ID, "unknown", expected=expected, observed=observed, evidence=evidence,
-                           reason=f"fewer than 2 prompts carry both per-prompt values ({paired}): no noise estimate")
+        reason = f"fewer than 2 prompts carry both per-prompt values ({paired}): no noise estimate"
+        return ctx.finding(ID, "unknown", expected=expected, observed=observed, evidence=evidence + serving.evidence,
+                           reason=reason + (f"; serving side: {serving.cause}" if serving.cause else ""))
     floor = MIN_SHORTFALL_AT_VERIFY if m.at_verify else MIN_RELATIVE_SHORTFALL * max(m.predicted - 1.0, 0.0)
     floor_text = f"{MIN_SHORTFALL_AT_VERIFY:g} tokens" if m.at_verify else f"{MIN_RELATIVE_SHORTFALL:.0%} of the predicted gain"
     threshold = max(NOISE_SIGMAS * se, floor)
@@ -235,6 +324,11 @@ def check_train_serve_gap(ctx: ContractContext) -> Finding:
     broken = [f for f in ctx.findings if f.id in EXPLAINS_GAP and f.status == "mismatch"]
     unknown = [f.id for f in ctx.findings if f.id in EXPLAINS_GAP and f.status == "unknown"]
     notes = [f"invariants that can open a train-serve gap: {', '.join(EXPLAINS_GAP)}"]
+    if serving.cause:
+        notes.append(f"serving side: {serving.cause}")
+    if serving.off:
+        return _serving_side_finding(ctx, m, serving, by_spread or by_sign or by_labels, expected, observed,
+                                     evidence, broken, notes)
     side = _side(m)
     if side is not None:
         notes.append(side[1])
@@ -273,9 +367,33 @@ def check_train_serve_gap(ctx: ContractContext) -> Finding:
         reason += f"; {PROBE_HINT}"
         if unknown:
             reason += f" (and settle the unknown ones: {', '.join(unknown)})"
+    if serving.unverified:  # the first suspect, ahead of anything on the training side
+        reason += f"; but check the serving side first: {serving.cause}"
     notes.insert(0, f"explanation found: {explanation}" if explanation else "explanation found: none")
     return ctx.finding(ID, "mismatch", expected=expected, observed=observed, evidence=evidence,
                        confidence=0.85, reason=reason, notes=notes)
+
+
+def _serving_side_finding(ctx: ContractContext, m: _Measurement, serving: _ServingSide, gap_shows: bool,
+                          expected: str, observed: str, evidence: list[Evidence], broken: list[Finding],
+                          notes: list[str]) -> Finding:
+    """The eval's decoding is off: its tau and served tokens are not the target's, so neither the gap nor the
+    label agreement says anything about training until it is fixed."""
+    evidence = evidence + serving.evidence
+    measured = ""
+    if m.label_agreement is not None and m.label_slots is not None:
+        measured = (f"; the label agreement ({m.label_agreement:.1%} of {m.label_slots} slots) compares training's "
+                    "labels with that decoder's tokens, so it does not implicate the labels")
+    also = f" (also broken in this diagnosis: {', '.join(f.id for f in broken)})" if broken else ""
+    fix = Fix(code_hint=serving.remedy, applicability="safe")
+    if not gap_shows:
+        return ctx.finding(ID, "unknown", expected=expected, observed=observed, evidence=evidence, notes=notes,
+                           reason=f"the served side is off before training can be judged: {serving.cause}{measured}; "
+                           f"{serving.remedy}{also}", fix=fix)
+    notes.insert(0, "explanation found: the serving side (the eval's decoding is not the target's)")
+    return ctx.finding(ID, "mismatch", expected=expected, observed=observed, evidence=evidence, confidence=0.85,
+                       reason=f"the served side is off, before training: {serving.cause}{measured}; "
+                       f"{serving.remedy}{also}", notes=notes, fix=fix)
 
 
 def _side(m: _Measurement) -> tuple[tuple[str, ...], str] | None:

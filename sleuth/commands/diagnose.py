@@ -1,7 +1,9 @@
 """`sleuth diagnose`: find what is wrong with a DFlash drafter run (or any DFlash implementation's code).
 
-Exit 0: no mismatch; 1: mismatches; 2: error (one line on stderr, never a traceback for a user's mistake).
-The report files are always written; --format picks what goes to stdout.
+Exit 0: no mismatch; 1: mismatches, or not a clean bill (an input the run must have is unreadable, or the
+run's own trusted code/ was not probed); 2: error (one line on stderr, never a traceback for a user's
+mistake), including probes asked for (--probe, --probe-entry) with no experiment run. The report files
+are written whenever the diagnosis got that far; --format picks what goes to stdout.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ def diagnose_command(
     ] = None,
     probe: Annotated[
         bool | None,
-        typer.Option("--probe/--no-probe", help="Run experiments on the code (default: yes for a run's code/, "
-                     "no for --code)."),
+        typer.Option("--probe/--no-probe", help="Run experiments on the code, isolated (default: only a run's "
+                     "code/ that your own trainer recorded; --code or anyone else's run only with --probe)."),
     ] = None,
     probe_python: Annotated[
         str | None,
@@ -86,7 +88,13 @@ def diagnose_command(
         typer.Option("--hidden-states", metavar="DIR", help="An offline hidden-state cache to recompute and compare."),
     ] = None,
 ) -> None:
-    """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl."""
+    """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl.
+
+    Exit codes: 0 no mismatch; 1 mismatches, or not a clean bill (the run's config unreadable, or the
+    run's own code/ not probed); 2 an error, or probes asked for (--probe, --probe-entry) with no
+    experiment run. Code runs only isolated (no network, read-only view, limits): a run's code/ by default
+    only when your own trainer recorded it, anything else only with --probe (README: Security model).
+    """
     from rich.console import Console
 
     from sleuth.diagnose import DiagnoseError, DiagnoseRequest, diagnose, live_listener
@@ -110,8 +118,14 @@ def diagnose_command(
         hidden_states=hidden_states,
     )
     listener = live_listener(errors) if sys.stderr.isatty() else None
+
+    def announce(line: str) -> None:
+        from rich.text import Text
+
+        errors.print(Text(line), soft_wrap=True)
+
     try:
-        result = diagnose(request, listener=listener)
+        result = diagnose(request, listener=listener, announce=announce)
     except DiagnoseError as exc:
         _error(errors, str(exc))
         raise typer.Exit(EXIT_ERROR) from None
@@ -130,6 +144,10 @@ def diagnose_command(
         raise typer.Exit(EXIT_ERROR) from None
 
     _print(result, output_format)
+    probes = result.report.probes
+    if result.exit_code == EXIT_ERROR and probes is not None:
+        _error(errors, f"no experiment ran ({probes.subject}): {probes.reason}; the static findings are in "
+                       f"{result.out_dir}")
     if result.exit_code != EXIT_CLEAN:
         raise typer.Exit(result.exit_code)
 

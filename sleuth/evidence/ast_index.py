@@ -31,6 +31,9 @@ from pathlib import Path
 Mode = str  # "hardcoded" | "default" | "switch"
 
 MAX_FILES = 400
+# All files together: a trainer's source is a few MiB at most (ours: 0.4 MiB); a tree past this (a code/ that
+# is the Python library) would take many minutes to analyse. What is left out is named.
+MAX_TOTAL_BYTES = 4 * 1024 * 1024
 # The analysis recurses over the tree: deeper files (generated code, long chained expressions) are skipped
 # with an error entry, far below Python's recursion limit, so one odd file never stops the others.
 MAX_TREE_DEPTH = 120
@@ -73,37 +76,51 @@ class Unit:
 
 
 def iter_python_files(root: Path) -> Iterator[Path]:
+    """The .py files under `root` (or `root` itself), sorted, skipping environment folders. No link is
+    followed (a file or folder that is a link may point anywhere) and only regular files are listed (a FIFO
+    named like a module would block the read forever)."""
+    from sleuth.artifacts import find_files
+
     if root.is_file():
         yield root
         return
-    count = 0
-    for path in sorted(root.rglob("*.py")):
-        if any(part in SKIP_DIRS for part in path.relative_to(root).parts):
-            continue
-        count += 1
-        if count > MAX_FILES:
-            return
-        yield path
+    files, _ = find_files(root, lambda name: name.endswith(".py"), max_depth=32, max_entries=200_000,
+                          skip_dirs=SKIP_DIRS)
+    yield from files
 
 
 def load_units(code: Path) -> tuple[list[Unit], list[SourceError]]:
-    """Parse every .py file under `code` (or the one file); never imports them."""
+    """Parse every .py file under `code` (or the one file); never imports them. At most MAX_FILES files and
+    MAX_TOTAL_BYTES together; what is left out is an error entry that says so."""
+    from sleuth.artifacts import ArtifactError, read_bytes, shown
+
     code = Path(code)
     texts: list[tuple[str, str, str | None]] = []
     errors: list[SourceError] = []
     if not code.exists():
-        return [], [SourceError(str(code), "path does not exist")]
+        return [], [SourceError(shown(code), "path does not exist")]
     base = code if code.is_dir() else code.parent
+    total, left_out = 0, 0
     for path in iter_python_files(code):
         label = str(path.relative_to(base)) if code.is_dir() else path.name
-        label = str(Path(code.name) / label) if code.is_dir() else str(code)
+        label = shown(Path(code.name) / label) if code.is_dir() else shown(code)
+        if len(texts) >= MAX_FILES or total >= MAX_TOTAL_BYTES:
+            left_out += 1
+            continue
         try:
-            if path.stat().st_size > MAX_FILE_BYTES:
-                errors.append(SourceError(label, "file too large to analyse"))
-                continue
-            texts.append((label, path.read_text(encoding="utf-8", errors="replace"), None))
+            data = read_bytes(path, max_bytes=MAX_FILE_BYTES)
+        except ArtifactError as exc:
+            errors.append(SourceError(label, "file too large to analyse" if "bytes, more than" in exc.reason
+                                      else exc.reason))
+            continue
         except OSError as exc:
             errors.append(SourceError(label, f"cannot read: {exc.strerror or exc}"))
+            continue
+        total += len(data)
+        texts.append((label, data.decode("utf-8", errors="replace"), None))
+    if left_out:
+        errors.append(SourceError(shown(code), f"static reading is bounded to {MAX_FILES} files and "
+                                  f"{MAX_TOTAL_BYTES >> 20} MiB: {left_out} more .py file(s) not read"))
     units, parse_errors = parse_texts(texts)
     return units, errors + parse_errors
 
@@ -367,6 +384,36 @@ class Analyzer:
             self.outer_of[compare] = self.outer_of.get(call)
             self.by_type.setdefault(ast.Compare, []).append(compare)
             self.all_nodes.append(compare)
+
+    def overridden_everywhere(self, scope: str | None) -> bool:
+        """Whether a method (`Class.method`, a reading's scope) never runs: its class is abstract (an
+        unimplemented @abstractmethod remains) and every subclass in the analysed code overrides the method.
+        A base class's correct hook never vouches for the override that runs instead."""
+        if not scope or "." not in scope:
+            return False
+        parts = scope.split(".")
+        owner, method = parts[-2], parts[-1]
+        classes = self.memo("classes-by-name", lambda: {n.name: n for n in self.by_type.get(ast.ClassDef, [])})
+        if owner not in classes:
+            return False
+        subclasses = [c for c in classes.values() if owner in {leaf_name(b) for b in c.bases}]
+        if not subclasses or not self._abstract_class(owner, classes):
+            return False
+
+        def defines(cls: ast.ClassDef) -> bool:
+            return any(isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and s.name == method for s in cls.body)
+
+        return all(defines(c) for c in subclasses)
+
+    def _abstract_class(self, name: str, classes: dict[str, ast.ClassDef], depth: int = 0) -> bool:
+        cls = classes.get(name)
+        if cls is None or depth > 8:
+            return False
+        for stmt in cls.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                    leaf_name(d) == "abstractmethod" for d in stmt.decorator_list):
+                return True
+        return any(self._abstract_class(leaf_name(b), classes, depth + 1) for b in cls.bases)
 
     def memo(self, key: object, compute):  # noqa: ANN001, ANN201 - any zero-argument callable
         """A value computed once per analysis (detectors that share work, e.g. fc and fc_norm)."""
@@ -913,7 +960,31 @@ class Analyzer:
             found = self.defs_of(node)
             if found and found[0] and len(found[0]) == 1:
                 return self.literal(found[0][0], depth + 1)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and self._parsed_args(node.value):
+            default = self.argparse_defaults().get(node.attr)  # args.hs_offset: the option's default
+            return self.literal(default, depth + 1) if default is not None else MISSING
         return MISSING
+
+    def argparse_defaults(self) -> dict[str, ast.expr]:
+        """dest -> default expression of every `add_argument` call in the analysed code (`--hs-offset` -> hs_offset)."""
+        def compute() -> dict[str, ast.expr]:
+            found: dict[str, ast.expr] = {}
+            for call in self.calls_named("add_argument"):
+                flags = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                dest = kwarg(call, "dest")
+                name = dest.value if isinstance(dest, ast.Constant) else next(
+                    (f.lstrip("-").replace("-", "_") for f in flags if f.startswith("--")), None)
+                default = kwarg(call, "default")
+                if name and default is not None:
+                    found.setdefault(name, default)
+            return found
+        return self.memo("argparse-defaults", compute)
+
+    def _parsed_args(self, node: ast.Name) -> bool:
+        """Whether a name holds what `parser.parse_args()` returned."""
+        found = self.defs_of(node)
+        return bool(found and found[0] and all(isinstance(d, ast.Call) and call_name(d) in {"parse_args", "parse_known_args"}
+                                               for d in found[0]))
 
 
 VARIANT = "<variant branch>"

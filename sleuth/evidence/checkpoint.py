@@ -7,13 +7,13 @@ checkpoint, and is enough to tell e.g. how many target layers fc reads (fc.weigh
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sleuth.artifacts import ArtifactError, parse_json, regular_file, shown
 from sleuth.evidence.config import lookup
 from sleuth.evidence.registry import checkpoint_reader
 
@@ -41,6 +41,11 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     """Tensor name -> TensorInfo, from the header only. Raises CheckpointError with a one-line reason."""
     path = Path(path)
     try:
+        if not regular_file(path):  # a FIFO or a device would block the open, or never end
+            raise CheckpointError(f"{shown(path)}: missing")
+    except ArtifactError as exc:
+        raise CheckpointError(f"{shown(path)}: {exc.reason}") from None
+    try:
         with path.open("rb") as handle:
             size_bytes = handle.read(8)
             if len(size_bytes) < 8:
@@ -55,9 +60,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     if len(raw) < header_len:
         raise CheckpointError(f"{path}: truncated header ({len(raw)} of {header_len} bytes)")
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: header is not valid JSON ({exc.__class__.__name__})") from None
+        header = parse_json(raw, path)  # bounded: depth, number length
+    except ArtifactError as exc:
+        raise CheckpointError(f"{shown(path)}: header is not valid JSON ({exc.reason})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     tensors: dict[str, TensorInfo] = {}

@@ -7,11 +7,11 @@ Keys may sit at the top level or nested (other trainers' YAML): a key is found b
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sleuth.artifacts import optional_json_object
 from sleuth.evidence.registry import config_reader, registered
 
 
@@ -72,10 +72,7 @@ def find_run_meta(config_source: str | None, checkpoint: Path | None, config: di
         ckpt = Path(checkpoint)
         candidates += [ckpt.parent / "run.json", ckpt.parent.parent / "run.json", ckpt.parent.parent.parent / "run.json"]
     for path in candidates:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
+        data = optional_json_object(path, None)  # bounded, regular files only: it may be anyone's run.json
         target = data.get("target") if isinstance(data, dict) else None
         if isinstance(target, dict):
             layers, hidden = target.get("num_layers"), target.get("hidden_size")
@@ -134,6 +131,18 @@ def _read_target_layer_ids(config: dict, keys: list[str], meta: RunMeta) -> Conf
     return reading
 
 
+def _rule_count(config: dict, ids: tuple[str, Any] | None, meta: RunMeta) -> int | None:
+    """How many layers `target_layer_ids: null` selects, where the run format says: the trainer's rule picks
+    k = `draft_layers` layers (README, "Configuration"), all distinct when the target has room (L >= k + 3)."""
+    drafts = lookup(config, ["draft_layers"])
+    if ids is None or ids[1] is not None or drafts is None or meta.num_layers is None:
+        return None
+    k = drafts[1]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or meta.num_layers < k + 3:
+        return None
+    return k
+
+
 @config_reader("fc_layers")
 def _read_fc_layers(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
@@ -141,7 +150,7 @@ def _read_fc_layers(config: dict, keys: list[str], meta: RunMeta) -> ConfigReadi
         return None
     key, value = found
     ids = lookup(config, ["target_layer_ids"])
-    k = len(ids[1]) if ids and isinstance(ids[1], list) else None
+    k = len(ids[1]) if ids and isinstance(ids[1], list) else _rule_count(config, ids, meta)
     if value is None:
         return ConfigReading("all", key, value, detail=f"fc_layers null: all {k or 'k'} selected layers", count=k)
     if isinstance(value, list):

@@ -592,3 +592,106 @@ def _calls_of(an: Analyzer, func: ast.AST | None) -> list[ast.Call]:
         cls = an.parents.get(func)
         callee = cls.name if isinstance(cls, ast.ClassDef) else ""
     return an.calls_named(callee)
+
+
+# --- where a value goes (forward) ------------------------------------------------------------------------------
+
+# Library calls that compute a loss from what they are given.
+LOSS_FUNCTIONS = {"cross_entropy", "nll_loss", "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+                  "mse_loss", "smooth_l1_loss", "l1_loss", "huber_loss", "log_softmax", "CrossEntropyLoss", "KLDivLoss"}
+# Calls that pass a value on unchanged in meaning (layout, dtype, joining).
+_CARRIERS = {"cat", "stack", "concat", "concatenate", "flatten", "view", "reshape", "to", "float", "long", "int",
+             "double", "half", "cpu", "cuda", "contiguous", "clone", "detach", "unsqueeze", "squeeze", "expand",
+             "expand_as", "repeat", "clamp", "clamp_", "clamp_min", "clip", "permute", "transpose", "where",
+             "masked_fill", "type_as", "view_as", "reshape_as", "broadcast_to", "flip", "roll"}
+
+
+def value_uses(an: Analyzer, node: ast.AST) -> set[str]:
+    """What the value of an expression is used for, followed forward through assignments, arithmetic, layout
+    calls, local calls (into the parameter's uses in the callee) and returns (to the callers):
+        'loss'     it reaches a loss computation (a library loss call, or a local function computing one)
+        'compare'  it is compared (`==`, `<`): a metric or a mask, not a value the loss trains toward
+        'index'    it indexes another tensor (a gather at those positions)
+        'call:NAME' it is handed to a function outside the analysed code
+    Empty when nothing uses it where the analysis can see."""
+    return _uses(an, node, 0, frozenset())
+
+
+def _uses(an: Analyzer, node: ast.AST, depth: int, seen: frozenset) -> set[str]:
+    if depth > 8 or id(node) in seen:
+        return set()
+    seen = seen | {id(node)}
+    parent = an.parents.get(node)
+    if parent is None or isinstance(parent, (ast.Expr,)):
+        return set()
+    if isinstance(parent, ast.keyword):
+        call = an.parents.get(parent)
+        return _into_call(an, call, parent.arg, None, depth, seen) if isinstance(call, ast.Call) and parent.arg else set()
+    if isinstance(parent, ast.Call):
+        if parent.func is node:
+            return set()
+        if isinstance(parent.func, ast.Attribute) and parent.func.value is node:
+            return _uses(an, parent, depth + 1, seen)
+        position = parent.args.index(node) if node in parent.args else None
+        return _into_call(an, parent, None, position, depth, seen)
+    if isinstance(parent, ast.Attribute):
+        grand = an.parents.get(parent)
+        if isinstance(grand, ast.Call) and grand.func is parent:
+            name = parent.attr
+            if name in LOSS_FUNCTIONS:
+                return {"loss"}
+            return _uses(an, grand, depth + 1, seen) if name in _CARRIERS or name in PRESERVING_METHODS \
+                else {f"call:{name}"}
+        return _uses(an, parent, depth + 1, seen)
+    if isinstance(parent, (ast.List, ast.Tuple, ast.Starred, ast.BinOp, ast.UnaryOp, ast.IfExp, ast.BoolOp)):
+        return _uses(an, parent, depth + 1, seen)
+    if isinstance(parent, ast.Subscript):
+        if parent.value is node:
+            return _uses(an, parent, depth + 1, seen)
+        return {"index"}
+    if isinstance(parent, ast.Compare):
+        return {"compare"}
+    if isinstance(parent, ast.Return):
+        func = an.enclosing_function(parent)
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return set()
+        out: set[str] = set()
+        for call in an.calls_named(func.name):
+            out |= _uses(an, call, depth + 1, seen)
+        return out
+    if isinstance(parent, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
+        names = {ast.unparse(t) for t in targets if isinstance(t, (ast.Name, ast.Attribute))}
+        func = an.enclosing_function(parent)
+        out = set()
+        for use in ast.walk(func if func is not None else an.unit(parent).tree):
+            if isinstance(use, (ast.Name, ast.Attribute)) and isinstance(getattr(use, "ctx", None), ast.Load) \
+                    and ast.unparse(use) in names and getattr(use, "lineno", 0) > parent.lineno:
+                out |= _uses(an, use, depth + 1, seen)
+        return out
+    return set()
+
+
+def _into_call(an: Analyzer, call: ast.Call, keyword: str | None, position: int | None, depth: int,
+               seen: frozenset) -> set[str]:
+    name = call_name(call)
+    if name in LOSS_FUNCTIONS:
+        return {"loss"}
+    if name in _CARRIERS:
+        return _uses(an, call, depth + 1, seen)
+    functions = an.functions.get(name, [])
+    if not functions or not _local_callee(call):
+        return {f"call:{name}"}
+    func = functions[0][0]
+    params = [a.arg for a in func.args.posonlyargs + func.args.args + func.args.kwonlyargs]
+    if params and params[0] in {"self", "cls"} and isinstance(call.func, ast.Attribute):
+        params = params[1:]
+    param = keyword if keyword in params else (params[position] if position is not None and position < len(params) else None)
+    if param is None:
+        return {f"call:{name}"}
+    out: set[str] = set()
+    for use in ast.walk(func):
+        if isinstance(use, ast.Name) and use.id == param and isinstance(use.ctx, ast.Load) \
+                and an.enclosing_function(use) is func:
+            out |= _uses(an, use, depth + 1, seen)
+    return out

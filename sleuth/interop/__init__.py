@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sleuth.findings import Finding
-    from sleuth.runs import RunInfo
+    from sleuth.run_info import RunInfo
 
 # Files whose presence at the top of a directory marks a run of another trainer (list_run_dirs uses these).
 FOREIGN_RUN_MARKERS = ("train_command.txt", "run.yaml")

@@ -25,18 +25,30 @@ code from the file runs.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sleuth.artifacts import (
+    OBJECT,
+    SEQUENCE,
+    check_shape,
+    exists,
+    is_dir,
+    list_dir,
+    optional_json_object,
+    regular_file,
+    shown,
+)
 from sleuth.interop.verifier import Verifier, find_verifier
 
 STATE_FILE = "training_state.pt"
-_STEP_DIR = re.compile(r"^(?P<run_id>.+)-step(?P<step>\d+)$")
+_STEP_DIR = re.compile(r"^(?P<run_id>.+)-step(?P<step>\d{1,12})$")
 _MAX_STATE_FILE = 4 * 1024**3
-_MAX_JSON_FILE = 16 * 1024 * 1024
+# What the checks read into: the weights by name, the provenance as (key, value) pairs.
+STATE_SHAPE = {"draft_state_dict": OBJECT, "specforge_model_provenance": SEQUENCE, "dflash_target_layer_ids": SEQUENCE}
+DRAFT_CONFIG_SHAPE = {"dflash_config": OBJECT, "rope_scaling": OBJECT}
 # tensorboard tags SpecForge logs (`training_metric_names`, `Evaluator`) -> sleuth's metric names
 TENSORBOARD_TAGS = {
     "train/loss": "loss",
@@ -78,6 +90,8 @@ class SpecForgeRun:
     draft_config_path: Path | None = None
     verifier: Verifier = field(default_factory=lambda: Verifier(None))
     problems: list[str] = field(default_factory=list)
+    # Problems that keep the run from being called clean (see RunInfo.input_problems); also in `problems`.
+    input_problems: list[str] = field(default_factory=list)
     trainer: str = "specforge"
 
     @property
@@ -86,12 +100,14 @@ class SpecForgeRun:
 
     def use_draft_config(self, path: Path) -> None:
         """Check this draft config JSON (a file, or a directory with config.json) instead of the recorded one."""
-        config = path / "config.json" if path.is_dir() else path
-        data = _json(config)
+        config = path / "config.json" if is_dir(path) else path
+        why: list[str] = []
+        data = optional_json_object(config, why, label="")
         if data is None:
-            self.problems.append(f"--config {path}: not a JSON draft config; the recorded one is checked")
+            reason = why[0].strip() if why else "not found"
+            self.problems.append(f"--config {shown(path)}: not a JSON draft config ({reason}); the recorded one is checked")
             return
-        self.draft_config, self.draft_config_path = data, config
+        self.draft_config, self.draft_config_path = check_shape(data, DRAFT_CONFIG_SHAPE, shown(config), self.problems), config
 
     def provenance(self, key: str) -> Any:
         """One entry of `specforge_model_provenance` (a tuple of (key, value) pairs)."""
@@ -111,9 +127,9 @@ class SpecForgeRun:
 
 def detect(path: Path) -> str | None:
     """"output_dir", "checkpoint" or None."""
-    if not path.is_dir() or (path / "run.json").exists():
+    if not is_dir(path) or exists(path / "run.json"):
         return None
-    if (path / STATE_FILE).is_file():
+    if exists(path / STATE_FILE):
         return "checkpoint"
     if _step_dirs(path):
         return "output_dir"
@@ -122,7 +138,7 @@ def detect(path: Path) -> str | None:
 
 def read_specforge_run(path: Path) -> Any:
     """A sleuth `RunInfo` for a SpecForge directory, or None when `path` is not one."""
-    from sleuth.runs import RunInfo
+    from sleuth.run_info import RunInfo
 
     kind = detect(path)
     if kind is None:
@@ -133,6 +149,7 @@ def read_specforge_run(path: Path) -> Any:
     info.metrics = metrics_rows(run)
     info.problems = list(run.problems)
     info.config = run.draft_config
+    info.input_problems = list(run.input_problems)
     info.run_json = _run_json(run)
     # The weights live in a torch pickle, not a safetensors file: the generic header reader cannot read
     # them, so `info.checkpoint` stays None and the SpecForge checks read fc from the state dict.
@@ -149,8 +166,8 @@ def read(path: Path, kind: str) -> SpecForgeRun:
     links: dict[str, str] = {}
     best_meta = None
     if kind == "output_dir":
-        checkpoints = [_read_checkpoint(d, step) for step, d in _step_dirs(path)]
-        for child in sorted(path.iterdir()):
+        checkpoints = [_read_checkpoint(d, step, path) for step, d in _step_dirs(path)]
+        for child in list_dir(path):
             if child.is_symlink() and child.name.endswith(("-best", "-latest")):
                 links[child.name] = _readlink(child)
         chosen = _pick(checkpoints, links)
@@ -163,17 +180,25 @@ def read(path: Path, kind: str) -> SpecForgeRun:
             checkpoints = [c for c in checkpoints if _run_id(c.path) == own]
             links = {name: target for name, target in links.items() if name.rsplit("-", 1)[0] == own}
         own_id = _run_id(chosen.path) if chosen is not None else None
-        best_meta = _json(path / f"{own_id}.best_meta.json") if own_id else None
+        best_meta = optional_json_object(path / f"{own_id}.best_meta.json", problems, within=path) if own_id else None
     else:
         match = _STEP_DIR.match(path.name)
         step = int(match.group("step")) if match else -1
-        chosen = _read_checkpoint(path, step)
+        chosen = _read_checkpoint(path, step, path.parent)
         checkpoints = [chosen]
         if chosen.step < 0 and isinstance(chosen.get("global_step"), int):
             chosen.step = chosen.get("global_step")
-    problems += [f"{c.path.name}/{STATE_FILE}: {c.problem}" for c in checkpoints if c.problem]
+    problems += [f"{shown(c.path.name)}/{STATE_FILE}: {c.problem}" for c in checkpoints if c.problem]
     run = SpecForgeRun(kind=kind, path=path, checkpoints=checkpoints, chosen=chosen, links=links,
                        best_meta=best_meta, problems=problems)
+    if chosen is not None and chosen.problem:
+        # The checkpoint whose settings are checked is damaged: what it trained with is unknown, not clean.
+        run.input_problems.append(f"{shown(chosen.path.name)}/{STATE_FILE}: {chosen.problem}")
+    if chosen is not None and chosen.state is not None:
+        shape_problems: list[str] = []
+        check_shape(chosen.state, STATE_SHAPE, f"{shown(chosen.path.name)}/{STATE_FILE}", shape_problems)
+        problems += shape_problems
+        run.input_problems += shape_problems
     if chosen is not None and chosen.state is not None and chosen.get("strategy") not in ("dflash", None):
         problems.append(f"strategy {chosen.get('strategy')!r}: only DFlash's settings are checked")
     _read_draft_config(run)
@@ -187,10 +212,13 @@ def read(path: Path, kind: str) -> SpecForgeRun:
 
 def metrics_rows(run: SpecForgeRun) -> list[dict[str, Any]]:
     """Per-step training curves from SpecForge's tensorboard files; else the best checkpoint's eval numbers."""
-    from sleuth.interop.tensorboard import read_tagged_scalars
+    from sleuth.interop.tensorboard import find_event_files, read_tagged_scalars
 
     root = run.path if run.kind == "output_dir" else run.path.parent
-    curves = read_tagged_scalars(sorted((root / "runs").glob("events.out.tfevents.*")), TENSORBOARD_TAGS)
+    files, note = find_event_files(root / "runs", near=run.path)
+    if note:
+        run.problems.append(note)
+    curves = read_tagged_scalars(files, TENSORBOARD_TAGS)
     if curves.problem:
         run.problems.append(curves.problem)
     rows = {step: {"step": step, "source": "tensorboard", **values} for step, values in curves.rows.items()}
@@ -214,14 +242,10 @@ def metrics_rows(run: SpecForgeRun) -> list[dict[str, Any]]:
 
 
 def _step_dirs(path: Path) -> list[tuple[int, Path]]:
-    try:
-        children = list(path.iterdir())
-    except OSError:
-        return []
     found = []
-    for child in children:
+    for child in list_dir(path):
         match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and not child.is_symlink() and (child / STATE_FILE).is_file():
+        if match and not child.is_symlink() and is_dir(child) and exists(child / STATE_FILE):
             found.append((int(match.group("step")), child))
     return sorted(found)
 
@@ -243,10 +267,13 @@ def _pick(checkpoints: list[SpecForgeCheckpoint], links: dict[str, str]) -> Spec
     return max(readable, key=lambda c: c.step) if readable else (checkpoints[-1] if checkpoints else None)
 
 
-def _read_checkpoint(path: Path, step: int) -> SpecForgeCheckpoint:
+def _read_checkpoint(path: Path, step: int, root: Path) -> SpecForgeCheckpoint:
     checkpoint = SpecForgeCheckpoint(path=path, step=step, state=None)
     state_file = path / STATE_FILE
     try:
+        # A regular file inside the output directory (torch.load on a FIFO would wait for a writer forever).
+        if not regular_file(state_file, within=root):
+            raise ValueError("missing")
         if state_file.stat().st_size > _MAX_STATE_FILE:
             raise ValueError(f"{state_file.stat().st_size} bytes, more than a drafter's state can be")
         import torch
@@ -261,8 +288,33 @@ def _read_checkpoint(path: Path, step: int) -> SpecForgeCheckpoint:
         checkpoint.problem = f"holds a {type(state).__name__}, not SpecForge's state dict"
         return checkpoint
     state.pop("replicated_optimizer_state", None)
+    weights = state.get("draft_state_dict")
+    degenerate = _degenerate_tensors(weights) if isinstance(weights, dict) else []
+    if degenerate:
+        # A view that repeats one element (stride 0) or claims more elements than its storage holds is not a
+        # trained weight: its shape would be read as evidence of a [1e6, 1e6] layer. The file is damaged.
+        checkpoint.problem = (f"draft_state_dict holds tensors whose storage cannot back their shape (expanded or "
+                              f"truncated views): {', '.join(degenerate[:3])}; the weights are not evidence")
+        return checkpoint
     checkpoint.state = state
     return checkpoint
+
+
+def _degenerate_tensors(weights: dict[Any, Any]) -> list[str]:
+    """Names of tensors whose storage is smaller than the elements their shape and strides address, or that
+    repeat elements (a zero stride on a dimension longer than 1)."""
+    import torch
+
+    bad = []
+    for name, tensor in weights.items():
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            continue
+        repeated = any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
+        span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+        needed = (tensor.storage_offset() + span) * tensor.element_size()
+        if repeated or needed > tensor.untyped_storage().nbytes():
+            bad.append(f"{shown(str(name))} {list(tensor.shape)}")
+    return bad
 
 
 def _read_draft_config(run: SpecForgeRun) -> None:
@@ -272,13 +324,21 @@ def _read_draft_config(run: SpecForgeRun) -> None:
         run.problems.append("the checkpoint records no draft config path (specforge_model_provenance)")
         return
     for candidate in _relocations(recorded, run.path):
-        config = candidate / "config.json" if candidate.is_dir() else candidate
-        if config.is_file():
-            data = _json(config)
+        config = candidate / "config.json" if is_dir(candidate) else candidate
+        if exists(config):
+            why: list[str] = []
+            data = optional_json_object(config, why, label="")
             if data is None:
-                run.problems.append(f"draft config {config} cannot be read as JSON")
+                reason = why[0].strip() if why else "is not a regular file"
+                problem = f"draft config {shown(config)} cannot be read: {reason}"
+                run.problems.append(problem)
+                run.input_problems.append(problem)
                 return
             run.draft_config, run.draft_config_path = data, config
+            shape_problems: list[str] = []
+            check_shape(data, DRAFT_CONFIG_SHAPE, f"draft config {shown(config)}", shape_problems)
+            run.problems += shape_problems
+            run.input_problems += shape_problems
             if candidate != Path(recorded):
                 run.problems.append(f"draft config recorded as {recorded}, read from {config} (the run has moved)")
             return
@@ -324,16 +384,6 @@ def _readlink(path: Path) -> str:
         return str(path.readlink())
     except OSError:
         return "?"
-
-
-def _json(path: Path) -> dict[str, Any] | None:
-    try:
-        if path.stat().st_size > _MAX_JSON_FILE:
-            return None
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _is_count(value: Any) -> bool:

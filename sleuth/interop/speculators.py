@@ -24,19 +24,44 @@ size, the only identity speculators records; the fingerprint strings say so.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from sleuth.artifacts import (
+    INTEGER,
+    LIST,
+    MAX_RECORD_BYTES,
+    OBJECT,
+    STRING,
+    ArtifactError,
+    check_shape,
+    exists,
+    is_dir,
+    list_dir,
+    optional_json_object,
+    read_bytes,
+    regular_file,
+    shown,
+)
 from sleuth.interop.verifier import Verifier, find_verifier
 
 WEIGHTS = "model.safetensors"
-_MAX_JSON_FILE = 16 * 1024 * 1024
+# The containers the checks read into: a list or a string where an object belongs is dropped with a line.
+CONFIG_SHAPE = {
+    "speculators_config": OBJECT,
+    "speculators_config.algorithm": STRING,
+    "speculators_config.verifier": OBJECT,
+    "speculators_config.verifier.name_or_path": STRING,
+    "speculators_config.proposal_methods": LIST,
+    "speculators_config.proposal_methods[]": OBJECT,
+    "transformer_layer_config": OBJECT,
+}
+TRAINING_STATE_SHAPE = {"global_step": INTEGER, "epoch": INTEGER, "local_step": INTEGER}
 _LINK = re.compile(r"^(checkpoint_best|epoch\d+_(end|step\d+))$")
-_POSITION = re.compile(r"^position_(\d+)_acc_epoch$")
+_POSITION = re.compile(r"^position_(\d{1,6})_acc_epoch$")
 
 
 @dataclass
@@ -47,6 +72,8 @@ class SpeculatorsCheckpoint:
     val_metrics: dict[str, Any] | None
     training_state: dict[str, Any] | None
     weights: Path | None
+    # Fields of its config.json that were of the wrong type (dropped): the checks that need them are unknown.
+    problems: list[str] = field(default_factory=list)
 
     @property
     def step(self) -> int | None:
@@ -71,7 +98,14 @@ class SpeculatorsRun:
     speculators_version: str | None = None  # "# speculators: X" in train_command.txt
     verifier: Verifier = field(default_factory=lambda: Verifier(None))
     problems: list[str] = field(default_factory=list)
+    # Problems that keep the run from being called clean (see RunInfo.input_problems); also in `problems`.
+    input_problems: list[str] = field(default_factory=list)
     trainer: str = "speculators"
+
+    @property
+    def root(self) -> Path:
+        """The directory every file of this run must lie in: the save directory (a checkpoint's parent)."""
+        return self.path.parent if self.kind == "checkpoint" else self.path
 
     @property
     def config(self) -> dict[str, Any] | None:
@@ -114,18 +148,19 @@ def is_speculators_config(config: dict[str, Any] | None) -> bool:
 
 def detect(path: Path) -> str | None:
     """"save_dir", "checkpoint", "pretrained" or None."""
-    if not path.is_dir():
+    if not is_dir(path):
         return None
-    if (path / "run.json").exists():
+    if exists(path / "run.json"):
         return None  # our own trainer's run directory
-    if any((path / marker).is_file() for marker in ("run.yaml", "train_command.txt")) and _epoch_dirs(path):
+    epochs = _epoch_dirs(path)
+    if any(exists(path / marker) for marker in ("run.yaml", "train_command.txt")) and epochs:
         return "save_dir"
-    if _epoch_dirs(path) and any(is_speculators_config(_json(d / "config.json")) for d in _epoch_dirs(path)):
+    if epochs and any(is_speculators_config(_json(d / "config.json", within=path)) for d in epochs):
         return "save_dir"
-    config = _json(path / "config.json")
+    config = _json(path / "config.json", within=path)
     if not is_speculators_config(config):
-        return "save_dir" if (path / "run.yaml").is_file() and (path / "train_command.txt").is_file() else None
-    if any((path / name).is_file() for name in ("val_metrics.json", "training_state.json", "train_command.txt")):
+        return "save_dir" if exists(path / "run.yaml") and exists(path / "train_command.txt") else None
+    if any(exists(path / name) for name in ("val_metrics.json", "training_state.json", "train_command.txt")):
         return "checkpoint"
     return "pretrained"
 
@@ -136,7 +171,7 @@ def read_speculators_run(path: Path) -> Any:
     A from_pretrained directory (config + weights only) is left to the generic reader, which knows
     exported drafters; its config is still checked in speculators' conventions (`interop` is set).
     """
-    from sleuth.runs import RunInfo
+    from sleuth.run_info import RunInfo
 
     kind = detect(path)
     if kind is None or kind == "pretrained":
@@ -147,6 +182,7 @@ def read_speculators_run(path: Path) -> Any:
     info.metrics = metrics_rows(run)  # may add problem lines (tensorboard files unreadable, ...)
     info.problems = list(run.problems)
     info.config = run.config
+    info.input_problems = list(run.input_problems)
     info.run_json = _run_json(run)
     chosen = run.chosen
     if chosen is not None and chosen.weights is not None:
@@ -163,13 +199,13 @@ def read(path: Path, kind: str) -> SpeculatorsRun:
     links: dict[str, str] = {}
     if kind == "save_dir":
         save_dir = path
-        checkpoints = [_read_checkpoint(d, problems) for d in _epoch_dirs(path)]
-        for child in sorted(path.iterdir()):
+        checkpoints = [_read_checkpoint(d, problems, path) for d in _epoch_dirs(path)]
+        for child in list_dir(path):
             if child.is_symlink() and _LINK.match(child.name):
                 target = _readlink(child)
                 links[child.name] = target
-                if not (path / target).is_dir():
-                    problems.append(f"{child.name} -> {target}, which does not exist")
+                if not is_dir(path / target, within=path):
+                    problems.append(f"{child.name} -> {shown(target)}, which does not exist in the save directory")
         best = links.get("checkpoint_best")
         chosen = next((c for c in checkpoints if best is not None and c.path.name == best), None)
         if chosen is None and checkpoints:
@@ -178,14 +214,24 @@ def read(path: Path, kind: str) -> SpeculatorsRun:
             problems.append("no checkpoint directories (0/, 1/, ...) in the save directory")
     else:
         save_dir = path.parent if kind == "checkpoint" else path
-        chosen = _read_checkpoint(path, problems)
+        chosen = _read_checkpoint(path, problems, save_dir)
         checkpoints = [chosen]
     run = SpeculatorsRun(kind=kind, path=path, checkpoints=checkpoints, chosen=chosen, links=links, problems=problems)
+    if chosen is not None:
+        run.input_problems += chosen.problems
     # A checkpoint carries its own copy of train_command.txt; run.yaml sits only in the save directory.
     for directory in ([save_dir, path] if kind == "checkpoint" else [path]):
         _read_run_files(run, directory)
-    name_or_path = ((run.config or {}).get("speculators_config") or {}).get("verifier", {}).get("name_or_path")
-    run.verifier = find_verifier(name_or_path, path)
+    if kind != "pretrained" and run.run_yaml is None and run.train_command is None:
+        # speculators writes both at the start of training; without either, every training setting (the
+        # loss, its weighting, gamma) is unknown, and speculators' defaults must not stand in for them.
+        missing = ("neither run.yaml nor train_command.txt could be read: the training settings are unknown"
+                   if exists(save_dir / "run.yaml") or exists(path / "train_command.txt") or exists(save_dir / "train_command.txt")
+                   else "no run.yaml or train_command.txt: the training settings are unknown")
+        run.problems.append(missing)
+        run.input_problems.append(missing)
+    verifier = ((run.config or {}).get("speculators_config") or {}).get("verifier") or {}
+    run.verifier = find_verifier(verifier.get("name_or_path"), path)
     return run
 
 
@@ -232,45 +278,59 @@ def metrics_rows(run: SpeculatorsRun) -> list[dict[str, Any]]:
 
 
 def _epoch_dirs(path: Path) -> list[Path]:
+    # isdecimal, not isdigit: '²' is a digit to Python but not a number int() reads; at most 12 digits.
+    children = [c for c in list_dir(path) if c.name.isascii() and c.name.isdecimal() and len(c.name) <= 12]
+    return sorted((c for c in children if not c.is_symlink() and is_dir(c)), key=lambda c: int(c.name))
+
+
+def _read_checkpoint(path: Path, problems: list[str], root: Path) -> SpeculatorsCheckpoint:
+    label = shown(path.name)
+    config = _json(path / "config.json", problems, label, within=root)
+    own: list[str] = []
+    if config is not None:
+        check_shape(config, CONFIG_SHAPE, f"{label}/config.json", own)
+    state = _json(path / "training_state.json", problems, label, within=root)
+    if state is not None:
+        check_shape(state, TRAINING_STATE_SHAPE, f"{label}/training_state.json", problems)
+    problems += own
     try:
-        children = list(path.iterdir())
-    except OSError:
-        return []
-    return sorted(
-        (c for c in children if c.name.isdigit() and c.is_dir() and not c.is_symlink()), key=lambda c: int(c.name)
-    )
-
-
-def _read_checkpoint(path: Path, problems: list[str]) -> SpeculatorsCheckpoint:
-    config = _json(path / "config.json", problems, path.name)
+        weights = path / WEIGHTS if regular_file(path / WEIGHTS, within=root) else None
+    except ArtifactError as exc:
+        problems.append(f"{label}/{WEIGHTS} {exc.reason}")
+        weights = None
     return SpeculatorsCheckpoint(
         path=path,
-        epoch=int(path.name) if path.name.isdigit() else None,
+        epoch=int(path.name) if path.name.isascii() and path.name.isdecimal() else None,
         config=config,
-        val_metrics=_json(path / "val_metrics.json"),
-        training_state=_json(path / "training_state.json"),
-        weights=path / WEIGHTS if (path / WEIGHTS).is_file() else None,
+        val_metrics=_json(path / "val_metrics.json", problems, label, within=root),
+        training_state=state,
+        weights=weights,
+        problems=own,
     )
 
 
 def _read_run_files(run: SpeculatorsRun, directory: Path) -> None:
     run_yaml = directory / "run.yaml"
-    if run_yaml.is_file() and run.run_yaml_path is None:
+    if exists(run_yaml) and run.run_yaml_path is None:
         try:
             from sleuth.safe_yaml import load_yaml, read_text_file
 
             # A user's file: size-capped, UTF-8 only, aliases bounded, like every other config sleuth reads.
-            data = load_yaml(read_text_file(run_yaml, what="run.yaml"))
+            data = load_yaml(read_text_file(run_yaml, what="run.yaml", max_bytes=MAX_RECORD_BYTES, within=run.root))
         except Exception as exc:  # yaml.YAMLError, YamlLimitError or a read error: the run config becomes unknown
-            run.problems.append(f"run.yaml cannot be read: {str(exc).splitlines()[0]}")
+            run.problems.append(f"run.yaml cannot be read: {(str(exc).splitlines() or [type(exc).__name__])[0]}")
         else:
             if isinstance(data, dict):
                 run.run_yaml, run.run_yaml_path = data, run_yaml
+            else:
+                run.problems.append("run.yaml does not hold a mapping of settings")
     command = directory / "train_command.txt"
-    if command.is_file() and run.train_command_path is None:
+    if exists(command) and run.train_command_path is None:
         try:
-            text = command.read_text(errors="replace")
-        except OSError:
+            # An argv and a few comment lines: a file past 1 MiB is not one (300 MB of words would cost GBs).
+            text = read_bytes(command, within=run.root, max_bytes=MAX_RECORD_BYTES).decode("utf-8", errors="replace")
+        except (OSError, ArtifactError) as exc:
+            run.problems.append(f"train_command.txt {getattr(exc, 'reason', None) or exc}")
             return
         run.train_command_path = command
         lines = [line for line in text.splitlines() if line.strip()]
@@ -320,19 +380,14 @@ def _readlink(path: Path) -> str:
         return "?"
 
 
-def _json(path: Path, problems: list[str] | None = None, where: str = "") -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        # config.json / val_metrics.json / training_state.json are a few KiB; a huge one is damage.
-        if path.stat().st_size > _MAX_JSON_FILE:
-            raise ValueError(f"{path.stat().st_size} bytes, more than such a file can be")
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as exc:
-        if problems is not None:
-            problems.append(f"{where}/{path.name} cannot be read: {exc}")
-        return None
-    return data if isinstance(data, dict) else None
+def _json(path: Path, problems: list[str] | None = None, where: str = "", *, within: Path) -> dict[str, Any] | None:
+    """config.json / val_metrics.json / training_state.json (a few KiB each), under sleuth.artifacts'
+    discipline; a damaged one is a problem line `<where>/<name> cannot be read: <why>`."""
+    found: list[str] = []
+    data = optional_json_object(path, found, within=within, label=f"{where}/{path.name} cannot be read:")
+    if problems is not None:
+        problems += found
+    return data
 
 
 def _number(value: Any) -> bool:

@@ -10,14 +10,21 @@ it (both read from run.yaml / train_command.txt). Tags are speculators' metric d
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sleuth.artifacts import find_files, is_dir, is_within, shown
+
 _MAX_EVENT_FILES = 50
+# How far a log dir is searched: speculators nests one folder (the run name), SpecForge none.
+_MAX_DEPTH = 3
+_MAX_ENTRIES = 5_000
+_MAX_EVENT_FILE_BYTES = 512 * 1024 * 1024
 _TRAIN = {"train/loss": "loss", "train/full_acc": "acc", "train/eal": "eal"}
-_POSITION = re.compile(r"^train/position_(\d+)_acc$")
+_POSITION = re.compile(r"^train/position_(\d{1,6})_acc$")
 
 
 @dataclass
@@ -27,8 +34,10 @@ class Scalars:
     problem: str | None = None
 
 
-def event_files(run: Any) -> list[Path]:
+def event_files(run: Any) -> tuple[list[Path], list[str]]:
+    """The event files of a speculators run, and a line for each place not looked in (and why)."""
     roots = [run.path]
+    notes: list[str] = []
     if run.kind == "save_dir":
         log_dir = _setting(run, "log_dir", "--log-dir") or "logs"
         run_name = _setting(run, "run_name", "--run-name")
@@ -36,18 +45,52 @@ def event_files(run: Any) -> list[Path]:
         roots.append(base / run_name if run_name else base / run.path.name)
     found: list[Path] = []
     for root in roots:
-        if root.is_dir():
-            found += sorted(root.rglob("events.out.tfevents.*"))[:_MAX_EVENT_FILES]
-    return sorted(set(found))
+        files, problem = find_event_files(root, near=run.path)
+        found += files
+        if problem:
+            notes.append(problem)
+    return sorted(set(found))[:_MAX_EVENT_FILES], notes
+
+
+def find_event_files(root: Path, *, near: Path) -> tuple[list[Path], str | None]:
+    """Event files under `root` (regular files, no link followed, a bounded walk), and why a root was
+    not (fully) searched. A root that contains the folder the run sits in (`/`, the home directory, the
+    runs folder itself) would read other runs' curves as this run's: it is not searched at all."""
+    if not is_dir(root):
+        return [], None
+    run_parent = os.path.realpath(near.parent if near.parent != near else near)
+    if is_within(Path(run_parent), root):
+        return [], (f"tensorboard log dir {shown(root)} contains the folder this run sits in; not searched "
+                    "(its event files could be any run's)")
+    files, cut = find_files(root, lambda name: name.startswith("events.out.tfevents."), max_depth=_MAX_DEPTH,
+                            max_entries=_MAX_ENTRIES)
+    large = [f for f in files if _size(f) > _MAX_EVENT_FILE_BYTES]
+    files = [f for f in files if f not in large]
+    notes = []
+    if cut:
+        notes.append(f"stopped after {_MAX_ENTRIES} entries")
+    if large:
+        notes.append(f"{len(large)} event file(s) over {_MAX_EVENT_FILE_BYTES >> 20} MiB skipped")
+    if len(files) > _MAX_EVENT_FILES:
+        notes.append(f"only the first {_MAX_EVENT_FILES} of {len(files)} event files read")
+    return files[:_MAX_EVENT_FILES], (f"tensorboard log dir {shown(root)}: " + "; ".join(notes)) if notes else None
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 
 
 def read_scalars(run: Any) -> Scalars:
     """Per-step training metrics, in sleuth's names (loss, acc, eal, position_acc), from every event file."""
-    files = event_files(run)
+    files, notes = event_files(run)
     if not files:
-        return Scalars()
+        return Scalars(problem="; ".join(notes) or None)
     accumulators, problem = _load(files)
-    if problem is not None:  # the other sources (val_metrics) still count
+    problem = "; ".join([*notes, *([problem] if problem else [])]) or None
+    if not accumulators:  # the other sources (val_metrics) still count
         return Scalars(files=files, problem=problem)
     rows: dict[int, dict[str, Any]] = {}
     positions: dict[int, dict[int, float]] = {}
@@ -64,7 +107,7 @@ def read_scalars(run: Any) -> Scalars:
                     rows.setdefault(event.step, {})[name] = float(event.value)
     for step, by_slot in positions.items():
         rows.setdefault(step, {})["position_acc"] = [by_slot[k] for k in sorted(by_slot)]
-    return Scalars(rows=rows, files=files)
+    return Scalars(rows=rows, files=files, problem=problem)
 
 
 def _setting(run: Any, key: str, flag: str) -> str | None:
@@ -94,19 +137,23 @@ def read_tagged_scalars(files: list[Path], tags: dict[str, str]) -> Scalars:
 
 
 def _load(files: list[Path]) -> tuple[list[Any], str | None]:
-    """tensorboard's own reader over each file, in order, up to the first that cannot be read; the problem
-    (tensorboard not installed, a torn or foreign file) as one line."""
+    """tensorboard's own reader over each file, in order; the files it cannot read (tensorboard not
+    installed, a torn or foreign file, a name that is not UTF-8) are skipped and named in one line."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:
         return [], (f"{len(files)} tensorboard event file(s) not read: the tensorboard package is not installed "
                     "(pip install tensorboard)")
-    loaded = []
+    loaded, failed = [], []
     for path in files:
-        accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
         try:
+            accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0})
             accumulator.Reload()
-        except Exception as exc:  # any reader failure is the file's, not ours
-            return loaded, f"{path.name} cannot be read by tensorboard: {exc}"
+        except Exception as exc:  # any reader failure is the file's (a torn file, a name not UTF-8), not ours
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            failed.append(f"{shown(path.name)} cannot be read by tensorboard: {first[:200]}")
+            continue
         loaded.append(accumulator)
-    return loaded, None
+    if not failed:
+        return loaded, None
+    return loaded, "; ".join(failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")

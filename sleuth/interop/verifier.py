@@ -8,10 +8,11 @@ directory above it, and the working directory; a hub id only in the local Huggin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sleuth.artifacts import exists, optional_json_object, shown
 
 
 @dataclass
@@ -22,6 +23,7 @@ class Verifier:
     hidden_size: int | None = None
     vocab_size: int | None = None
     tried: list[str] = field(default_factory=list)
+    problem: str | None = None  # why the config found could not be read
 
     @property
     def reason(self) -> str:
@@ -31,7 +33,7 @@ class Verifier:
         if self.name_or_path is None:
             return "the config names no verifier (speculators_config.verifier.name_or_path)"
         if self.config_path is not None:
-            return f"{self.config_path} has no num_hidden_layers"
+            return self.problem or f"{shown(self.config_path)} has no num_hidden_layers"
         return f"verifier {self.name_or_path!r} not found offline (tried {', '.join(self.tried)})"
 
 
@@ -79,7 +81,7 @@ def find_verifier(name_or_path: Any, near: Path, *, max_up: int = 4, relocatable
         candidates.append(Path.cwd() / given)
     for candidate in candidates:
         config = candidate / "config.json"
-        if config.is_file():
+        if exists(config):
             return _read(verifier, config)
     verifier.tried.append(f"{len(candidates)} local paths")
     cached = _hub_cache_config(name_or_path)
@@ -105,11 +107,11 @@ def _hub_cache_config(repo_id: str) -> Path | None:
 
 def _read(verifier: Verifier, config_path: Path) -> Verifier:
     verifier.config_path = config_path
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError):
-        return verifier
-    if not isinstance(config, dict):
+    why: list[str] = []
+    # A model directory beside a shared run is as foreign as the run: bounded, regular files only.
+    config = optional_json_object(config_path, why, label=shown(config_path))
+    if config is None:
+        verifier.problem = why[0] if why else f"{shown(config_path)} cannot be read"
         return verifier
     # Multimodal verifiers (Qwen3-VL, ...) keep the language model's shape in text_config.
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config

@@ -123,7 +123,9 @@ class _Run:
             with self.trace.step("analyse-code", path=str(self.code)) as step:
                 self._code_facts = analyse_path(self.code)
                 bad = ", ".join(f"{e.path} ({e.message})" for e in self._code_facts.errors)
-                step.outcome = f"{len(self._code_facts.files)} file(s) parsed statically" + (f"; not analysed: {bad}" if bad else "")
+                harness = ", ".join(f"{path} ({why})" for path, why in self._code_facts.excluded.items())
+                step.outcome = f"{len(self._code_facts.files)} file(s) parsed statically" + (
+                    f"; not analysed: {bad}" if bad else "") + (f"; not the implementation: {harness}" if harness else "")
         return self._code_facts
 
     # --- checkpoint ------------------------------------------------------------------------------------
@@ -262,12 +264,19 @@ def _expected_from_readings(inv: Invariant, readings: list[CodeReading], run: _R
     if confirming:
         best = sorted(confirming, key=lambda r: (r.mode != "hardcoded", -r.confidence))
         return ExpectedValue(spec.value, list(spec.accept), "reference", [_code_evidence(r, kind="reference") for r in best[:2]])
-    decisive = [r for r in readings if r.mode == "hardcoded"]
+    # Only a certain reading may overrule the playbook's rule: an extractor's guess (`final?`, "named as the
+    # last layer, origin not traced") outranking the rule turned a correct run into a critical mismatch.
+    decisive = [r for r in readings if r.mode == "hardcoded" and not _uncertain(r)]
     if decisive:
         top = max(decisive, key=lambda r: r.confidence)
         return ExpectedValue(top.value, list(spec.accept), "reference", [_code_evidence(top, kind="reference")],
                              [f"the reference's code says {top.value!r}, the playbook's rule says {spec.value!r}: the reference wins"])
     return None
+
+
+def _uncertain(reading: CodeReading) -> bool:
+    """A reading the extractor itself marks as a guess: a value ending in `?`, or confidence below one half."""
+    return (isinstance(reading.value, str) and reading.value.endswith("?")) or reading.confidence < 0.5
 
 
 def _expected_from_docs(inv: Invariant, run: _Run) -> ExpectedValue | None:
@@ -324,9 +333,11 @@ def _config_observation(inv: Invariant, run: _Run) -> tuple[Observation | None, 
         reading: ConfigReading | None = read_config(spec.reader, run.config, spec.keys, run.meta)
         if reading is None:
             present = lookup(run.config, spec.keys)
-            if present is not None:
+            if present is not None and present[1] is not None:
                 # The key is there but its value is not one this rule knows (wrong type, unknown word):
-                # what ran is unreadable, and the code's default must not stand in for it.
+                # what ran is unreadable, and the code's default must not stand in for it. A null is
+                # different: it is the config saying "the code decides" (target_layer_ids null = the rule
+                # derived from the target's depth), so the code's reading stands.
                 problem = f"{run.config_source}:{present[0]} = {_text(present[1])[:80]!r} is not a valid value for this rule"
                 step.outcome = problem
                 return None, [CONFIG_VALUE_INVALID + problem]
@@ -461,7 +472,10 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
     config_obs, config_notes = _config_observation(inv, run)
     invalid = [n.removeprefix(CONFIG_VALUE_INVALID) for n in config_notes if n.startswith(CONFIG_VALUE_INVALID)]
     if invalid:
-        return _config_unreadable(inv, run, expected, notes + code_notes, invalid[0])
+        # A wrongly typed value is an input problem, not a quiet unknown: the run is not reported clean.
+        finding = _config_unreadable(inv, run, expected, notes + code_notes, invalid[0])
+        finding.input_problem = invalid[0]
+        return finding
     ckpt_obs, ckpt_reason = _checkpoint_observation(inv, run)
     notes += config_notes + code_notes
 

@@ -8,7 +8,7 @@ given alone, a config or checkpoint lying beside it.
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -127,23 +127,27 @@ class InputDiscovery:
 
 def load_config_file(path: Path) -> dict[str, Any]:
     """A run configuration from JSON or YAML (a mapping of config keys); DiagnoseError if unreadable."""
+    from sleuth.artifacts import ArtifactError, parse_json, shown
     from sleuth.safe_yaml import YamlLimitError, describe_decode_error, load_yaml, read_text_file
 
     try:
         text = read_text_file(path, what="config")
     except UnicodeDecodeError as exc:
-        raise DiagnoseError(f"config {path} {describe_decode_error(exc)}") from None
+        raise DiagnoseError(f"config {shown(path)} {describe_decode_error(exc)}") from None
     except (OSError, YamlLimitError) as exc:
-        raise DiagnoseError(f"cannot read config {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        raise DiagnoseError(f"cannot read config {shown(path)}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         # YAML aliases are expanded under a bound: an alias bomb is refused in milliseconds, not hung on.
-        data = json.loads(text) if path.suffix == ".json" else load_yaml(text)
+        # JSON under the same bounds as every file of a run (depth, number length).
+        data = parse_json(text, path) if path.suffix == ".json" else load_yaml(text)
     except YamlLimitError as exc:
-        raise DiagnoseError(f"config {path}: {exc}") from None
-    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
-        raise DiagnoseError(f"config {path} does not parse: {str(exc).splitlines()[0]}") from None
+        raise DiagnoseError(f"config {shown(path)}: {exc}") from None
+    except ArtifactError as exc:
+        raise DiagnoseError(f"config {shown(path)} does not parse: {exc.reason}") from None
+    except (ValueError, RecursionError) as exc:
+        raise DiagnoseError(f"config {shown(path)} does not parse: {str(exc).splitlines()[0]}") from None
     except Exception as exc:  # yaml.YAMLError, without importing yaml for JSON configs
-        raise DiagnoseError(f"config {path} does not parse: {str(exc).splitlines()[0]}") from None
+        raise DiagnoseError(f"config {shown(path)} does not parse: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
     if not isinstance(data, dict):
         raise DiagnoseError(f"config {path} must hold a mapping of config keys")
     return data
@@ -152,7 +156,10 @@ def load_config_file(path: Path) -> dict[str, Any]:
 def discover_config(code: Path) -> Path | None:
     """A run configuration beside the code: a JSON/YAML mapping that names a block_size."""
     for path in _nearby_files(code, _CONFIG_SUFFIXES):
-        if path.stat().st_size > 1_000_000:
+        try:
+            if os.lstat(path).st_size > 1_000_000:
+                continue
+        except OSError:
             continue
         try:
             data = load_config_file(path)

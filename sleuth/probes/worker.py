@@ -1,9 +1,19 @@
 """The probe subprocess: `python -m sleuth.probes.worker SPEC.json OUT.json`.
 
-Runs in the interpreter the user chose (`--probe-python`), on CPU, with no network: sockets are refused
-before the subject's code is imported. The subject's import root goes first on sys.path, so the code under
-diagnosis is what gets imported, never an installed copy. Every experiment runs even if another fails;
-a failure becomes `unknown` verdicts carrying the error. The answer is one JSON object in OUT.json.
+Runs in the interpreter the user chose (`--probe-python`), inside the sandbox sleuth built for it
+(sandbox.py: no network, a read-only view, a scratch box, limits), on copies of the code and the run
+files. Two halves:
+  * process-level set-up (`prepare_process`): the worker's own heavy dependency (torch) is imported first,
+    before any root of the subject is on sys.path, so nothing the subject ships can replace it; a root
+    that holds a package the stack imports by name (a `torch/` beside the code) is refused; sockets are
+    refused in-process too (behind the sandbox's network namespace, the only guard at the `process`
+    isolation level); then the subject's roots go first on sys.path, so the code under diagnosis is what
+    gets imported, never an installed copy;
+  * the subject and its experiments (`load_subject`, `run`): every experiment runs even if another
+    fails; a failure becomes `unknown` verdicts carrying the error.
+The answer is one JSON object in OUT.json; sleuth validates it (answer.py) and trusts nothing in it: the
+subject runs in this process and can write anything there. The child gets a copy of sleuth's `probes/`
+package only, so nothing here imports sleuth outside it.
 """
 
 from __future__ import annotations
@@ -16,6 +26,11 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+
+# Top-level packages the worker or the subject's stack imports by name: a subject root holding one would
+# replace the real one for the whole process (sleuth's copy of the code leaves them out; refused here too).
+SHADOWING = frozenset({"torch", "transformers", "safetensors", "tokenizers", "huggingface_hub", "numpy", "sleuth"})
 
 
 def refuse_network() -> None:
@@ -64,6 +79,10 @@ def load_subject(spec: dict[str, Any]) -> Any:
         from sleuth.probes.adapters.specforge import SpecForgeSubject
 
         return SpecForgeSubject(spec["package_dir"], spec.get("context") or {})
+    if kind == "generic":
+        from sleuth.probes.adapters.generic import GenericSubject
+
+        return GenericSubject(spec)
     raise ValueError(f"unknown probe subject kind {kind!r}")
 
 
@@ -71,6 +90,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from sleuth.probes.experiments import Lab, probe_variants, randomize_drafter, run_experiments
+    from sleuth.probes.protocol import NotProvided, PartialSubject, check_description
     from sleuth.probes.target import make_target
     from sleuth.probes.verdict import DECIDES, Expectations
 
@@ -79,25 +99,49 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     answer: dict[str, Any] = {"subject": None, "verdicts": [], "error": None, "python": sys.executable,
                               "torch": torch.__version__, "seconds": {}}
     started = time.perf_counter()
+    expectations = Expectations.from_json(spec.get("expectations"))
     try:
-        subject = load_subject(spec)
-        info = dict(subject.describe())
+        loaded = load_subject(spec)
+        if spec.get("mode") == "check":  # `sleuth probe check`: the entry's conformance, no experiment
+            from sleuth.probes.conformance import check_subject
+
+            answer["checks"] = check_subject(loaded, seed)
+            return answer
+        if spec.get("subject") == "generic":  # located pieces called one by one (sleuth/probes/adapters/generic.py)
+            return loaded.run(answer, expectations, seed, started)
+        # Every protocol method is optional: one the entry lacks makes the experiments needing it unknown.
+        subject = PartialSubject(loaded)
+        absent = {method: NotProvided(method) for method in subject.missing()}  # method -> why
+        info = check_description(subject.describe())
         answer["subject"] = info
         target = make_target(int(info["num_target_layers"]), seed)
         torch.manual_seed(seed)
-        subject.build(target)
-        randomize_drafter(subject, target, seed + 7)
-        lab = Lab(subject, info, target, Expectations.from_json(spec.get("expectations")), seed)
-        again = lab.logits()
-        if not torch.equal(again, lab.baseline):
-            raise RuntimeError("the drafter's logits differ between two identical calls: its forward is not deterministic")
+        lab = None
+        for step in ("build", "parameters", "draft_logits"):
+            if step == "draft_logits":
+                # after build: the Lab reads describe() again (building decides some of what it reports)
+                lab = Lab(subject, info, target, expectations, seed)
+            if step in absent or (step != "build" and "build" in absent):
+                continue
+            try:
+                if step == "build":
+                    subject.build(target)
+                elif step == "parameters":
+                    randomize_drafter(subject, target, seed + 7)
+                elif not torch.equal(lab.logits(), lab.baseline):
+                    raise RuntimeError("the drafter's logits differ between two identical calls: its forward is not "
+                                       "deterministic")
+            except NotProvided as exc:
+                absent[exc.method] = exc
+        answer["subject"] = dict(lab.info)
     except Exception as exc:
-        answer["error"] = f"cannot set up the subject: {_one_line(exc)}"
+        answer["error"] = f"cannot set up the subject: {exc.reason if isinstance(exc, NotProvided) else _one_line(exc)}"
         answer["traceback"] = traceback.format_exc(limit=8)
         answer["seconds"]["setup"] = round(time.perf_counter() - started, 3)
         return answer
     answer["seconds"]["setup"] = round(time.perf_counter() - started, 3)
-    verdicts, seconds = run_experiments(lab, DECIDES)
+    answer["not_provided"] = {method: exc.reason for method, exc in sorted(absent.items())}
+    verdicts, seconds = run_experiments(lab, DECIDES, absent)
     answer["seconds"].update(seconds)
     # The other paths of the same code (its variants), when no run config fixes which one runs.
     verdicts = probe_variants(subject, verdicts, lab.expectations, seed, DECIDES)
@@ -106,14 +150,34 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def prepare_process(spec: dict[str, Any]) -> str | None:
+    """The process-level set-up before the subject exists; why the probe cannot go on, or None."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        import torch  # noqa: F401 - imported before the subject's roots are on sys.path
+    except Exception as exc:
+        return (f"the probe interpreter {sys.executable} cannot import torch ({_one_line(exc)}): give "
+                "--probe-python an environment where `import torch` works")
+    refuse_network()
+    roots = [str(root) for root in spec.get("sys_path") or []]
+    for root in roots:
+        for name in sorted(SHADOWING):
+            if (Path(root) / name).exists() or (Path(root) / f"{name}.py").exists():
+                return f"refusing to import from {root}: its {name} would shadow the probe's own {name}"
+    for root in reversed(roots):
+        sys.path.insert(0, root)
+    return None
+
+
 def main(argv: list[str]) -> int:
     spec_path, out_path = Path(argv[0]), Path(argv[1])
     spec = json.loads(spec_path.read_text())
-    refuse_network()
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    for entry in reversed(spec.get("sys_path") or []):
-        sys.path.insert(0, entry)
-    answer = run(spec)
+    problem = prepare_process(spec)
+    if problem is not None:
+        answer: dict[str, Any] = {"subject": None, "verdicts": [], "error": problem, "python": sys.executable,
+                                  "seconds": {}}
+    else:
+        answer = run(spec)
     out_path.write_text(json.dumps(answer, default=str))
     return 0
 

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from sleuth.report.model import REPORT_SCHEMA_VERSION, Report, Rule, count_findings, rank_findings
@@ -30,12 +29,16 @@ def render_json(report: Report) -> str:
 
 
 def write_report(report: Report, out_dir: Path) -> dict[str, Path]:
-    """Write report.md, report.json, report.sarif and fix.yaml into `out_dir`; returns name -> path."""
+    """Write report.md, report.json, report.sarif and fix.yaml into `out_dir`; returns name -> path.
+
+    Each file is written by `sleuth.artifacts.write_atomic` (a fresh temporary file, then a rename): a link
+    or FIFO a shipped run directory plants under any of these names is replaced, never written through."""
+    from sleuth.artifacts import prepare_dir
     from sleuth.report.fix import render_fix_yaml
     from sleuth.report.markdown import render_markdown
     from sleuth.report.sarif import render_sarif
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_dir(out_dir, allow_link=True)  # the caller has refused a link where the user did not ask for one
     files = {name: out_dir / name for name in REPORT_FILES}
     _write_atomic(files["report.md"], render_markdown(report))
     _write_atomic(files["report.json"], render_json(report) + "\n")
@@ -44,11 +47,18 @@ def write_report(report: Report, out_dir: Path) -> dict[str, Path]:
     return files
 
 
+def printable_report(report: Report) -> Report:
+    """The report with every string printable (a non-UTF-8 file name spelled with \\xNN escapes), so no
+    renderer or terminal meets a lone surrogate."""
+    from sleuth.artifacts import printable_data
+
+    return Report.model_validate(printable_data(report.model_dump()))
+
+
 def _write_atomic(path: Path, text: str) -> None:
     # A reader (the trainer's --fixed, an editor's SARIF viewer) never sees a half-written file.
     # The last gate before disk: no URL secret reaches a report, whatever path it took into the model.
+    from sleuth.artifacts import printable, write_atomic
     from sleuth.redact import redact
 
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(redact(text))
-    partial.replace(path)
+    write_atomic(path, printable(redact(text)))

@@ -8,9 +8,9 @@ series) in a text chunk, and an existing chart with the same key is kept as it i
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -63,6 +63,8 @@ def write_chart(path: Path, series: Series, *, main_label: str) -> str:
 def _draw(path: Path, series: Series, metrics: list[str], main_label: str, key: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    from sleuth.artifacts import printable, write_atomic
     from sleuth.regression import rolling_median
 
     # Fixed margins rather than constrained layout: the layout solver doubles the drawing time.
@@ -87,7 +89,7 @@ def _draw(path: Path, series: Series, metrics: list[str], main_label: str, key: 
                 steps,
                 shown,
                 **color,
-                label=label,
+                label=printable(label),  # a run named by non-UTF-8 bytes: matplotlib's text engine refuses surrogates
                 linewidth=2.0 if is_main else 1.2,
                 linestyle="-" if is_main else "--",
                 marker="o" if len(steps) <= 12 else None,
@@ -99,18 +101,21 @@ def _draw(path: Path, series: Series, metrics: list[str], main_label: str, key: 
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize="small")
     figure.subplots_adjust(left=0.25 / len(metrics), right=0.98, bottom=0.16, top=0.9, wspace=0.3)
+    # Rendered in memory, then written aside and renamed (sleuth.artifacts.write_atomic): a report viewer
+    # never shows half a chart, and a chart.png that is a link or a FIFO is replaced, not written through.
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Written aside and renamed, so a report viewer never shows half a chart.
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    figure.savefig(partial, format="png", metadata={_KEY_NAME: key})
-    partial.replace(path)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", metadata={_KEY_NAME: key})
+    write_atomic(path, buffer.getvalue())
 
 
 def png_text(path: Path) -> dict[str, str]:
-    """The tEXt chunks of a PNG (empty when the file is missing or not a PNG)."""
+    """The tEXt chunks of a PNG (empty when the file is missing, not a regular file, or not a PNG)."""
+    from sleuth.artifacts import ArtifactError, read_bytes
+
     try:
-        data = path.read_bytes()
-    except OSError:
+        data = read_bytes(path, max_bytes=64 * 1024 * 1024)
+    except (OSError, ArtifactError):
         return {}
     if not data.startswith(_PNG_SIGNATURE):
         return {}

@@ -3,9 +3,14 @@
 `trainer run --fixed --from RUN` reads it, so it stays a plain YAML mapping:
 
     diagnosed_run: v5
+    diagnosed_run_path: /abs/runs/v5
+    diagnosed_config_sha256: 3f1c...   # the config.json bytes the patch was computed against
     report: runs/v5/diagnosis/report.md
     config_patch: {fc_layers: null, target_logits_source: final}
     code_changes: [{id: dflash.context_excludes_anchor, hint: ...}]
+
+The run's name, path and config hash say which run the patch was written for: `--fixed --from v3` refuses a
+fix.yaml that was written for v5 (copied, or written there with `--out`).
 
 Findings are merged in ranked order, so when two mismatches want different values for one key the
 higher-ranked one wins (the loser is named in a comment).
@@ -49,6 +54,8 @@ def build_fix(report: Report, report_path: str) -> tuple[dict[str, Any], list[st
         comments.append("mismatches without a known fix: " + ", ".join(unfixable))
     document = {
         "diagnosed_run": report.run.name if report.run is not None else None,
+        "diagnosed_run_path": report.run.path if report.run is not None else None,
+        "diagnosed_config_sha256": report.run.config_sha256 if report.run is not None else None,
         "report": report_path,
         "config_patch": patch,
         "code_changes": code_changes,

@@ -27,6 +27,7 @@ def render_markdown(report: Report) -> str:
         out += ["No invariant was checked.", ""]
     for rank, finding in enumerate(report.findings, start=1):
         out += _finding(rank, finding)
+    out += _probes(report)
     out += _reference(report)
     out += _inputs(report)
     out += ["## Trace", "", "| # | step | outcome | duration |", "|---|---|---|---|"]
@@ -121,6 +122,35 @@ def _evidence(evidence: Evidence) -> str:
         snippet = " ".join(evidence.snippet.split())[:160].replace("`", "'")
         text += f" (`{snippet}`)"
     return text
+
+
+def _probes(report: Report) -> list[str]:
+    probes = report.probes
+    if probes is None:
+        return []
+    out = ["## Probes", ""]
+    if probes.consent == "off":
+        return out + [f"Not probed: {probes.reason or 'probing off'}.", ""]
+    why = {"asked": "run at your request", "trusted": "run because your own trainer recorded this code",
+           "declined": "not run"}[probes.consent]
+    out.append(f"**{probes.subject}**: {why}" + (f"; no experiment ran: {probes.reason}" if not probes.ran and
+                                                  probes.consent != "declined" else "") + ".")
+    out.append("")
+    if probes.consent == "declined":
+        out += [f"- {probes.reason}"]
+    if probes.code_sha256:
+        out.append(f"- code: {probes.code_files} file(s), tree `sha256:{probes.code_sha256}`"
+                   + (f" ({probes.trust})" if probes.trust and probes.consent != "declined" else ""))
+    if probes.python:
+        out.append(f"- interpreter: `{probes.python}`")
+    if probes.isolation:
+        iso = probes.isolation
+        out.append(f"- isolation: **{iso.get('level')}**: network {iso.get('network')}; file system "
+                   f"{iso.get('filesystem')}; processes {iso.get('processes')}; privileges {iso.get('privileges')}")
+    out += [f"- {note}" for note in probes.notes]
+    if probes.honesty:
+        out += ["", probes.honesty]
+    return out + [""]
 
 
 def _reference(report: Report) -> list[str]:

@@ -34,6 +34,7 @@ class RunSummary(BaseModel):
     metrics_rows: int = 0
     checkpoint: str | None = None
     checkpoint_step: int | None = None
+    config_sha256: str | None = Field(None, description="sha256 of the config.json bytes diagnosed (fix.yaml records it)")
     problems: list[str] = Field(default_factory=list)
 
 
@@ -70,6 +71,24 @@ class Inputs(BaseModel):
     playbook: str | None = None
 
 
+class ProbeSummary(BaseModel):
+    """Whether code under diagnosis ran, why (consent), how isolated, and what its verdicts are worth."""
+
+    subject: str
+    ran: bool = Field(description="experiments ran (each verdict may still be unknown for its own reason)")
+    consent: Literal["asked", "trusted", "declined", "off"] = Field(
+        description="asked: --probe/--probe-entry; trusted: the user's own trainer recorded this code/; "
+                    "declined: not run (a run's code/ not recorded, no --probe); off: probing off or nothing to run")
+    reason: str | None = Field(None, description="why no experiment ran, or why sleuth did not run the code")
+    python: str | None = None
+    code_sha256: str | None = Field(None, description="tree hash of the copy that ran (README: Security model)")
+    code_files: int = 0
+    trust: str | None = Field(None, description="what the trust record said about this code")
+    isolation: dict[str, object] | None = Field(None, description="the isolation obtained: level, network, ...")
+    notes: list[str] = Field(default_factory=list)
+    honesty: str = ""
+
+
 class Report(BaseModel):
     schema_version: int = REPORT_SCHEMA_VERSION
     tool: str = "sleuth"
@@ -88,7 +107,9 @@ class Report(BaseModel):
     input_problems: list[str] = Field(
         default_factory=list, description="inputs the run must have but that could not be read; any makes exit 1"
     )
-    exit_status: Literal[0, 1] = 0
+    probes: ProbeSummary | None = None
+    exit_status: Literal[0, 1, 2] = Field(
+        0, description="0 clean, 1 mismatches or an input problem, 2 probes asked for but no experiment ran")
 
     @property
     def subject(self) -> str:

@@ -88,7 +88,7 @@ def test_a_config_file_that_is_not_a_config(tmp_path, name, content, message):
         ("- a\n- list\n", "must hold a mapping"),
         ("config_patch: [1, 2]\n", "config_patch must be a mapping"),
         ("config_patch: {}\ncode_changes: do this\n", "code_changes must be a list"),
-        ("config_patch: {gama: 4}\n", "unknown config key 'gama'"),
+        ("diagnosed_run: v5\nconfig_patch: {gama: 4}\n", "unknown config key 'gama'"),
         (b"\xff\xfe", "is not UTF-8"),
         (ALIAS_BOMB, "alias"),
     ],

@@ -318,15 +318,22 @@ def probes_result() -> dict:
     return result
 
 
+# The bar, as measured (BENCHMARKS.md, "Probes on planted upstream defects"): a later change may find more,
+# never fewer, and never trade a find for a silent match or a false alarm.
+PROBES_CATALOG_FOUND = None
+
+
 @pytest.mark.slow
+@pytest.mark.catalog
 def test_probes_catalog_meets_its_bar(probes_result: dict):
-    """With --probe: every defect diagnosed, no silent match, no mismatch on the unmodified sources or on a
-    behaviour-preserving rewrite, recall >= 90 %."""
+    """With --probe: every copy diagnosed; no planted defect reported `match`; no mismatch on the unmodified
+    sources, and every behaviour-preserving rewrite kept; at least the measured number of defects found."""
     t = probes_result["totals"]
     rows = {r["id"]: (r["classification"], r["status"], str(r["observed"])[:80]) for r in probes_result["defects"]}
     assert t["error"] == 0 and t["unmodified_errors"] == 0, rows
-    assert t["silent_false_match"] == 0, {k: v for k, v in rows.items() if v[0] == "silent_false_match"}
+    silent = {k: v for k, v in rows.items() if v[0] == "silent_false_match" or (v[1] == "match" and v[0] != "kept")}
+    assert not silent, silent
     assert t["false_alarms"] == 0, ({n: u["false_alarms"] for n, u in probes_result["unmodified"].items()},
                                    {k: v for k, v in rows.items() if v[0] == "false_alarm"})
-    assert t["rewrites"] == 7 and t["kept"] == 7
-    assert t["recall"] >= 0.9, rows
+    assert t["rewrites"] == 7 and t["kept"] == 7, rows
+    assert t["detected"] >= PROBES_CATALOG_FOUND, rows

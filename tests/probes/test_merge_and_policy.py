@@ -90,7 +90,23 @@ def test_speculators_layouts_are_recognised(tmp_path: Path):
         plan = plan_for_code(given, None)
         assert plan.spec == {"subject": "speculators", "package_dir": str(package.resolve()),
                              "sys_path": [str(package.parent.resolve())],
-                             "context": {"config": None, "config_path": None}}
+                             "context": {"config": None}}
+
+
+def test_a_specforge_recipe_hands_its_draft_config_over_by_value(tmp_path: Path):
+    # The child sees only its box: the draft config the recipe names beside itself is read here and handed over.
+    package = tmp_path / "specforge"
+    (package / "modeling" / "draft").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "modeling" / "draft" / "dflash.py").write_text("")
+    recipes = tmp_path / "configs"
+    recipes.mkdir()
+    (recipes / "draft.json").write_text('{"block_size": 16, "num_target_layers": 36}')
+    recipe = {"model": {"draft_model_config": "draft.json"}, "training": {"loss_decay_gamma": 7}}
+    plan = plan_for_code(package, recipe, recipes / "recipe.yaml")
+    assert plan.spec["context"]["draft_config"] == {"block_size": 16, "num_target_layers": 36}
+    missing = plan_for_code(package, {"model": {"draft_model_config": "gone.json"}}, recipes / "recipe.yaml")
+    assert "gone.json was not found next to the recipe" in missing.spec["context"]["draft_config_problem"]
 
 
 @pytest.mark.parametrize(("python", "entry", "message"), [

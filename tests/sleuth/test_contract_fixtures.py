@@ -5,18 +5,24 @@ Spec keys (all optional): "config" (the run's config.json), "run" (run.json `dat
 "findings" ({id: status} of the other checks), "target" ({config overrides}: a tiny Qwen3 target is saved),
 "export_layer_config" (a speculators export whose layer config is the target's plus these keys),
 "export" ({"format", "layer_ids", "rename", "aux_hidden_state_layer_ids"}: an exported directory),
-"hidden_states" ({"aux_hidden_state_layer_ids", "stored": HF indices or "final" / "final_normed"}).
+"hidden_states" ({"aux_hidden_state_layer_ids", "stored": HF indices or "final" / "final_normed"}),
+"export_config" (an exported drafter's whole config.json, written as is; "target_tensors" then names the
+target's weights: a target directory with that config and a model.safetensors.index.json is written),
+"specforge_run" (a run under tests/fixtures/specforge/outputs, read by sleuth; with "target_rename" its
+verifier is copied with those tensors renamed and passed as the target).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from contract_fixtures import save_target, write_run
 from safetensors.numpy import load_file, save_file
+from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
 from test_diagnose_export import write_export
 
@@ -52,12 +58,42 @@ def hidden_state_cache(path: Path, target: Path, stored: list) -> Path:
     return path
 
 
+SPECFORGE = Path(__file__).resolve().parents[1] / "fixtures" / "specforge"
+
+
+def tensor_named_target(path: Path, config: dict, names: list[str]) -> Path:
+    """A target directory as a sharded checkpoint describes itself: config.json and the index of its tensors."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    index = {"metadata": {"total_size": 0}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in names}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
 def build_context(spec: dict, tmp_path: Path, target: Path) -> ContractContext:
     rules = {inv.id: inv for inv in load_playbook("dflash").invariants}
     findings = [Finding(id=i, title=i, status=s, severity="high", confidence=0.9) for i, s in spec.get("findings", {}).items()]
     target_dir = None
     if "target" in spec:
         target_dir = target
+    if "specforge_run" in spec:
+        info = read_run(SPECFORGE / "outputs" / spec["specforge_run"])
+        if "target_rename" in spec:
+            target_dir = tmp_path / "verifier"
+            shutil.copytree(SPECFORGE / "verifier", target_dir)
+            tensors = load_torch(str(target_dir / "model.safetensors"))  # bf16: torch, not numpy
+            for old, new in spec["target_rename"].items():
+                tensors[new] = tensors.pop(old)
+            save_torch(tensors, str(target_dir / "model.safetensors"))
+        return ContractContext(run=info, config=info.config, target_dir=target_dir, findings=findings, rules=rules)
+    if "export_config" in spec:
+        directory = tmp_path / "export"
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(spec["export_config"]))
+        if "target_tensors" in spec:
+            target_dir = tensor_named_target(tmp_path / "target", spec.get("target_config", {}), spec["target_tensors"])
+        return ContractContext(config=spec["export_config"], config_source=str(directory / "config.json"),
+                               target_dir=target_dir, findings=findings, rules=rules)
     if "export" in spec:
         export = spec["export"]
         directory = write_export(tmp_path / "export", export["layer_ids"], speculators=export["format"] == "speculators")

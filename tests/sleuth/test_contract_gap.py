@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contract_fixtures import write_run
+from contract_fixtures import save_target, write_run
 
 from sleuth.checks import ContractContext
 from sleuth.checks.train_serve_gap import SIGN_TEST_P, check_train_serve_gap, paired_standard_error, sign_test_p
@@ -151,3 +151,76 @@ def test_serving_labels_and_no_gap_match_and_point_at_the_input_side(tmp_path):
     assert result.status == "match"
     assert any("labels equal the served tokens at 100.0%" in n and "dflash.context_excludes_anchor" in n
                for n in result.notes)
+
+
+# --- the serving side first ------------------------------------------------------------------------------
+
+
+def save_target_config(path, family: str):
+    """A tiny target's config.json as save_pretrained writes it (sleuth reads the config, never the weights)."""
+    from types import SimpleNamespace
+
+    from tests.trainer.tiny_targets import FAMILIES
+
+    FAMILIES[family](64, SimpleNamespace(eos_token_id=0, pad_token_id=1, bos_token_id=2)).save_pretrained(path)
+    return path
+
+
+# A tiny kimi_linear run at 40 steps as the trainer of main 22f97b5 wrote it (measured: eval.json, 4 prompts of
+# 32 tokens, block 8): the eval cropped the cache after rejected blocks, so its decoding drifted from greedy on
+# every prompt and the teacher-forced labels (the target's argmax on those tokens) agree with them at 45.5%.
+KIMI_ON_MAIN = dict(at=[1.0] * 4, real=[1.0] * 4, above=0, below=0, labels=0.4547, label_slots=651)
+
+
+def test_a_decoder_off_on_a_recurrent_target_is_the_explanation_not_the_labels(tmp_path):
+    target = save_target_config(tmp_path / "kimi", "kimi_linear")
+    report = block_by_block(**KIMI_ON_MAIN)
+    report.update(lossless=False, lossless_mismatch_prompts=[0, 1, 2, 3])
+    result = gap(write_run(tmp_path / "main", target=target, eval_report=report),
+                 [finding("dflash.target_logits_source", "match")])
+    assert result.status == "mismatch"
+    assert result.notes[0] == "explanation found: the serving side (the eval's decoding is not the target's)"
+    assert "4 of 4 prompts differ" in result.reason
+    assert "kimi_linear (linear_attention layers) keeps a recurrent state" in result.reason
+    assert "no target_rollback" in result.reason and "does not implicate the labels" in result.reason
+    assert "gap lies in what a slot is scored against" not in " ".join(result.notes)  # the labels are not blamed
+    assert result.fix is not None and "state_replay" in result.fix.code_hint
+    assert any(e.location.endswith("eval.json: lossless") for e in result.evidence)
+    # the same run evaluated with the state rollback, as the trainer now writes it (measured: lossless, the
+    # labels the served tokens at 784 of 784 slots): nothing on either side
+    report = block_by_block([1.0204] * 4, [1.0204] * 4, above=0, below=0, labels=1.0, label_slots=784)
+    report.update(lossless=True, lossless_mismatch_prompts=[], target_rollback="state_replay", state_replays=122)
+    assert gap(write_run(tmp_path / "fixed", target=target, eval_report=report)).status == "match"
+
+
+def test_a_recurrent_target_without_a_recorded_rollback_is_named_first_when_losslessness_is_unchecked(tmp_path):
+    target = save_target_config(tmp_path / "qwen3_5", "qwen3_5")
+    report = block_by_block(**KIMI_ON_MAIN)  # no lossless, no target_rollback: another decoder's eval
+    result = gap(write_run(tmp_path / "other", target=target, eval_report=report))
+    assert result.status == "mismatch"  # the labels' measurement stands, but the served side comes first
+    assert result.reason.endswith("served side is unverified")
+    assert "check the serving side first: the target qwen3_5_text (linear_attention layers)" in result.reason
+    # an attention-only target decoded the same way: a crop is exact there, nothing to check first
+    result = gap(write_run(tmp_path / "attention", target=save_target(tmp_path / "qwen3"), eval_report=report))
+    assert result.status == "mismatch" and "serving side" not in result.reason
+
+
+def test_argmax_ties_are_not_a_decoder_that_is_off(tmp_path):
+    # bf16: a tie flips a token in one prompt, greedy decoding resumes right after; the labels still are the
+    # served tokens at >= 99% of the slots, so the tie-only comparison stands.
+    report = block_by_block([2.1667, 1.5625, 1.3158, 1.087], [2.1667, 1.5625, 1.3158, 1.087], above=0, below=0,
+                            labels=0.996, label_slots=800)
+    report.update(lossless=False, lossless_mismatch_prompts=[2])
+    result = gap(write_run(tmp_path / "bf16", target=save_target(tmp_path / "qwen3"), eval_report=report))
+    assert result.status == "match"
+    assert any("argmax ties, not a decoder that is off" in note for note in result.notes)
+
+
+def test_a_lossless_false_eval_without_a_gap_cannot_be_judged(tmp_path):
+    tau = [1.7, 1.9, 1.75, 1.8, 1.65, 1.85, 1.8, 1.75]
+    report = eval_report(tau, tau)  # no label agreement recorded
+    report.update(lossless=False, lossless_mismatch_prompts=[0, 3])
+    result = gap(write_run(tmp_path / "v3", eval_report=report))
+    assert result.status == "unknown"
+    assert result.reason.startswith("the served side is off before training can be judged") and "2 of 8" in result.reason
+    assert "state_replay" not in result.reason and "leaves greedy decoding" in result.fix.code_hint  # no recurrence

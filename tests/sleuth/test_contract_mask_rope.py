@@ -1,4 +1,4 @@
-"""dflash.mask_token_distinct and dflash.rope_matches_target on real saved targets and run directories."""
+"""dflash.mask_token_distinct and dflash.rope_served_as_trained on real saved targets, run directories and exports."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from contract_fixtures import save_target, write_run
 
 from sleuth.checks import ContractContext
 from sleuth.checks.mask_token import check_mask_token_distinct
-from sleuth.checks.rope import check_rope_matches_target, rope_settings
+from sleuth.checks.rope import check_rope_served_as_trained
+from sleuth.checks.served import served_rope
 from sleuth.runs import read_run
 
 
@@ -54,70 +55,80 @@ def test_mask_token_without_a_readable_target_is_unknown(tmp_path):
     assert finding.status == "unknown" and "not a directory" in finding.reason
 
 
-def exported_drafter(path, target, **layer_overrides):
-    layer = json.loads((target / "config.json").read_text())
-    layer.update(num_hidden_layers=1, **layer_overrides)
-    config = {"speculators_model_type": "dflash", "transformer_layer_config": layer,
-              "speculators_config": {"verifier": {"name_or_path": str(target)}}}
+def drafter_record(theta: float = 1e6, partial: float = 1.0, head_dim: int = 8, layout: str | None = "neox",
+                   draft_rope: dict | None = None) -> dict:
+    """run.json `drafter` as the trainer writes it (README, run-directory contract): the rotation read off the
+    module and `draft_config`, the config its exports write."""
+    record = {"rope_parameters": {"rope_theta": theta, "rope_type": "default", "partial_rotary_factor": partial},
+              "head_dim": head_dim, "rotary_dim": int(head_dim * partial), "num_attention_heads": 2, "hidden_size": 16,
+              "draft_config": {"head_dim": head_dim, "num_attention_heads": 2,
+                               "rope_parameters": draft_rope or {"rope_type": "default", "rope_theta": theta}}}
+    if layout is not None:
+        record["rope_layout"] = layout
+    return record
+
+
+def exported_drafter(path, layer: dict, trained: dict | None) -> tuple[dict, str]:
+    config = {"speculators_model_type": "dflash", "transformer_layer_config": {"model_type": "qwen3", **layer}}
+    if trained is not None:
+        config["dflash_training"] = {"drafter": trained}
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config))
-    return path
+    return config, str(path / "config.json")
 
 
-def test_partial_rotary_factor_differing_from_the_target_is_flagged(tmp_path, target):
-    export = exported_drafter(tmp_path / "export", target, partial_rotary_factor=0.5)
-    config = json.loads((export / "config.json").read_text())
-    finding = check_rope_matches_target(ContractContext(config=config, config_source=str(export / "config.json")))
+def test_served_rope_is_compared_with_the_trained_one_not_with_the_target(tmp_path):
+    # The target rotates a quarter of each head; the drafter trained rotating all of it and is served so: a match.
+    partial_target = save_target(tmp_path / "partial", partial_rotary_factor=0.25)
+    run = write_run(tmp_path / "v", target=partial_target, drafter=drafter_record())
+    finding = check_rope_served_as_trained(context_for(run, target_dir=partial_target))
+    assert finding.status == "match", (finding.observed, finding.reason)
+    assert finding.evidence[1].location.endswith("run.json: drafter")
+
+
+def test_the_targets_partial_factor_copied_into_the_export_is_flagged(tmp_path):
+    partial_target = save_target(tmp_path / "partial", partial_rotary_factor=0.25)
+    layer = {"head_dim": 8, "num_attention_heads": 2, "hidden_size": 16,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}}
+    config, source = exported_drafter(tmp_path / "export", layer, drafter_record())
+    finding = check_rope_served_as_trained(ContractContext(config=config, config_source=source, target_dir=partial_target))
     assert finding.status == "mismatch"
-    assert "partial_rotary_factor 0.5 (target 1.0)" in finding.observed
+    assert "partial_rotary_factor 0.25 served, 1.0 trained" in finding.observed
+    assert any("is the target's own" in note for note in finding.notes)  # the copy signature of speculators #613
+    assert "drop partial_rotary_factor" in finding.fix.code_hint
 
 
-def test_target_with_partial_rope_and_a_drafter_that_dropped_it(tmp_path):
-    partial = save_target(tmp_path / "partial", partial_rotary_factor=0.25)
-    layer = json.loads((partial / "config.json").read_text())
-    layer.pop("partial_rotary_factor", None)
-    layer.get("rope_parameters", {}).pop("partial_rotary_factor", None)
-    config = {**layer, "dflash_config": {"target_layer_ids": [1], "mask_token_id": 5}}
-    finding = check_rope_matches_target(ContractContext(config=config, target_dir=partial))
-    assert finding.status == "mismatch" and "partial_rotary_factor 1.0 (target 0.25)" in finding.observed
-
-
-def test_same_rope_matches(tmp_path, target):
-    export = exported_drafter(tmp_path / "export", target)
-    config = json.loads((export / "config.json").read_text())
-    assert check_rope_matches_target(ContractContext(config=config)).status == "match"
-
-
-def test_rope_settings_read_both_transformers_layouts():
-    v4 = {"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "hidden_size": 64,
-          "num_attention_heads": 4}
-    v5 = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "head_dim": 16}
-    assert rope_settings(v4) == rope_settings(v5)
-    per_layer_type = {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, "head_dim": 16}
-    assert rope_settings(per_layer_type)["rope_theta"] == 1e6
+def test_an_export_without_a_training_record_is_unknown(tmp_path):
+    layer = {"head_dim": 8, "num_attention_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    config, source = exported_drafter(tmp_path / "export", layer, None)
+    finding = check_rope_served_as_trained(ContractContext(config=config, config_source=source))
+    assert finding.status == "unknown" and "nothing records" in finding.reason
 
 
 def test_a_training_run_without_a_drafter_record_is_unknown(tmp_path, target):
-    finding = check_rope_matches_target(context_for(write_run(tmp_path / "v", target=target)))
-    assert finding.status == "unknown" and "run.json `drafter`" in finding.reason
+    finding = check_rope_served_as_trained(context_for(write_run(tmp_path / "v", target=target)))
+    assert finding.status == "unknown" and "run.json `drafter.draft_config`" in finding.reason
 
 
-def drafter_record(theta: float = 1e6, partial: float = 1.0, head_dim: int = 8) -> dict:
-    """run.json `drafter` as the trainer writes it (README, run-directory contract)."""
-    return {"rope_parameters": {"rope_theta": theta, "rope_type": "default", "partial_rotary_factor": partial},
-            "head_dim": head_dim, "rotary_dim": int(head_dim * partial), "num_attention_heads": 2, "hidden_size": 16}
-
-
-def test_a_training_runs_recorded_rope_is_compared_with_its_target(tmp_path, target):
-    theta = json.loads((target / "config.json").read_text())["rope_parameters"]["rope_theta"]
-    same = check_rope_matches_target(context_for(write_run(tmp_path / "same", target=target,
-                                                           drafter=drafter_record(theta))))
+def test_a_training_runs_rotation_is_compared_with_the_config_its_exports_write(tmp_path, target):
+    same = check_rope_served_as_trained(context_for(write_run(tmp_path / "same", drafter=drafter_record(1e6))))
     assert same.status == "match", same.observed
-    assert same.evidence[0].location.endswith("run.json: drafter")
-    other_theta = check_rope_matches_target(context_for(write_run(tmp_path / "theta", target=target,
-                                                                  drafter=drafter_record(theta / 100))))
-    assert other_theta.status == "mismatch" and f"rope_theta {theta / 100!r} (target {float(theta)!r})" in other_theta.observed
-    half = check_rope_matches_target(context_for(write_run(tmp_path / "half", target=target,
-                                                           drafter=drafter_record(theta, partial=0.5))))
-    assert half.status == "mismatch" and "partial_rotary_factor 0.5 (target 1.0)" in half.observed
+    other = check_rope_served_as_trained(context_for(write_run(
+        tmp_path / "theta", drafter=drafter_record(1e6, draft_rope={"rope_type": "default", "rope_theta": 1e4}))))
+    assert other.status == "mismatch" and "rope_theta 10000.0 served, 1000000.0 trained" in other.observed
+    half = check_rope_served_as_trained(context_for(write_run(tmp_path / "half", drafter=drafter_record(1e6, partial=0.5))))
+    assert half.status == "mismatch" and "partial_rotary_factor 1.0 served, 0.5 trained" in half.observed
+    assert "set partial_rotary_factor to 0.5" in half.fix.code_hint
+    unrecorded = check_rope_served_as_trained(context_for(write_run(tmp_path / "old", drafter=drafter_record(layout=None))))
+    assert unrecorded.status == "match" and "pair layout" in unrecorded.notes[0]
+
+
+def test_served_rope_reads_both_transformers_layouts():
+    v4 = {"rope_theta": 1e6, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "hidden_size": 64,
+          "num_attention_heads": 4}
+    v5 = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "head_dim": 16}
+    assert served_rope(v4) == served_rope(v5)
+    per_layer_type = {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, "head_dim": 16}
+    assert served_rope(per_layer_type)["rope_theta"] == 1e6
+    assert served_rope({"is_neox_style": False, "head_dim": 8})["rope_layout"] == "interleaved"

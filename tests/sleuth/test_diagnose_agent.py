@@ -7,6 +7,7 @@ findings from the inputs it built.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -173,8 +174,12 @@ def test_fix_yaml_is_the_merged_config_patch_plus_code_changes(tmp_path: Path) -
     result = diagnose(DiagnoseRequest(run="v6", runs_dir=runs), engine=FakeEngine().engine())
     text = (result.out_dir / "fix.yaml").read_text()
     fix = yaml.safe_load(text)
+    config_bytes = (runs / "v6" / "config.json").read_bytes()
     assert fix == {
         "diagnosed_run": "v6",
+        "diagnosed_run_path": str(runs / "v6"),
+        # which config the patch was computed against: trainer --fixed refuses it for any other
+        "diagnosed_config_sha256": hashlib.sha256(config_bytes).hexdigest(),
         "report": str(result.out_dir / "report.md"),
         "config_patch": {"fc_layers": None, "loss_decay_gamma": 4.0},
         "code_changes": [{"id": "dflash.context_excludes_anchor", "hint": "compare kv_pos < anchor in the mask"}],

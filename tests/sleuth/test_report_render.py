@@ -156,6 +156,8 @@ def test_fix_merges_config_patches_in_rank_order_and_lists_code_changes(tmp_path
     # the conflict is named. The target-source finding has a config patch, so it is not a code change.
     assert document == {
         "diagnosed_run": "v5",
+        "diagnosed_run_path": str(tmp_path),
+        "diagnosed_config_sha256": None,  # the sample run records none: trainer --fixed then checks the name
         "report": "runs/v5/diagnosis/report.md",
         "config_patch": {"target_logits_source": "final", "fc_layers": None, "loss_decay_gamma": 7.0},
         "code_changes": [{"id": "dflash.context_excludes_anchor", "hint": "use kv_pos < anchor"}],
@@ -171,7 +173,8 @@ def test_write_report_writes_every_file_as_valid_documents(tmp_path: Path) -> No
     assert json.loads(files["report.json"].read_text())["run"]["name"] == "v5"
     assert json.loads(files["report.sarif"].read_text())["version"] == "2.1.0"
     fix = yaml.safe_load(files["fix.yaml"].read_text())
-    assert set(fix) == {"diagnosed_run", "report", "config_patch", "code_changes"}
+    assert set(fix) == {"diagnosed_run", "diagnosed_run_path", "diagnosed_config_sha256", "report", "config_patch",
+                        "code_changes"}
     assert files["report.md"].read_text().startswith("# sleuth diagnosis: v5")
     assert not [p for p in (tmp_path / "diagnosis").iterdir() if p.name.endswith(".partial")]
 

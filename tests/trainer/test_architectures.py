@@ -1,10 +1,14 @@
 """Every causal-LM family transformers ships in a tiny size is a usable target, computed exactly.
 
 For each family (tests/trainer/tiny_targets.py: Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Phi3, OLMo2,
-Gemma2, Gemma3 text, gpt-oss, Cohere2, Llama4 text (chunked attention), Qwen3-Next (hybrid linear
-attention), GPT-2, GPT-NeoX), a real model saved with save_pretrained trains two steps,
+OLMo3, Gemma2, Gemma3 text, Gemma4 text (per-layer head_dim), gpt-oss, Cohere2, Llama4 text (chunked
+attention), DeepSeek-V3 and GLM-4-MoE (MLA / routed experts), Seed-OSS, ERNIE 4.5, Hunyuan dense, GPT-2,
+GPT-NeoX, and the recurrent-state hybrids Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Kimi Linear, Granite 4 hybrid
+(Mamba-2), MiniMax (lightning attention)), a real model saved with save_pretrained trains two steps,
 passes the target-fidelity check (sliding-window families on a held-out document longer than the window),
-ends with a lossless eval.json, and exports: the z-lab export reloads through from_pretrained with the
+ends with a lossless eval.json (on recurrent targets through the state rollback of
+trainer/eval/target_cache.py, with slowly decaying states so a wrong rollback shows), and exports: the
+z-lab export reloads through from_pretrained with the
 drafter's own logits, and the speculators export is written, carrying the target's effective embedding
 table and lm_head where speculators could not reload them as the drafter saw them (Gemma's scaled
 embeddings, GPT-2's / GPT-NeoX's table names). The speculators-side reload is in
@@ -26,6 +30,7 @@ from tests.trainer.tiny_targets import (
     FAMILIES,
     HIDDEN,
     PER_DOCUMENT_FAMILIES,
+    RECURRENT_FAMILIES,
     SLIDING_FAMILIES,
     SLIDING_WINDOW,
     save_family_target,
@@ -39,12 +44,17 @@ RUN = dict(
     steps=2, batch_size=2, seq_len=48, draft_layers=2, block_size=BLOCK, max_anchors=4,
     eval_every=None, eval_prompts=1, eval_max_new_tokens=8, warmup_steps=0, checkpoint_every=2, log_every=1,
 )
-SCALED_EMBEDDINGS = {"gemma2", "gemma3_text"}
+SCALED_EMBEDDINGS = {"gemma2", "gemma3_text", "gemma4_text"}
 # speculators reloads the verifier's embeddings by the name embed_tokens (or a few aliases); z-lab's loop
 # reads target.model.embed_tokens and target.lm_head
 OTHER_EMBEDDING_NAMES = {"gpt2": "transformer.wte", "gpt_neox": "gpt_neox.embed_in"}
-# The families with mixture-of-experts or attention variants take longest; the rest stay in the fast suite.
-SLOW = {"qwen3_moe", "gpt_oss", "gemma3_text", "phi3", "olmo2", "gpt_neox", "cohere2", "llama4_text", "qwen3_next"}
+# The families with mixture-of-experts, recurrent states or attention variants take longest (0.3-0.5 s each on
+# a quiet core against 0.15-0.25 s); the rest stay in the fast suite. The suite's own run (`make test`) runs
+# both: `slow` only lets `-m "not slow"` skip them.
+SLOW = {
+    "qwen3_moe", "gpt_oss", "gemma3_text", "phi3", "olmo2", "gpt_neox", "cohere2", "llama4_text", "qwen3_next",
+    "qwen3_5_moe", "kimi_linear", "minimax", "granitemoehybrid", "deepseek_v3", "gemma4_text",
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -116,6 +126,10 @@ def test_family_trains_with_exact_target_features_and_evaluates_losslessly(train
     assert [row["step"] for row in metrics] == [1, 2] and all(row["loss"] > 0 for row in metrics)
     report = json.loads((built["run"] / "eval.json").read_text())  # eval_every null: still one at the end
     assert report["lossless"] is True and report["output_tokens"] > 0
+    if family in RECURRENT_FAMILIES:  # a rejected block restored the saved state and re-ran the kept tokens
+        assert report["target_rollback"] == "state_replay" and report["state_replays"] > 0
+    else:
+        assert report["target_rollback"] == "crop" and report["state_replays"] == 0
 
 
 @pytest.mark.parametrize("family", family_params())
@@ -176,3 +190,67 @@ def test_drafter_config_reads_each_familys_own_names():
     assert gpt2.rope_parameters["rope_theta"] == 10000.0 and gpt2.rms_norm_eps == 1e-5
     neox = draft_config_from_target(GPTNeoXConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2), 1)
     assert "partial_rotary_factor" not in neox.rope_parameters
+
+
+# --- families that cannot be targets: one line each, at the step that finds out -----------------------------
+
+
+def _tiny(config_name: str, tokenizer, **fields):
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False, **fields,
+    )
+    return config
+
+
+def _saved(tmp_path, tokenizer, config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_families_that_cannot_be_targets_are_refused_in_one_line(tmp_path, tokenizer):
+    """Each refusal at the step that finds it out, a TargetError (one line, exit 2 in every command): OPT-350m's
+    embeddings are narrower than its hidden states; X-MOD's own forward fails without a language set; GPT-1
+    returns no cache, so it cannot be decoded incrementally."""
+    from trainer.eval.target_cache import TargetCache
+    from trainer.target import FrozenTarget
+    from trainer.target.fidelity import choose_packing, token_stream
+    from trainer.target.frozen import TargetError
+
+    cpu = torch.device("cpu")
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    opt = _tiny("OPTConfig", tokenizer, hidden_size=32, word_embed_proj_dim=16, num_hidden_layers=2,
+                num_attention_heads=2, ffn_dim=64)
+    with pytest.raises(TargetError, match="token embeddings 16 wide, hidden states 32") as refused:
+        FrozenTarget.load(str(_saved(tmp_path / "opt", tokenizer, opt)), cpu)
+    assert "\n" not in str(refused.value)
+
+    xmod = FrozenTarget.load(str(_saved(tmp_path / "xmod", tokenizer, _tiny("XmodConfig", tokenizer, is_decoder=True,
+                                                                             **small))), cpu)
+    with pytest.raises(TargetError, match="XmodForCausalLM fails in its own forward over one document") as refused:
+        choose_packing(xmod, token_stream([list(range(10, 60))], 40), 8)
+    assert "Input language unknown" in str(refused.value) and "\n" not in str(refused.value)
+
+    gpt1 = _tiny("OpenAIGPTConfig", tokenizer, n_embd=32, n_layer=2, n_head=2, n_positions=64)
+    gpt1 = FrozenTarget.load(str(_saved(tmp_path / "gpt1", tokenizer, gpt1)), cpu)
+    with pytest.raises(TargetError, match="returns no cache") as refused:
+        TargetCache(gpt1.model).forward(torch.tensor([[5, 6, 7]]))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_target_without_attention_heads_is_refused_in_one_line(tokenizer):
+    """Mamba has no attention heads for the drafter to take (trainer/errors.py makes a TargetError one line and
+    exit 2 in every command)."""
+    from trainer.model.drafter import DFlashDrafter
+    from trainer.target.frozen import TargetError
+
+    mamba = _tiny("MambaConfig", tokenizer, hidden_size=32, num_hidden_layers=2, state_size=4)
+    with pytest.raises(TargetError, match=r"\(MambaConfig\) has no num_attention_heads") as refused:
+        DFlashDrafter.from_target_config(mamba, num_layers=1, num_features=1, block_size=4, mask_token_id=3)
+    assert "\n" not in str(refused.value)

@@ -111,3 +111,49 @@ def test_booleans_are_not_layer_ids_or_counts(override):
     # pydantic alone would read `true` as 1 and train toward layer 1's logits without a word.
     with pytest.raises(ConfigError, match="not a boolean"):
         build_config(overrides=[override])
+
+
+# --- the drafter's own shape -----------------------------------------------------------------------------
+
+
+def test_draft_config_defaults_to_the_targets_shape():
+    config = TrainConfig()
+    assert config.draft_config.model_dump() == {
+        "num_attention_heads": None, "num_key_value_heads": None, "head_dim": None, "intermediate_size": None,
+        "layer_types": None, "sliding_window": None, "sliding_window_non_causal": False, "rope_theta": None,
+        "rope_parameters": None,
+    }
+    assert json.loads(config.model_dump_json())["draft_config"]["layer_types"] is None  # saved in config.json
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["draft_config.sliding_window=32"], "sliding_window 32 is set but no layer is sliding_attention"),
+    (["draft_config.layer_types=[sliding, sliding, sliding, sliding, full]"], "layer_types.0: Input should be 'full_attention' or"),
+    (["draft_config={layer_types: [sliding_attention, full_attention], sliding_window: 16}"],
+     "names 2 layers but draft_layers is 5"),
+    (["draft_layers=1", "draft_config={layer_types: [sliding_attention], sliding_window: 4}"],
+     "sliding_window 4 must be at least block_size 8"),
+    (["draft_layers=1", "draft_config={layer_types: [sliding_attention]}"], "sliding_attention layers but no sliding_window"),
+    (["draft_config.sliding_window_non_causal=true"], "only applies to sliding_attention layers"),
+    (["draft_config.num_attention_heads=6", "draft_config.num_key_value_heads=4"], "6 is not divisible by num_key_value_heads 4"),
+    (["draft_config.head_dim=7"], "head_dim 7 must be even"),
+    (["draft_config.rope_parameters={rope_type: default, partial_rotary_factor: 0.25}"], "rotate the whole head"),
+    (["draft_config.rope_parameters={rope_type: default, mrope_section: [11, 11, 10]}"], "1-D text positions"),
+    (["draft_config.rope_theta=1e7", "draft_config.rope_parameters={rope_theta: 1e6}"], "both rope_theta and rope_parameters"),
+    (["draft_config.num_attention_heads=true"], "takes a number, not a boolean"),
+    (["draft_config.slidng_window=3"], "did you mean 'draft_config.sliding_window'?"),
+])
+def test_draft_config_mistakes_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        build_config(overrides=overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_config_file_section_merges_over_the_presets(tmp_path):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("draft_config:\n  sliding_window: 64\n")
+    config = build_config(preset="zlab-qwen3.6", config_file=config_file, overrides=["draft_config.head_dim=32"])
+    assert config.draft_config.sliding_window == 64 and config.draft_config.head_dim == 32
+    assert config.draft_config.layer_types == ["sliding_attention"] * 4 + ["full_attention"]  # the preset's
+    assert PRESETS["zlab-qwen3.6"]["draft_config"]["sliding_window"] == 32  # the preset itself is untouched
+    assert build_config(overrides=["draft_config={}"]).draft_config == TrainConfig().draft_config

@@ -255,3 +255,154 @@ def test_drafter_trains_on_a_fixed_batch():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+# --- the drafter's own shape and sliding-window layers ------------------------------------------------------
+
+SLIDING = ["sliding_attention", "full_attention"]
+
+
+def make_sliding_drafter(window=3, non_causal=False, seed=0):
+    torch.manual_seed(seed)
+    target_config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+    )
+    shape = {"layer_types": SLIDING, "sliding_window": window, "sliding_window_non_causal": non_causal,
+             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 4}
+    drafter = DFlashDrafter.from_target_config(target_config, 2, FEATURES, BLOCK, mask_token_id=VOCAB - 1, shape=shape)
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return drafter.eval()
+
+
+def sliding_masks(layout, window, non_causal=False):
+    return {"full_attention": layout["mask"],
+            "sliding_attention": sdpa_mask(layout["anchors"], layout["valid"], layout["doc_ids"], BLOCK, False,
+                                           window, non_causal)}
+
+
+def test_draft_shape_overrides_the_target_and_the_window_gates_are_written():
+    drafter = make_sliding_drafter()
+    config = drafter.config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 2, 4)
+    assert drafter.layers[0].self_attn.q_proj.weight.shape == (8 * 4, HIDDEN)
+    assert drafter.layers[0].self_attn.k_proj.weight.shape == (2 * 4, HIDDEN)
+    # Qwen3Config drops sliding_window unless use_sliding_window is set: both are, so a reload keeps the window
+    assert config.layer_types == SLIDING and config.sliding_window == 3 and config.use_sliding_window
+    reloaded = Qwen3Config.from_dict(config.to_dict())
+    assert reloaded.sliding_window == 3 and reloaded.layer_types == SLIDING
+    assert [layer.self_attn.sliding_window for layer in drafter.layers] == [3, None]
+
+
+def test_a_sliding_drafter_refuses_a_single_mask():
+    drafter, layout = make_sliding_drafter(), training_layout()
+    with pytest.raises(ValueError, match="one mask per layer type"):
+        drafter(layout["block"], layout["context"], layout["positions"], layout["mask"])
+
+
+def test_the_window_hides_old_context_from_the_sliding_layer_only():
+    # Block 1 is anchored at 3 (document 0): with window 2 it sees context 1..2 in its sliding layer, 0..2 in
+    # its full layer. Perturbing position 0 still reaches it (through the full layer); a drafter whose every
+    # layer slides does not see it at all.
+    layout = training_layout()
+    drafter = make_sliding_drafter(window=2)
+    masks = sliding_masks(layout, 2)
+    assert block_output_change(drafter, layout, perturb_context=0, mask=masks)[1] > 1e-3
+    everywhere = {"full_attention": masks["sliding_attention"], "sliding_attention": masks["sliding_attention"]}
+    assert block_output_change(drafter, layout, perturb_context=0, mask=everywhere)[1] == 0.0
+    assert block_output_change(drafter, layout, perturb_context=1, mask=everywhere)[1] > 1e-3
+
+
+def test_sliding_layer_is_causal_within_the_block():
+    # Every layer slides with a window covering the whole context: perturbing block slot 2 must not change
+    # slots 0..1 (causal), and does with sliding_window_non_causal.
+    layout = training_layout()
+    for non_causal in (False, True):
+        drafter = make_sliding_drafter(window=16, non_causal=non_causal)
+        window_mask = sliding_masks(layout, 16, non_causal)["sliding_attention"]
+        masks = {"full_attention": window_mask, "sliding_attention": window_mask}
+        with torch.no_grad():
+            base = drafter(layout["block"], layout["context"], layout["positions"], masks)
+            block = layout["block"].clone()
+            block[:, 2] += 3.0  # block 0, slot 2
+            out = drafter(block, layout["context"], layout["positions"], masks)
+        earlier = (out - base)[:, :2].abs().max().item()
+        assert (earlier > 1e-3) == non_causal
+
+
+@pytest.mark.parametrize("non_causal", [False, True])
+def test_inference_with_a_cache_applies_the_window_as_training_does(non_causal):
+    # One block anchored at 11 of a 15-token document: the training mask (per layer type) and the inference
+    # pass over a cache fed in two chunks (7 then 4 context positions) give the same block output.
+    window, anchor, S = 4, 11, 15
+    drafter = make_sliding_drafter(window=window, non_causal=non_causal)
+    torch.manual_seed(7)
+    features = torch.randn(1, S, FEATURES * HIDDEN)
+    block = torch.randn(1, BLOCK, HIDDEN)
+    anchors, valid, doc_ids = torch.tensor([[anchor]]), torch.tensor([[True]]), torch.zeros(1, S, dtype=torch.long)
+    masks = {"full_attention": sdpa_mask(anchors, valid, doc_ids, BLOCK, False),
+             "sliding_attention": sdpa_mask(anchors, valid, doc_ids, BLOCK, False, window, non_causal)}
+    positions = torch.cat([torch.arange(S), anchor + torch.arange(BLOCK)])[None]
+    with torch.no_grad():
+        trained = drafter(block, features, positions, masks)
+        cache = DynamicCache()
+        drafter(torch.randn(1, BLOCK, HIDDEN), features[:, :7], torch.arange(0, 7 + BLOCK)[None],
+                past_key_values=cache, use_cache=True)
+        crop_cache(cache, 7)
+        served = drafter(block, features[:, 7:anchor], torch.arange(7, anchor + BLOCK)[None],
+                         past_key_values=cache, use_cache=True)
+        uncached = drafter(block, features[:, :anchor], torch.arange(0, anchor + BLOCK)[None])
+    torch.testing.assert_close(served, trained, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(uncached, trained, atol=1e-5, rtol=1e-5)
+    # Served as full attention (no window), the same block drafts something else: the test can fail.
+    full = make_sliding_drafter(window=window, non_causal=non_causal)
+    full.load_state_dict(drafter.state_dict())
+    full.attention = type(full.attention)(("full_attention",) * 2)
+    for layer in full.layers:
+        layer.self_attn.layer_type = "full_attention"
+    with torch.no_grad():
+        as_full = full(block, features[:, :anchor], torch.arange(0, anchor + BLOCK)[None])
+    assert (as_full - trained).abs().max() > 1e-3
+
+
+def test_inference_needs_the_cache_contiguous_from_position_zero():
+    drafter = make_sliding_drafter()
+    cache = DynamicCache()
+    with torch.no_grad():
+        drafter(torch.randn(1, BLOCK, HIDDEN), torch.randn(1, 5, FEATURES * HIDDEN), torch.arange(0, 5 + BLOCK)[None],
+                past_key_values=cache, use_cache=True)
+        crop_cache(cache, 5)
+        with pytest.raises(ValueError, match="contiguous from 0"):
+            drafter(torch.randn(1, BLOCK, HIDDEN), torch.randn(1, 2, FEATURES * HIDDEN),
+                    torch.arange(9, 11 + BLOCK)[None], past_key_values=cache, use_cache=True)
+
+
+def test_draft_shape_errors_are_one_line():
+    from trainer.config import ConfigError
+    from trainer.model.drafter import draft_config_from_target
+
+    target = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ConfigError, match="not divisible by num_key_value_heads 3"):
+        draft_config_from_target(target, 2, {"num_key_value_heads": 3})
+    with pytest.raises(ConfigError, match="names 3 layers but the drafter has 2"):
+        draft_config_from_target(target, 2, {"layer_types": ["full_attention"] * 3})
+    # heads alone: head_dim = hidden // heads and as many kv heads (the target's belong to its own heads)
+    alone = draft_config_from_target(target, 2, {"num_attention_heads": 2})
+    assert (alone.num_attention_heads, alone.num_key_value_heads, alone.head_dim) == (2, 2, 16)
+
+
+def test_target_only_rope_keys_stay_out_of_the_drafter():
+    from transformers import Qwen3_5TextConfig
+
+    from trainer.model.drafter import draft_config_from_target
+
+    target = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+    rope = draft_config_from_target(target, 1).rope_parameters
+    assert rope == {"rope_type": "default", "rope_theta": 1e7}  # full rotary, 1-D: as the drafter rotates

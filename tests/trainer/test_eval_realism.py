@@ -215,7 +215,7 @@ def test_a_run_records_teacher_forced_acceptance_the_mask_count_and_the_renderin
     report = json.loads((run_dir / "eval.json").read_text())
     assert report["teacher_forced"]["acceptance"] >= 1.0 and report["tau_by_prompt_length"]
     assert report["prompts"] == {"chat_template_sha256": None, "chat_template_kwargs": {}}  # embedded text data
-    # The drafter's rotary settings as its module applies them (sleuth's dflash.rope_matches_target).
+    # The drafter's rotary settings as its module applies them (sleuth's dflash.rope_served_as_trained).
     drafter = json.loads((run_dir / "run.json").read_text())["drafter"]
     target_config = json.loads((Path(json.loads((run_dir / "run.json").read_text())["target"]["path"]) / "config.json").read_text())
     assert drafter["rotary_dim"] == drafter["head_dim"] and drafter["rope_parameters"]["partial_rotary_factor"] == 1.0

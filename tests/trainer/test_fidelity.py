@@ -84,12 +84,11 @@ def test_positions_alone_drop_gpt_oss_window_and_the_check_picks_layer_masks(gpt
     assert not forced.passed and forced.packing == "positions" and forced.tried == {}
 
 
-def test_every_packing_way_gives_the_same_rows_on_a_plain_target(tmp_path, tokenizer):
-    """On Llama (no window) all three ways compute the same packed batch, padding rows included."""
-    target = FrozenTarget.load(str(save_family_target("llama", tmp_path / "llama", tokenizer)), CPU)
+def packed_batch(pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two packed rows of 24: two documents each, then padding."""
     documents = [[list(range(10, 25)), list(range(40, 47))], [list(range(60, 72)), [9, 8, 7, 6]]]
     seq_len = 24
-    input_ids = torch.full((2, seq_len), target.pad_token_id)
+    input_ids = torch.full((2, seq_len), pad_token_id)
     position_ids = torch.zeros((2, seq_len), dtype=torch.long)
     doc_ids = torch.full((2, seq_len), -1)
     for row, docs in enumerate(documents):
@@ -99,7 +98,21 @@ def test_every_packing_way_gives_the_same_rows_on_a_plain_target(tmp_path, token
             position_ids[row, offset:offset + len(ids)] = torch.arange(len(ids))
             doc_ids[row, offset:offset + len(ids)] = d
             offset += len(ids)
+    return input_ids, position_ids, doc_ids
+
+
+def test_every_packing_way_gives_the_same_rows_on_a_plain_target(tmp_path, tokenizer):
+    """On Llama (no window) all three ways compute the same packed batch, padding rows included; so do the
+    documents end to end in one row ("varlen"'s layout: its kernels are CUDA-only, its layout is not)."""
+    target = FrozenTarget.load(str(save_family_target("llama", tmp_path / "llama", tokenizer)), CPU)
+    input_ids, position_ids, doc_ids = packed_batch(target.pad_token_id)
     real = doc_ids >= 0
+    hidden, logits = target._varlen(input_ids, position_ids, doc_ids)
+    reference_hidden, reference_logits = target._per_document(input_ids, position_ids, doc_ids)
+    torch.testing.assert_close(logits, reference_logits, atol=1e-5, rtol=1e-5)
+    for h, reference in zip(hidden, reference_hidden, strict=True):
+        torch.testing.assert_close(h, reference, atol=1e-5, rtol=1e-5)
+    assert not logits[~real].any()  # padding stays zero
     outputs = {}
     for mode in ("positions", "layer_masks", "per_document"):
         target.packing = mode
@@ -135,3 +148,19 @@ def test_a_run_refuses_a_target_it_cannot_reproduce_and_records_an_allowed_one(g
     train(auto, forced.model_copy(update={"target_packing": "auto"}), preset=None, device="cpu", progress=False)
     record = json.loads((auto.path / "run.json").read_text())["target_fidelity"]
     assert record["passed"] is True and record["packing"] == "layer_masks" and record["tokens"] > SLIDING_WINDOW
+
+
+def test_without_cuda_and_fla_recurrent_targets_stay_per_document(tmp_path, tokenizer, stream):
+    """"varlen" hands document boundaries to flash-linear-attention's kernels; on CPU transformers' PyTorch
+    fallbacks refuse them rather than let a recurrent state run across a boundary, auto never tries the way,
+    and asking for it is one line."""
+    from trainer.target.frozen import TargetError, varlen_available
+
+    assert not varlen_available(CPU)
+    target = FrozenTarget.load(str(save_family_target("qwen3_5", tmp_path / "qwen3_5", tokenizer)), CPU)
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+        target._varlen(*packed_batch(target.pad_token_id))
+    record = choose_packing(target, stream, 6)
+    assert record.packing == "per_document" and record.passed and "varlen" not in record.tried
+    with pytest.raises(TargetError, match="need a CUDA device and the fla package"):
+        choose_packing(target, stream, 6, packing="varlen")

@@ -234,6 +234,19 @@ def _print_summary(result: dict[str, Any], out: Console) -> None:
     if result.get("tau_by_prompt_length"):
         out.print(buckets)
 
+    by_context = result.get("acceptance_by_context_length") or {}
+    if by_context.get("buckets"):
+        window = by_context.get("sliding_window")
+        title = (f"acceptance by context length (drafter window {window}: beyond it only full layers see it all)"
+                 if window else "acceptance by context length")
+        contexts = Table("context tokens", "verify steps", "tau", "slot 1..3 accepted", title=title,
+                         title_justify="left")
+        for bucket in by_context["buckets"]:
+            span = f"{bucket['min_context']}-{bucket['max_context']}" + (" (beyond)" if bucket["beyond_window"] else "")
+            contexts.add_row(span, str(bucket["verify_steps"]), _fmt(bucket["tau"], ".3f"),
+                             " ".join(f"{a:.2f}" for a in bucket["per_position_acceptance"][:3]))
+        out.print(contexts)
+
     histogram = Table("length", "steps", "", title="acceptance length histogram", title_justify="left")
     counts = result["acceptance_histogram"]
     top = max(counts, default=0) or 1

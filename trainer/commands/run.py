@@ -22,7 +22,7 @@ RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 def run_command(
     name: Annotated[Optional[str], typer.Argument(metavar="NAME", help="Run name (default: the preset's name).")] = None,
-    preset: Annotated[Optional[str], typer.Option(metavar="NAME", help="fixed | v3 | v5 | v6: the seed's history.")] = None,
+    preset: Annotated[Optional[str], typer.Option(metavar="NAME", help="fixed | v3 | v5 | v6 | recipe-2026 (the seed's history) | zlab-qwen3.6 | zlab-qwen3.6-27b (the published Qwen3.6 drafter).")] = None,
     config_file: Annotated[
         Optional[Path], typer.Option("--config", metavar="FILE", help="YAML or JSON config file.")
     ] = None,
@@ -126,8 +126,39 @@ def _fixed_config(runs_dir: Path, from_run: str | None) -> tuple[dict[str, Any],
     if not isinstance(changes, list) or not all(isinstance(change, dict) for change in changes):
         raise RunError(f"{fix_file}: code_changes must be a list of entries with id and hint; the file is damaged")
     values = {**source.read_config(), **patch}
+    _check_written_for(fix, fix_file, source)
     shown = ", ".join(f"{k}={v!r}" for k, v in patch.items()) or "nothing (no config-fixable finding)"
     notes = [escape(f"applying the fix from {fix_file}: {shown}")]
     notes += [f"[yellow]not fixed by config[/] {escape(str(change.get('id')))}: {escape(str(change.get('hint')))}"
               for change in changes]
     return values, None, notes
+
+
+def _check_written_for(fix: dict[str, Any], fix_file: Path, source: Any) -> None:
+    """A fix.yaml patches the config it was computed against: `diagnosed_config_sha256` (sleuth records the
+    sha256 of the config.json bytes it diagnosed) must be the source run's config.json, so a fix written for
+    v5 (copied into v3's diagnosis/, or written there with `sleuth diagnose --out`) is refused, not applied to
+    v3. A fix.yaml from an older sleuth, without the hash, must at least name the run."""
+    import hashlib
+
+    from trainer.run.rundir import RunError, read_bytes
+
+    written_for = fix.get("diagnosed_run")
+    recorded = fix.get("diagnosed_config_sha256")
+    again = f"run `sleuth diagnose --run {source.name}` for its own fix"
+    if recorded is not None:
+        actual = hashlib.sha256(read_bytes(source.config_path, source.path)).hexdigest()
+        if recorded != actual:
+            where = f"run {written_for!r}" if isinstance(written_for, str) else "another run"
+            raise RunError(f"{fix_file} was written for {where} (config sha256 {str(recorded)[:12]}), not for "
+                           f"{source.name}'s config.json ({actual[:12]}); {again}")
+        return
+    names = {source.name}
+    try:
+        name = source.read_info().get("name")
+        names |= {name} if isinstance(name, str) else set()
+    except RunError:
+        pass
+    if not isinstance(written_for, str) or written_for not in names:
+        said = f"was written for run {written_for!r}" if isinstance(written_for, str) else "does not say which run it was written for"
+        raise RunError(f"{fix_file} {said}, not {source.name}; {again}")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from trainer.data.corpus import embedded_documents
+from trainer.data.errors import DataError
 from trainer.data.prepared import is_prepared_dir, load_prepared_rows
 
 # Every HELDOUT_EVERY-th document of a user file is held out (eval prompts) when the file has at least
@@ -32,10 +33,6 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class DataError(Exception):
-    """The user's data cannot be used; the message is one line naming the file (and line)."""
 
 
 @dataclass

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainer.data.errors import DataError
+
 STATE_FILE = "state.json"
 INFO_FILE = "dataset_info.json"
 
@@ -27,7 +29,6 @@ def is_prepared_dir(path: Path) -> bool:
 
 def load_prepared_rows(path: Path, vocab_size: int) -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) per row, in order; DataError (one line) on anything we do not understand."""
-    from trainer.data.datasets import DataError
 
     try:
         state = json.loads((path / STATE_FILE).read_text())
@@ -59,7 +60,6 @@ def load_prepared_rows(path: Path, vocab_size: int) -> list[tuple[list[int], lis
 def _rows(table: Any, shard: Path, vocab_size: int, first_row: int) -> list[tuple[list[int], list[int]]]:
     import pyarrow as pa
 
-    from trainer.data.datasets import DataError
 
     for column in ("input_ids", "loss_mask"):
         if column not in table.column_names:

@@ -127,6 +127,8 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
         draft_config = Qwen3Config(**{k: v for k, v in layer_config.items() if k not in ("model_type", "auto_map")})
     except (TypeError, ValueError) as exc:
         raise ForeignDrafterError(f"{directory}: draft layer config does not build a Qwen3 config: {exc}") from None
+    if layout == "speculators":  # speculators keeps the block causality of its sliding layers at the top level
+        draft_config.sliding_window_non_causal = bool(config.get("sliding_window_non_causal", False))
     if draft_config.hidden_size != hidden_size:
         raise ForeignDrafterError(
             f"{directory}: the drafter's hidden size {draft_config.hidden_size} differs from the target's {hidden_size}"

@@ -131,7 +131,9 @@ def teacher_forced_acceptance(
         block_ids[:, :, 0] = input_ids.gather(1, anchors)
         block_positions = anchors[:, :, None] + torch.arange(B, device=device)  # [1, A, B]
         all_positions = torch.cat([position_ids, block_positions.reshape(1, A * B)], dim=1)  # [1, S + A*B]
-        mask = build_attention_mask(anchors, anchor_valid, doc_ids, B, semantics.context_includes_anchor, device)
+        # The drafter's own layer attention (its sliding windows), as its training step builds the masks.
+        mask = build_attention_mask(anchors, anchor_valid, doc_ids, B, semantics.context_includes_anchor, device,
+                                    attention=getattr(drafter, "attention", None))
         dtype = next(drafter.parameters()).dtype
         block_embeds = target.embed(block_ids.reshape(1, A * B)).to(dtype)  # [1, A*B, H]
         hidden = drafter(block_embeds, features.to(dtype), all_positions, attention_mask=mask)  # [1, A*B, H]

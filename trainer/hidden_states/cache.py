@@ -50,17 +50,58 @@ def row_key(input_ids: Tensor, position_ids: Tensor) -> str:
     return digest.hexdigest()
 
 
+# Every field a reader of the manifest relies on, with its type: a manifest that lacks one or holds another
+# type is damaged (one line naming the field), never a KeyError or TypeError deep in generation or training.
+_INT, _STR, _NUM, _BOOL, _DICT, _INTS = "an integer", "a string", "a number", "true or false", "an object", "a list of integers"
+_MANIFEST_FIELDS = {
+    "target": _DICT, "target.path": _STR, "target.fingerprint": _STR, "target.num_layers": _INT,
+    "target.hidden_size": _INT, "data": _DICT, "data.fingerprint": _STR, "seq_len": _INT, "layers": _INTS,
+    "rows": _INT, "rows_per_shard": _INT, "shards": _INT, "dtype": _STR, "logits_check": _DICT,
+    "logits_check.max_abs_logit_diff": _NUM, "complete": _BOOL,
+}
+# A shard holds at least one row: more shards than this would be an index of a billion rows.
+_MAX_SHARDS = 10**6
+
+
+def _is(kind: str, value: Any) -> bool:
+    integer = isinstance(value, int) and not isinstance(value, bool)
+    return {
+        _INT: integer and value >= 0,
+        _STR: isinstance(value, str),
+        _NUM: isinstance(value, (int, float)) and not isinstance(value, bool) and value == value,
+        _BOOL: isinstance(value, bool),
+        _DICT: isinstance(value, dict),
+        _INTS: isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
+    }[kind]
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     try:
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise HiddenStateError(f"{path} is not a regular file; the cache is damaged: generate into an empty --out")
+        if path.stat().st_size > 1 << 20:
+            raise HiddenStateError(f"{path} is {path.stat().st_size} bytes, more than a manifest can be; the cache is damaged")
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise HiddenStateError(f"{directory} is not a hidden-state cache (no {MANIFEST}): make one with "
                                "`trainer hidden-states generate --out DIR`") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HiddenStateError(f"{path} cannot be read: {exc}") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        first = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise HiddenStateError(f"{path} cannot be read ({first}); the cache is damaged: generate into an empty "
+                               "--out") from None
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
         raise HiddenStateError(f"{path} is not a hidden-state manifest of format {FORMAT_VERSION}")
+    for dotted, kind in _MANIFEST_FIELDS.items():
+        value: Any = manifest
+        for part in dotted.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if not _is(kind, value):
+            raise HiddenStateError(f"{path}: `{dotted}` is {'missing' if value is None else repr(value)[:40]}, not "
+                                   f"{kind}; the manifest is damaged: generate into an empty --out")
+    if manifest["shards"] > _MAX_SHARDS or manifest["rows_per_shard"] == 0:
+        raise HiddenStateError(f"{path}: {manifest['shards']} shards of {manifest['rows_per_shard']} rows is not a "
+                               "cache generate writes; the manifest is damaged")
     return manifest
 
 
@@ -84,7 +125,7 @@ class HiddenStateCache:
             raise HiddenStateError(f"hidden-state cache {directory} is incomplete: run the same "
                                    "`trainer hidden-states generate` again to finish it")
         index: dict[str, tuple[int, int]] = {}
-        for shard in range(int(manifest["shards"])):
+        for shard in range(manifest["shards"]):
             path = directory / shard_name(shard)
             try:
                 with safe_open(str(path), framework="pt") as handle:

@@ -9,17 +9,19 @@ to finish finds every shard present and marks the manifest complete).
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from trainer.config import TrainConfig, resolve_for_target
 from trainer.data.datasets import load_documents, pack_documents
 from trainer.hidden_states.cache import FORMAT_VERSION, HiddenStateError, read_manifest, shard_name, write_manifest
+from trainer.run.fidelity_gate import check_target_fidelity
+from trainer.run.checkpoint import write_safetensors
 from trainer.target.frozen import FrozenTarget
 
 # The recomputed teacher logits must equal the model's own; float32 on one machine gives 0 exactly.
@@ -51,8 +53,6 @@ def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: tor
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     target = FrozenTarget.load(config.target, device, dtype, mask_token_id=config.mask_token_id)
     config = resolve_for_target(config, target.num_layers)
-    from trainer.run.loop import check_target_fidelity  # lazy: the run loop imports this package
-
     # The same check a run makes (and the packing it picks), before any state is stored.
     fidelity = check_target_fidelity(config, target, announce=rank == 0)
     layers = stored_layers(config, target.num_layers)
@@ -84,7 +84,10 @@ def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: tor
     elif any(out.iterdir()):
         raise HiddenStateError(f"{out} is not empty and holds no hidden-state cache; choose an empty --out")
     if rank == 0:
-        write_manifest(out, manifest)
+        try:
+            write_manifest(out, manifest)
+        except OSError as exc:
+            raise _resumable(exc, out) from None
 
     final = target.num_layers - 1
     worst = float(manifest["logits_check"]["max_abs_logit_diff"])
@@ -109,11 +112,29 @@ def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: tor
         worst = max(worst, diff)
         tensors["input_ids"], tensors["position_ids"] = ids.contiguous(), positions.contiguous()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp), metadata={"layers": ",".join(map(str, layers))})
-        os.replace(tmp, path)
+        try:
+            # write_safetensors raises a full disk as the OSError it is, not safetensors' own error type
+            write_safetensors(tensors, tmp, metadata={"layers": ",".join(map(str, layers))})
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)  # the shards before are intact; the same command resumes after them
+            raise _resumable(exc, out) from None
         note(f"shard {shard + 1}/{shards} ({rows.stop - rows.start} rows)")
     if all((out / shard_name(i)).exists() for i in range(shards)):
         manifest["logits_check"]["max_abs_logit_diff"] = max(worst, float(read_manifest(out)["logits_check"]["max_abs_logit_diff"]))
         manifest["complete"] = True
-        write_manifest(out, manifest)
+        try:
+            write_manifest(out, manifest)
+        except OSError as exc:
+            raise _resumable(exc, out) from None
     return manifest
+
+
+def _resumable(exc: OSError, out: Path) -> Exception:
+    """A write that failed (a full disk, a read-only folder): one line saying what is intact and how to go on."""
+    where = f" {exc.filename}" if exc.filename else f" in {out}"
+    if exc.errno == errno.ENOSPC:
+        return HiddenStateError(f"disk full writing{where}: the shards written so far are intact; free space, then "
+                                "rerun the same `trainer hidden-states generate` command to continue")
+    return HiddenStateError(f"cannot write{where}: {exc.strerror or exc}; the shards written so far are intact and "
+                            "the same command continues after them")

@@ -77,10 +77,10 @@ def load_head_only(target: str, device: torch.device, dtype: torch.dtype, mask_t
     """The target with only embeddings, final norm and lm_head materialised from its weight files."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if target == "embedded":
-        from trainer.target.embedded import ensure_embedded_target
+    from trainer.target.embedded import BUILT_IN_TARGETS, ensure_built_in_target
 
-        path = ensure_embedded_target()
+    if target in BUILT_IN_TARGETS:
+        path = ensure_built_in_target(target)
     else:
         path = Path(target).expanduser()
     try:

@@ -15,14 +15,40 @@ A block's queries see
 A padding anchor (anchor_valid False) sees only its own block, so no softmax row is ever fully masked;
 its slots get zero loss weight in loss.slot_weights.
 
+Sliding-window drafter layers (`layer_types` entries "sliding_attention", window W) follow speculators
+(src/speculators/models/dflash/attention.py `create_anchor_block_mask_mod`, the reference trainer whose
+export vLLM serves):
+    * context: kv is also within the window of the ANCHOR, p - W <= kv < p: every slot of a block sees
+      the same W context positions, whatever its offset j in the block;
+    * block: causal, block key j' visible to block query j iff j' <= j, unless `sliding_window_non_causal`
+      (speculators' flag; then bidirectional like the full-attention layers, which always are).
+Where the others differ (see README "Sliding-window drafter layers"):
+    * z-lab/dflash 1fe684b "Add Draft sliding window" adds a window at inference only, in its MLX path
+      (`load_draft(..., sliding_window_size=W)`, every layer alike): the committed context K/V live in an
+      mlx_lm RotatingKVCache of W entries, the block's K/V are appended uncached and the block attends
+      without a mask. So every slot sees the same last ~W context positions (anchor-relative, like here),
+      but not exactly W (mlx_lm's multi-token update keeps up to W-1+C entries after C new ones), and the
+      block is bidirectional; no training code has a window.
+    * z-lab's torch model (dflash/model.py @ 44947fb) reads `layer_types` / `sliding_window` and passes the
+      window to the attention function with no mask: only flash-attention honours it, as a symmetric
+      window (W-1, W-1) around each QUERY's position anchor+j, so slot j sees context p with
+      anchor+j-W < p < anchor (W-1-j positions, not W); SDPA and eager ignore it and attend to everything.
+      Its attention is non-causal in every layer (`is_causal = False`), sliding ones included. Any server
+      that hands the window to flash-attention counts it from each query the same way.
+The two windows agree on every position but the j+1 oldest, so they only differ once the context is
+longer than W - B.
+
 `dflash_mask_mod` is the one definition. `sdpa_mask` evaluates it on broadcast index grids (a dense bool
 mask for CPU / scaled_dot_product_attention); `flex_block_mask` hands the same function to flex attention's
-create_block_mask (block-sparse, for CUDA), so the two paths cannot disagree.
+create_block_mask (block-sparse, for CUDA), so the two paths cannot disagree. `decode_window_mask` is the
+same rule for one block drafted at inference over a KV cache (trainer eval's real decoding).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,19 +57,64 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+@dataclass(frozen=True)
+class DraftAttention:
+    """How each drafter layer attends: its layer type, the window of the sliding ones, their block causality."""
+
+    layer_types: tuple[str, ...]  # one per drafter layer: "full_attention" | "sliding_attention"
+    sliding_window: int | None = None  # W; required when a layer slides
+    sliding_window_non_causal: bool = False  # sliding layers attend bidirectionally within the block
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unknown drafter layer types {unknown}; choose from {', '.join(LAYER_TYPES)}")
+        if self.slides and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding_attention layers need a sliding_window >= 1, got {self.sliding_window!r}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> DraftAttention:
+        """From a Qwen3Config-like object as transformers built it. A sliding layer without a window (a config
+        whose `use_sliding_window` is false: Qwen3Config then sets sliding_window to None) attends fully,
+        exactly as speculators' and z-lab's loaders build that layer."""
+        layers = int(config.num_hidden_layers)
+        types = list(getattr(config, "layer_types", None) or [FULL_ATTENTION] * layers)
+        window = getattr(config, "sliding_window", None)
+        if window is None:
+            types = [FULL_ATTENTION] * len(types)
+        non_causal = bool(getattr(config, "sliding_window_non_causal", False))
+        return cls(tuple(types), window if SLIDING_ATTENTION in types else None, non_causal)
+
+    @property
+    def slides(self) -> bool:
+        return SLIDING_ATTENTION in self.layer_types
+
+    def window_of(self, layer_type: str) -> int | None:
+        return self.sliding_window if layer_type == SLIDING_ATTENTION else None
+
+
 def dflash_mask_mod(
     anchors: Tensor,  # [N, A] long, context positions of the block anchors
     anchor_valid: Tensor,  # [N, A] bool, False for padding anchors
     doc_ids: Tensor,  # [N, S] long, document id per context position, -1 = padding
     block_size: int,
     context_includes_anchor: bool,
+    sliding_window: int | None = None,
+    sliding_window_non_causal: bool = False,
 ) -> MaskMod:
     """Return mask_mod(b, h, q_idx, kv_idx) -> bool: may query q_idx of row b attend to key kv_idx?
 
     Written with tensor ops only (no Python branching on values), so it works both on broadcast index
-    grids (sdpa_mask) and under flex attention's vmap / torch.compile (flex_block_mask).
+    grids (sdpa_mask) and under flex attention's vmap / torch.compile (flex_block_mask). `sliding_window`
+    None is a full-attention layer; W a sliding one (the module docstring: speculators' semantics).
     """
     seq_len = doc_ids.shape[1]  # S: keys below S are context, keys from S on are block tokens
+    causal_block = sliding_window is not None and not sliding_window_non_causal
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         block = q_idx // block_size  # which block (anchor) this query belongs to
@@ -54,9 +125,13 @@ def dflash_mask_mod(
         is_context = kv_idx < seq_len
         in_anchor_doc = (kv_doc == anchor_doc) & (anchor_doc >= 0)
         before_anchor = (kv_idx <= anchor) if context_includes_anchor else (kv_idx < anchor)
+        if sliding_window is not None:  # the window is the anchor's: the same W positions for every slot
+            before_anchor = before_anchor & (kv_idx >= anchor - sliding_window)
         sees_context = is_context & anchor_valid[b, block] & in_anchor_doc & before_anchor
         # For context keys kv_idx - S is negative, so its floor division never equals a block index >= 0.
         sees_own_block = (~is_context) & ((kv_idx - seq_len) // block_size == block)
+        if causal_block:  # block key j' visible to block query j iff j' <= j
+            sees_own_block = sees_own_block & (kv_idx - seq_len <= q_idx)
         return sees_context | sees_own_block
 
     return mask_mod
@@ -77,6 +152,8 @@ def sdpa_mask(
     doc_ids: Tensor,  # [N, S]
     block_size: int,
     context_includes_anchor: bool,
+    sliding_window: int | None = None,
+    sliding_window_non_causal: bool = False,
 ) -> Tensor:  # [N, 1, Q, S+Q] bool, True = may attend
     """Dense boolean mask for F.scaled_dot_product_attention, by evaluating dflash_mask_mod on index grids."""
     _check_shapes(anchors, anchor_valid, doc_ids, block_size)
@@ -84,7 +161,8 @@ def sdpa_mask(
     seq_len = doc_ids.shape[1]
     q_len = num_anchors * block_size
     device = anchors.device
-    mask_mod = dflash_mask_mod(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor)
+    mask_mod = dflash_mask_mod(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor,
+                               sliding_window, sliding_window_non_causal)
     b = torch.arange(num_rows, device=device).view(-1, 1, 1, 1)  # [N, 1, 1, 1]
     h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)  # the mask is the same for every head
     q_idx = torch.arange(q_len, device=device).view(1, 1, -1, 1)  # [1, 1, Q, 1]
@@ -98,6 +176,8 @@ def flex_block_mask(
     doc_ids: Tensor,  # [N, S]
     block_size: int,
     context_includes_anchor: bool,
+    sliding_window: int | None = None,
+    sliding_window_non_causal: bool = False,
 ) -> BlockMask:
     """Block-sparse mask for flex_attention from the same mask_mod.
 
@@ -107,7 +187,8 @@ def flex_block_mask(
     _check_shapes(anchors, anchor_valid, doc_ids, block_size)
     num_rows, num_anchors = anchors.shape
     q_len = num_anchors * block_size
-    mask_mod = dflash_mask_mod(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor)
+    mask_mod = dflash_mask_mod(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor,
+                               sliding_window, sliding_window_non_causal)
     build = _compiled_create_block_mask() if anchors.device.type == "cuda" else create_block_mask
     return build(mask_mod, B=num_rows, H=None, Q_LEN=q_len, KV_LEN=doc_ids.shape[1] + q_len, device=anchors.device)
 
@@ -122,6 +203,9 @@ def _compiled_create_block_mask() -> Callable:
     return _COMPILED["create_block_mask"]
 
 
+AttentionMask = Tensor | BlockMask
+
+
 def build_attention_mask(
     anchors: Tensor,  # [N, A]
     anchor_valid: Tensor,  # [N, A]
@@ -129,9 +213,56 @@ def build_attention_mask(
     block_size: int,
     context_includes_anchor: bool,
     device: torch.device | str,
-) -> Tensor | BlockMask:
-    """The mask the drafter should get on `device`: a flex BlockMask on CUDA, the dense SDPA mask elsewhere."""
+    attention: DraftAttention | None = None,
+) -> AttentionMask | dict[str, AttentionMask]:
+    """The mask the drafter should get on `device`: a flex BlockMask on CUDA, the dense SDPA mask elsewhere.
+
+    A drafter with sliding-window layers (`attention.slides`) gets one mask per layer type it has,
+    {"full_attention": ..., "sliding_attention": ...}; an all-full-attention drafter gets the one mask.
+    """
     device = torch.device(device)
     anchors, anchor_valid, doc_ids = anchors.to(device), anchor_valid.to(device), doc_ids.to(device)
     build = flex_block_mask if device.type == "cuda" else sdpa_mask
-    return build(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor)
+    if attention is None or not attention.slides:
+        return build(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor)
+    return {
+        kind: build(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor,
+                    attention.window_of(kind), attention.sliding_window_non_causal)
+        for kind in sorted(set(attention.layer_types))
+    }
+
+
+def decode_window_mask(
+    context_length: int,  # positions 0..context_length-1 are context; the block's anchor sits at context_length
+    block_size: int,
+    sliding_window: int,
+    sliding_window_non_causal: bool = False,
+    device: torch.device | str = "cpu",
+) -> Tensor:  # [1, 1, B, context_length + B] bool, True = may attend
+    """A sliding layer's mask for one block drafted at inference over a KV cache: the training mask of that block.
+
+    It is `sdpa_mask` of one document of context_length + 1 positions with one anchor at the last one, less the
+    anchor's own column (at inference the anchor has no context entry; the rule never shows it to its block).
+    """
+    anchors = torch.tensor([[context_length]], device=device)
+    doc_ids = torch.zeros(1, context_length + 1, dtype=torch.long, device=device)
+    full = sdpa_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), doc_ids, block_size, False,
+                     sliding_window, sliding_window_non_causal)  # [1, 1, B, context_length + 1 + B]
+    return torch.cat([full[..., :context_length], full[..., context_length + 1:]], dim=-1)
+
+
+def layer_mask(mask: Any, layer_type: str) -> Any:
+    """The mask of one layer out of what the drafter was given: one mask for every layer, or per type."""
+    if isinstance(mask, Mapping):
+        if layer_type not in mask:
+            raise ValueError(f"no attention mask for drafter layer type {layer_type!r} (given {sorted(mask)})")
+        return mask[layer_type]
+    return mask
+
+
+def check_layer_masks(mask: Any, layer_types: Sequence[str]) -> None:
+    """A drafter with sliding layers must be given a mask per layer type (or None at inference): one shared
+    mask would silently train or serve its sliding layers as full attention (AEON-7 Qwen3.6-27B-DFlash #6)."""
+    if mask is not None and not isinstance(mask, Mapping) and SLIDING_ATTENTION in layer_types:
+        raise ValueError("this drafter has sliding_attention layers: give build_attention_mask(..., attention=...) "
+                         "one mask per layer type, not a single mask for every layer")

@@ -11,6 +11,11 @@ vllm-project/speculators src/speculators/models/dflash/model_definitions.py, cor
 Token embeddings and lm_head are the frozen target's (`dflash.frozen_embed_head`): the caller embeds the
 block and applies the target's lm_head to the output, so neither lives here.
 
+The drafter's own shape (heads, head_dim, MLP width, per-layer attention type and window, RoPE) is the
+target's unless the run's `draft_config` says otherwise (`draft_config_from_target`): the published
+Qwen3.6-27B drafter is 32 / 8 heads of 128 with four sliding-window layers on a 24 / 4 x 256 target.
+Sliding-window layers attend as trainer/model/attention_mask.py describes (speculators' semantics).
+
 Weight names follow the z-lab layout: fc.weight, hidden_norm.weight, layers.{i}.input_layernorm.weight,
 layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
 layers.{i}.post_attention_layernorm.weight, layers.{i}.mlp.{gate,up,down}_proj.weight, norm.weight.
@@ -18,7 +23,7 @@ layers.{i}.post_attention_layernorm.weight, layers.{i}.mlp.{gate,up,down}_proj.w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -29,54 +34,124 @@ from transformers import Qwen3Config
 from transformers.cache_utils import Cache
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from trainer.config import ConfigError
+from trainer.model.attention_mask import (
+    SLIDING_ATTENTION,
+    DraftAttention,
+    check_layer_masks,
+    decode_window_mask,
+    layer_mask,
+)
 
-def draft_config_from_target(target_config: Any, num_layers: int) -> Qwen3Config:
-    """A Qwen3Config for the drafter: the target's width, heads, RoPE and norm eps; `num_layers` layers.
 
-    The drafter shares the target's RoPE (its context keys sit at the target's absolute positions) and
-    its hidden size (the fused context and the target's embeddings/lm_head live in that space). Its layers
-    are always Qwen3 decoder layers (full attention); sizes, activation and RoPE come from the target, and families
-    that name them differently (GPT-2, Gemma) are read under their own names.
+def draft_config_from_target(target_config: Any, num_layers: int,
+                             shape: Mapping[str, Any] | None = None) -> Qwen3Config:
+    """A Qwen3Config for the drafter: the target's width, heads, RoPE and norm eps; `num_layers` layers;
+    then the run's `draft_config` (`shape`, TrainConfig.draft_config as a dict; None entries keep the target's).
+
+    The drafter keeps the target's hidden size (the fused context and the target's embeddings/lm_head live
+    in that space) and by default its heads, head_dim, MLP width and the RoPE of its full-attention layers
+    (context keys sit at the target's absolute positions). Its layers are always Qwen3 decoder layers; families
+    that name sizes otherwise (GPT-2, Gemma) are read under their own names. `shape` may give the drafter its
+    own heads / head_dim / MLP width, per-layer attention (`layer_types`, `sliding_window`,
+    `sliding_window_non_causal`) and RoPE (`rope_theta`, or whole `rope_parameters`). A shape that cannot be
+    built (heads not divisible, an odd head_dim) raises ConfigError in one line.
     """
     text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    text_config = _full_attention_layer_config(text_config)
+    shape = {k: v for k, v in dict(shape or {}).items() if v is not None}
     hidden = text_config.hidden_size
-    heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or hidden // heads
-    return Qwen3Config(
+    target_heads = getattr(text_config, "num_attention_heads", None)
+    if "num_attention_heads" not in shape and (not isinstance(target_heads, int) or target_heads < 1):
+        from trainer.target.frozen import TargetError
+
+        raise TargetError(f"the target's config ({type(text_config).__name__}) has no num_attention_heads (a model "
+                          "without attention layers?): give the drafter its own with draft_config.num_attention_heads")
+    heads = shape.get("num_attention_heads") or target_heads
+    head_dim = shape.get("head_dim") or (
+        getattr(text_config, "head_dim", None) if "num_attention_heads" not in shape else None
+    ) or hidden // heads
+    kv_heads = shape.get("num_key_value_heads") or (
+        getattr(text_config, "num_key_value_heads", None) if "num_attention_heads" not in shape else None
+    ) or heads
+    if heads % kv_heads:
+        raise ConfigError(f"draft_config: num_attention_heads {heads} is not divisible by num_key_value_heads "
+                          f"{kv_heads} (grouped-query attention shares each kv head among heads // kv_heads)")
+    if head_dim % 2:
+        raise ConfigError(f"draft_config: head_dim {head_dim} must be even (RoPE rotates pairs of dimensions)")
+    rope = full_attention_rope(text_config)
+    if shape.get("rope_parameters"):
+        rope = {"rope_type": "default", **shape["rope_parameters"]}
+    if shape.get("rope_theta") is not None:
+        rope = {**rope, "rope_theta": float(shape["rope_theta"])}
+    layer_types = list(shape.get("layer_types") or ["full_attention"] * num_layers)
+    if len(layer_types) != num_layers:
+        raise ConfigError(f"draft_config.layer_types names {len(layer_types)} layers but the drafter has "
+                          f"{num_layers} (draft_layers)")
+    window = shape.get("sliding_window") if SLIDING_ATTENTION in layer_types else None
+    config = Qwen3Config(
         vocab_size=text_config.vocab_size,
         hidden_size=hidden,
-        intermediate_size=_intermediate_size(text_config),
+        intermediate_size=shape.get("intermediate_size") or _intermediate_size(text_config),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         hidden_act=_activation(text_config),
         max_position_embeddings=_max_positions(text_config),
         rms_norm_eps=_norm_eps(text_config),
-        rope_parameters=full_attention_rope(text_config),
+        rope_parameters=rope,
         attention_bias=False,
         attention_dropout=0.0,
         initializer_range=getattr(text_config, "initializer_range", 0.02),
         tie_word_embeddings=False,
-        use_sliding_window=False,
+        # Qwen3Config keeps `sliding_window` only with use_sliding_window true (else it sets it to None and
+        # every loader then builds full attention), and derives layer types from max_window_layers only when
+        # layer_types is absent: both are written so that each way of reading the config gives these layers.
+        use_sliding_window=window is not None,
+        sliding_window=window,
+        max_window_layers=num_layers,
+        layer_types=layer_types,
         num_target_layers=text_config.num_hidden_layers,  # z-lab's config carries it for the layer-id rule
     )
+    if window is not None:
+        config.sliding_window_non_causal = bool(shape.get("sliding_window_non_causal", False))
+    return config
+
+
+# RoPE keys that describe the TARGET's head layout, not a rotation the drafter's Qwen3 layers perform:
+# partial rotation (the drafter rotates its whole head) and multimodal RoPE sections (the drafter's positions
+# are 1-D text positions; with equal t/h/w positions mRoPE is plain RoPE). Copied into a drafter config, a
+# serving stack would build them (speculators #613: partial_rotary_factor 0.25 served, full head trained).
+TARGET_ONLY_ROPE_KEYS = frozenset({"partial_rotary_factor", "mrope_section", "mrope_interleaved"})
+
+
+def _full_attention_layer_config(text_config: Any) -> Any:
+    """A heterogeneous config (transformers' per_layer_config: Gemma 4's full-attention layers have their own
+    head_dim) refuses to answer per-layer fields globally; the drafter attends over the whole context as the
+    target's full-attention layers do, so it reads theirs (the last layer's when no layer is named so)."""
+    if not getattr(text_config, "is_heterogeneous", False):
+        return text_config
+    layer_types = list(getattr(text_config, "layer_types", None) or [])
+    index = layer_types.index("full_attention") if "full_attention" in layer_types else -1
+    return text_config.per_layer_config[index]
 
 
 def full_attention_rope(text_config: Any) -> dict[str, Any]:
-    """The target's RoPE as the drafter's full-attention layers use it.
+    """The target's RoPE as the drafter's layers use it: its type, theta and scaling, nothing of its head layout.
 
     Gemma3-style configs nest RoPE per layer type ({"full_attention": {...}, "sliding_attention": {...}}):
     the drafter attends over the whole context like the target's full-attention layers, so it takes
-    theirs. A partial rotary factor (GPT-NeoX, Phi) is the target's own head layout, not the drafter's,
-    and a target without RoPE (GPT-2's learned positions) leaves the drafter the Qwen3 default.
+    theirs. A partial rotary factor (GPT-NeoX, Phi, Qwen3.5) and multimodal sections (Qwen3.5's interleaved
+    mRoPE) are the target's own head layout, not the drafter's (TARGET_ONLY_ROPE_KEYS), and a target without
+    RoPE (GPT-2's learned positions) leaves the drafter the Qwen3 default.
     """
     rope = getattr(text_config, "rope_parameters", None)
     if isinstance(rope, dict) and "rope_type" not in rope and isinstance(rope.get("full_attention"), dict):
         rope = rope["full_attention"]
     if not rope:  # configs from before transformers 5 keep a bare rope_theta
         rope = {"rope_type": "default", "rope_theta": getattr(text_config, "rope_theta", None) or 10000.0}
-    return {key: value for key, value in dict(rope).items() if key != "partial_rotary_factor"}
+    return {key: value for key, value in dict(rope).items() if key not in TARGET_ONLY_ROPE_KEYS}
 
 
 def _intermediate_size(text_config: Any) -> int:
@@ -157,6 +232,9 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        attention = DraftAttention.from_config(config)
+        self.layer_type = attention.layer_types[layer_idx]  # which of the drafter's masks this layer takes
+        self.sliding_window = attention.window_of(self.layer_type)  # W, or None: full attention
 
     def forward(
         self,
@@ -245,6 +323,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.attention = DraftAttention.from_config(config)  # per-layer type and window, as the layers use them
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.apply(self._init_weights)
@@ -262,8 +341,9 @@ class DFlashDrafter(nn.Module):
         num_features: int,
         block_size: int,
         mask_token_id: int,
+        shape: Mapping[str, Any] | None = None,
     ) -> DFlashDrafter:
-        config = draft_config_from_target(target_config, num_layers)
+        config = draft_config_from_target(target_config, num_layers, shape)
         config.block_size = block_size  # z-lab keeps these on the draft config, so a saved config explains itself
         config.dflash_config = {"mask_token_id": mask_token_id, "num_features": num_features}
         return cls(config, num_features=num_features, block_size=block_size, mask_token_id=mask_token_id)
@@ -273,16 +353,20 @@ class DFlashDrafter(nn.Module):
         block_embeds: Tensor,  # [N, Q, H] target embeddings of the block tokens (anchor, mask, ..., mask)*A
         context_features: Tensor,  # [N, C, k*H] concatenated target layer outputs at context positions
         position_ids: Tensor,  # [N, C+Q] positions of [context..., block...]
-        attention_mask: Tensor | BlockMask | None = None,  # bool [N, 1, Q, past+C+Q] | BlockMask | None
+        attention_mask: Any = None,  # bool [N, 1, Q, past+C+Q] | BlockMask | {layer type: mask} | None
         past_key_values: Cache | None = None,
         use_cache: bool = False,
     ) -> Tensor:  # [N, Q, H] final-normed hidden states; the caller applies the target's lm_head
         """Draft the block tokens' hidden states.
 
-        attention_mask None means every key is visible (z-lab's inference: one block over its own
-        context). With `past_key_values` and use_cache the cached keys come first in the key order and this
-        call's context and block K/V are appended; the caller then cuts the cache back to the context length
-        with `crop_cache(cache, context_length)` (z-lab dflash/model.py: `past_key_values_draft.crop(start)`),
+        attention_mask None is z-lab's inference: ONE block (Q = B tokens, anchor first) over its own context,
+        everything before the anchor visible to the full-attention layers; the sliding layers get
+        `decode_window_mask`, the training mask of that block (the cache holds the context from position 0 on,
+        as z-lab's loop keeps it, and this call continues it). A drafter with sliding layers takes a
+        {layer type: mask} mapping otherwise (build_attention_mask with its `attention`). With
+        `past_key_values` and use_cache the cached keys come first in the key order and this call's context
+        and block K/V are appended; the caller then cuts the cache back to the context length with
+        `crop_cache(cache, context_length)` (z-lab dflash/model.py: `past_key_values_draft.crop(start)`),
         so the next call sees context only.
         """
         n, q_len, _ = block_embeds.shape
@@ -291,11 +375,30 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} positions, expected C+Q = {ctx_len + q_len}")
         if not use_cache:
             past_key_values = None
+        check_layer_masks(attention_mask, self.attention.layer_types)
         dtype = block_embeds.dtype  # the compute dtype follows the inputs
         context = self.hidden_norm(self.fc(context_features.to(dtype))).to(dtype)  # [N, C, H]
         position_ids = position_ids.expand(n, -1) if position_ids.shape[0] == 1 else position_ids
+        if attention_mask is None and self.attention.slides:
+            attention_mask = self._decode_masks(position_ids, q_len, past_key_values)
         cos, sin = self.rotary_emb(block_embeds, position_ids)  # [N, C+Q, hd] each
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, context, cos, sin, attention_mask, past_key_values)
+            mask = layer_mask(attention_mask, layer.self_attn.layer_type)
+            x = layer(x, context, cos, sin, mask, past_key_values)
         return self.norm(x).to(dtype)
+
+    def _decode_masks(self, position_ids: Tensor, q_len: int, cache: Cache | None) -> dict[str, Tensor | None]:
+        """{layer type: mask} for one block at inference: full layers see every key, sliding layers their window."""
+        past = cache.get_seq_length() if cache is not None else 0
+        ctx_len = position_ids.shape[-1] - q_len
+        expected = torch.arange(past, past + ctx_len + q_len, device=position_ids.device)
+        if not torch.equal(position_ids, expected.expand_as(position_ids)):
+            # The window is counted in positions; cached keys are known by their index only, which equals
+            # their position exactly when the cache holds positions 0..past-1 and this call continues it.
+            raise ValueError(f"positions {position_ids[0, 0].item()}..{position_ids[0, -1].item()} do not continue "
+                             f"the drafter's cache of {past} positions: a sliding-window drafter needs them "
+                             "contiguous from 0")
+        window = decode_window_mask(past + ctx_len, q_len, self.attention.sliding_window,
+                                    self.attention.sliding_window_non_causal, position_ids.device)
+        return {"full_attention": None, SLIDING_ATTENTION: window.expand(position_ids.shape[0], -1, -1, -1)}

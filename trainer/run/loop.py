@@ -33,6 +33,7 @@ from trainer.run.checkpoint import (
     save_checkpoint,
 )
 from trainer.run.distributed import Distributed, init_distributed
+from trainer.run.fidelity_gate import check_target_fidelity
 from trainer.run.optim import build_optimizer
 from trainer.run.sharding import (
     ShardedOptimizerLoader,
@@ -54,7 +55,7 @@ from trainer.run.rundir import (
     now_iso,
 )
 from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
-from trainer.target.fidelity import FidelityRecord, check_lengths, choose_packing, token_stream
+from trainer.target.fidelity import FidelityRecord
 from trainer.target.frozen import PACKING_MODES, FrozenTarget
 
 
@@ -100,6 +101,7 @@ def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> 
         num_features=len(plan.feature_layer_ids),
         block_size=config.block_size,
         mask_token_id=plan.mask_token_id,
+        shape=config.draft_config.as_shape(),
     )
     return drafter.to(device=target.device, dtype=target.dtype)
 
@@ -514,68 +516,51 @@ def _write_run_header(
 
 
 def drafter_rotary_record(drafter: DFlashDrafter) -> dict[str, Any]:
-    """run.json `drafter`: the rotary settings the drafter trains with, for sleuth's
-    `dflash.rope_matches_target` (sleuth reads run directories, not this code). The rotated width is read
-    off the rotary embedding's frequencies, so it says what the module does, whatever its config claims."""
+    """run.json `drafter`: the drafter's shape and attention as it trains, for sleuth's train-to-serve checks
+    (`dflash.rope_served_as_trained`, `dflash.sliding_window_served`; sleuth reads run directories, not this code).
+
+    Read off the modules, so it says what they do whatever their config claims: the rotated width from the
+    rotary embedding's frequencies (`rope_layout` "neox": rotate_half pairs dimension i with i + d/2), each
+    layer's window from its attention module (`layer_windows`, null = full attention), the block causality of
+    the sliding layers from the mask the drafter builds. `draft_config` is the run's resolved Qwen3 config
+    fields (what an export writes)."""
     config = drafter.config
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     rotary_dim = 2 * int(drafter.rotary_emb.inv_freq.numel())
     rope = {key: value for key, value in dict(getattr(config, "rope_parameters", None) or {}).items()
             if key != "partial_rotary_factor"}
+    attention = [layer.self_attn for layer in drafter.layers]
+    windows = [a.sliding_window for a in attention]
     return {
         "rope_parameters": {**rope, "partial_rotary_factor": rotary_dim / head_dim},
+        "rope_layout": "neox",
         "head_dim": head_dim,
         "rotary_dim": rotary_dim,
         "num_attention_heads": int(config.num_attention_heads),
+        "num_key_value_heads": int(config.num_key_value_heads),
         "hidden_size": int(config.hidden_size),
+        "intermediate_size": int(config.intermediate_size),
+        "num_hidden_layers": len(attention),
+        "layer_types": [a.layer_type for a in attention],
+        "layer_windows": windows,
+        "sliding_window": next((w for w in windows if w is not None), None),
+        "sliding_window_non_causal": drafter.attention.sliding_window_non_causal if any(windows) else None,
+        "draft_config": {key: getattr(config, key, None) for key in (
+            "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types",
+            "sliding_window", "use_sliding_window", "max_window_layers", "rope_parameters")},
     }
 
 
 def absolute_inputs(config: TrainConfig) -> dict[str, str]:
-    """`target` and `data` paths made absolute (the built-in 'embedded' ones stay as they are)."""
+    """`target` and `data` paths made absolute (the built-in names, 'embedded' ..., stay as they are)."""
+    from trainer.target.embedded import BUILT_IN_TARGETS
+
     update = {}
     for key in ("target", "data"):
         value = getattr(config, key)
-        if value != "embedded":
+        if value != "embedded" and not (key == "target" and value in BUILT_IN_TARGETS):
             update[key] = str(Path(value).expanduser().resolve())
     return update
-
-
-def check_target_fidelity(config: TrainConfig, target: FrozenTarget, announce: bool = True) -> FidelityRecord:
-    """Measure the packed target forward against the model's own on a held-out document longer than any
-    window, choose how rows are packed, and refuse to train above the tolerance unless allowed."""
-    heldout = load_documents(config.data, target.tokenizer, split="heldout")
-    lead, length = check_lengths(target, config.seq_len)
-    stream = token_stream([doc.input_ids for doc in heldout], lead + length)
-    record = choose_packing(target, stream, lead, config.target_fidelity_tolerance, config.target_packing)
-    if announce and record.packing == "per_document" and config.target_packing == "auto":
-        failed = ", ".join(
-            f"{mode} {max(diffs.values()):.3g}" if "error" not in diffs else f"{mode} ({diffs['error']})"
-            for mode, diffs in record.tried.items()
-        )
-        print(
-            f"note: {type(target.model).__name__} cannot be packed exactly ({failed}); every document goes "
-            "through the target alone (exact, slower)",
-            file=sys.stderr,
-        )
-    if not record.passed:
-        summary = (
-            f"the target's packed forward differs from its own forward on a {record.tokens}-token held-out document "
-            f"(max abs hidden diff {record.max_abs_hidden_diff:.3g}, logit diff {record.max_abs_logit_diff:.3g}, "
-            f"tolerance {record.tolerance:.3g}, packing {record.packing})"
-        )
-        if not config.allow_target_fidelity_failure:
-            remedy = (
-                "set target_packing: auto" if config.target_packing != "auto"
-                else "even each document alone differs from it, so raise target_fidelity_tolerance"
-            )
-            raise RunError(
-                f"{summary}: the drafter would learn states the target never produces; {remedy}, or set "
-                "allow_target_fidelity_failure: true to train anyway"
-            )
-        if announce:
-            print(f"warning: {summary}; training anyway (allow_target_fidelity_failure)", file=sys.stderr)
-    return record
 
 
 def _check_same_inputs(run: RunDir, target_fingerprint: str, data_fingerprint: str) -> None:

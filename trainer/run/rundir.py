@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import trainer
+from trainer.run.trust import record_trusted_code
 
 RUN_FORMAT_VERSION = 1
 TRAINER_PACKAGE_DIR = Path(trainer.__file__).resolve().parent
@@ -90,7 +92,11 @@ def check_inside(path: Path, root: Path) -> None:
 def read_bytes(path: Path, root: Path, limit: int = MAX_RECORD_BYTES) -> bytes:
     check_inside(path, root)
     try:
-        size = path.stat().st_size
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode):
+            # A FIFO would block the read forever, a device never end: neither is a run file.
+            raise RunError(f"{path} is not a regular file; refusing to read it")
+        size = info.st_size
         if size > limit:
             raise RunError(f"{path} is {size} bytes, more than any run file holds ({limit}); refusing to read it")
         return path.read_bytes()
@@ -342,6 +348,8 @@ class RunDir:
             "files": files,
         }
         atomic_write_json(self.path / "fingerprint.json", fingerprint)
+        # This user's own trainer wrote this code/ tree: sleuth may probe it without --probe (README "Security model").
+        record_trusted_code(files, self.path, f"trainer {trainer.__version__}")
         return fingerprint
 
     def write_environment(self, device: str) -> None:

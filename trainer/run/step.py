@@ -12,7 +12,7 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.model.anchors import sample_anchors
-from trainer.model.attention_mask import build_attention_mask
+from trainer.model.attention_mask import DraftAttention, build_attention_mask
 from trainer.model.loss import dflash_loss, gather_block_logits, slot_weights
 from trainer.target.frozen import FrozenTarget
 
@@ -32,6 +32,7 @@ class StepPlan:
     loss_weighting: str = "decay"  # "decay" (fixed gamma) | "dpace" (speculators' current default)
     dpace_alpha: float = 0.5
     draft_token_ids: torch.Tensor | None = None  # [Vd] target ids of a reduced draft vocabulary (sorted)
+    draft_attention: DraftAttention | None = None  # the drafter's per-layer attention (sliding windows)
 
     @classmethod
     def from_config(cls, config: TrainConfig, target: FrozenTarget,
@@ -48,7 +49,16 @@ class StepPlan:
             loss_weighting=config.loss_weighting,
             dpace_alpha=config.dpace_alpha,
             draft_token_ids=draft_token_ids,
+            draft_attention=draft_attention(config),
         )
+
+
+def draft_attention(config: TrainConfig) -> DraftAttention | None:
+    """The drafter's per-layer attention from the run's draft_config (None: every layer full attention)."""
+    draft = config.draft_config
+    if not draft.layer_types:
+        return None
+    return DraftAttention(tuple(draft.layer_types), draft.sliding_window, draft.sliding_window_non_causal)
 
 
 def sample_step_anchors(
@@ -91,8 +101,9 @@ def dflash_step(
     block_positions = position_ids.gather(1, anchors)[:, :, None] + offsets  # (N, A, B)
     all_positions = torch.cat([position_ids, block_positions.reshape(N, A * B)], dim=1)  # (N, S + A*B)
 
-    mask = build_attention_mask(
-        anchors, anchor_valid, doc_ids, B, plan.context_includes_anchor, device=input_ids.device
+    mask = build_attention_mask(  # one mask per drafter layer type when some layers slide
+        anchors, anchor_valid, doc_ids, B, plan.context_includes_anchor, device=input_ids.device,
+        attention=plan.draft_attention,
     )
     block_embeds = target.embed(block_ids.reshape(N, A * B))  # (N, A*B, H), frozen embeddings
     hidden = drafter(block_embeds, features, all_positions, attention_mask=mask)  # (N, A*B, H)

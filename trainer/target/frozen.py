@@ -17,6 +17,13 @@ forward on a held-out document longer than any window:
   packing from the positions and builds every layer type's mask (most models);
 - "layer_masks": the same per-layer-type masks built here with masking_utils and handed over as a
   {layer_type: mask} mapping (models whose forward builds masks without the positions, e.g. gpt-oss);
+- "varlen": only on CUDA with flash-linear-attention (`fla`) importable: every document of the batch laid
+  end to end in one row, with their boundaries handed to the kernels (`cu_seq_lens_q/k`, `max_length_q/k`,
+  `seq_idx`): fla's chunked linear-attention kernels take `cu_seqlens` and restart their recurrent state
+  at each document, causal-conv1d takes `seq_idx`, and attention layers see positions that restart. Whether
+  a family's layers all honour them is what the fidelity check measures: a layer that ignores them lets
+  state flow across a boundary and fails it, and transformers' PyTorch fallbacks refuse them outright, so
+  on CPU this way is never taken;
 - "per_document": each document through the model alone (slower; exact for anything, e.g. recurrent
   linear-attention layers whose state would flow across a packed boundary).
 """
@@ -30,6 +37,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from trainer.target.errors import TargetError
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 # Weight files larger than this are fingerprinted by size, header and sampled chunks instead of every
@@ -38,31 +47,15 @@ FULL_HASH_LIMIT = 512 * 1024 * 1024
 SAMPLE_CHUNK = 4 * 1024 * 1024
 
 
-PackingMode = Literal["positions", "layer_masks", "per_document"]
-PACKING_MODES: tuple[PackingMode, ...] = ("positions", "layer_masks", "per_document")
+PackingMode = Literal["positions", "layer_masks", "varlen", "per_document"]
+PACKING_MODES: tuple[PackingMode, ...] = ("positions", "layer_masks", "varlen", "per_document")
 
 
-class TargetError(Exception):
-    """The target cannot be used; the message is one line saying why and what to do."""
+def varlen_available(device: torch.device) -> bool:
+    """Whether the "varlen" way can run here: flash-linear-attention's kernels are Triton, CUDA only."""
+    import importlib.util
 
-
-def packed_attention_mask(doc_ids: Tensor, attn_implementation: str, dtype: torch.dtype) -> Tensor:
-    """Block-diagonal causal mask for packed rows: [N, S] doc ids -> [N, 1, S, S].
-
-    Query i sees key j when j <= i and both are in the same document. Padding (doc id -1) sees only
-    itself, so no row of the softmax is empty (an all-masked row gives NaN in SDPA). SDPA takes a
-    bool mask (True = attend); eager attention adds the mask to the scores, so it needs 0 / -inf-like.
-    """
-    n, s = doc_ids.shape
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # [N, S, S]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()  # [S, S]
-    allowed = same_doc & causal & (doc_ids[:, None, :] >= 0)
-    allowed |= torch.eye(s, dtype=torch.bool, device=doc_ids.device)
-    allowed = allowed[:, None, :, :]  # [N, 1, S, S]
-    if attn_implementation == "sdpa":
-        return allowed
-    additive = torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device)
-    return additive.masked_fill(~allowed, torch.finfo(dtype).min)
+    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
 def fingerprint_model_dir(path: Path) -> str:
@@ -110,6 +103,7 @@ class FrozenTarget:
         self.hidden_size: int = int(config.hidden_size)
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.vocab_size: int = int(self.lm_head.weight.shape[0])
+        _check_widths(model, self.lm_head, self.hidden_size)
         self.final_norm = _find_final_norm(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -143,11 +137,12 @@ class FrozenTarget:
     @classmethod
     def load(cls, target: str, device: torch.device, dtype: torch.dtype = torch.float32,
              mask_token_id: int | None = None) -> FrozenTarget:
-        """"embedded" (built once into the cache) or a Hugging Face causal-LM directory; never downloads."""
-        if target == "embedded":
-            from trainer.target.embedded import ensure_embedded_target
+        """A built-in target ("embedded", "embedded-qwen3_5": built once into the cache) or a Hugging Face
+        causal-LM directory; never downloads."""
+        from trainer.target.embedded import BUILT_IN_TARGETS, ensure_built_in_target
 
-            path = ensure_embedded_target()
+        if target in BUILT_IN_TARGETS:
+            path = ensure_built_in_target(target)
         else:
             path = Path(target).expanduser()
         if not path.exists():
@@ -218,6 +213,11 @@ class FrozenTarget:
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         if packing == "per_document":
             return self._per_document(input_ids, position_ids, doc_ids.to(self.device))
+        if packing == "varlen":
+            if not varlen_available(self.device):
+                raise TargetError("target_packing 'varlen' runs flash-linear-attention's variable-length kernels, "
+                                  "which need a CUDA device and the fla package; use target_packing: auto")
+            return self._varlen(input_ids, position_ids, doc_ids.to(self.device))
         if packing == "layer_masks":
             mask: Any = self._layer_masks(input_ids, position_ids)
         elif packing == "positions":
@@ -254,27 +254,63 @@ class FrozenTarget:
         return {kind: builders[kind](self.config, shape_only, None, None, position_ids=position_ids)
                 for kind in set(layer_types)}
 
+    def _varlen(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+        """Every document of the batch end to end in one row [1, T] with its boundaries for the kernels; the
+        outputs go back to their [N, S] places (padding stays zero, as per document)."""
+        n, s = input_ids.shape
+        spans = self._document_spans(doc_ids)  # (row, start, end) in row order
+        if not spans:
+            raise TargetError("packed rows hold no document (every position is padding)")
+        flat_ids = torch.cat([input_ids[row, start:end] for row, start, end in spans])[None]  # [1, T]
+        flat_positions = torch.cat([position_ids[row, start:end] for row, start, end in spans])[None]  # [1, T]
+        lengths = torch.tensor([end - start for _, start, end in spans], device=self.device)  # [D]
+        cu_seqlens = torch.zeros(len(spans) + 1, dtype=torch.int32, device=self.device)
+        cu_seqlens[1:] = lengths.cumsum(0)  # [D+1] document boundaries in the flat row
+        seq_idx = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32, device=self.device), lengths)
+        longest = int(lengths.max())
+        output = self.model(
+            input_ids=flat_ids, position_ids=flat_positions, output_hidden_states=True, use_cache=False,
+            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest, max_length_k=longest,
+            seq_idx=seq_idx[None],  # [1, T] for causal-conv1d / Mamba kernels
+        )
+        hidden = [h.new_zeros((n, s, h.shape[-1])) for h in output.hidden_states]
+        logits = output.logits.new_zeros((n, s, output.logits.shape[-1]))
+        offset = 0
+        for row, start, end in spans:
+            flat = slice(offset, offset + end - start)
+            for buffer, h in zip(hidden, output.hidden_states):
+                buffer[row, start:end] = h[0, flat]
+            logits[row, start:end] = output.logits[0, flat]
+            offset += end - start
+        return tuple(hidden), logits
+
+    @staticmethod
+    def _document_spans(doc_ids: Tensor) -> list[tuple[int, int, int]]:
+        """(row, start, end) of every document (doc id >= 0) of packed rows, in order."""
+        spans = []
+        for row in range(doc_ids.shape[0]):
+            for doc in torch.unique(doc_ids[row]).tolist():
+                if doc >= 0:
+                    span = (doc_ids[row] == doc).nonzero().flatten()
+                    spans.append((row, int(span[0]), int(span[-1]) + 1))
+        return sorted(spans)
+
     def _per_document(self, input_ids: Tensor, position_ids: Tensor,
                       doc_ids: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
         n, s = input_ids.shape
         hidden: list[Tensor] | None = None
         logits: Tensor | None = None
-        for row in range(n):
-            for doc in torch.unique(doc_ids[row]).tolist():
-                if doc < 0:
-                    continue  # padding stays zero: it carries no loss and no anchor
-                span = (doc_ids[row] == doc).nonzero().flatten()
-                start, end = int(span[0]), int(span[-1]) + 1
-                output = self.model(
-                    input_ids=input_ids[row:row + 1, start:end], position_ids=position_ids[row:row + 1, start:end],
-                    output_hidden_states=True, use_cache=False,
-                )
-                if hidden is None or logits is None:
-                    hidden = [h.new_zeros((n, s, h.shape[-1])) for h in output.hidden_states]
-                    logits = output.logits.new_zeros((n, s, output.logits.shape[-1]))
-                for buffer, h in zip(hidden, output.hidden_states):
-                    buffer[row, start:end] = h[0]
-                logits[row, start:end] = output.logits[0]
+        for row, start, end in self._document_spans(doc_ids):  # padding stays zero: no loss, no anchor
+            output = self.model(
+                input_ids=input_ids[row:row + 1, start:end], position_ids=position_ids[row:row + 1, start:end],
+                output_hidden_states=True, use_cache=False,
+            )
+            if hidden is None or logits is None:
+                hidden = [h.new_zeros((n, s, h.shape[-1])) for h in output.hidden_states]
+                logits = output.logits.new_zeros((n, s, output.logits.shape[-1]))
+            for buffer, h in zip(hidden, output.hidden_states):
+                buffer[row, start:end] = h[0]
+            logits[row, start:end] = output.logits[0]
         if hidden is None or logits is None:
             raise TargetError("packed rows hold no document (every position is padding)")
         return tuple(hidden), logits
@@ -302,6 +338,18 @@ class FrozenTarget:
         vocab_ids = vocab_ids.to(self.lm_head.weight.device)
         bias = self.lm_head.bias[vocab_ids] if getattr(self.lm_head, "bias", None) is not None else None
         return torch.nn.functional.linear(hidden, self.lm_head.weight[vocab_ids], bias)
+
+
+def _check_widths(model: nn.Module, lm_head: nn.Module, hidden_size: int) -> None:
+    """The drafter adds the target's token embeddings to its hidden states and reads the target's lm_head off
+    them: both must be hidden_size wide. OPT-350m's are not (word_embed_proj_dim 512, projected in and out)."""
+    embedding = model.get_input_embeddings()
+    widths = {"token embeddings": getattr(embedding, "weight", None), "lm_head": getattr(lm_head, "weight", None)}
+    for name, weight in widths.items():
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.shape[1] != hidden_size:
+            raise TargetError(f"{type(model).__name__}: {name} {weight.shape[1]} wide, hidden states {hidden_size}; "
+                              "DFlash's drafter works in the target's hidden space through its embeddings and "
+                              "lm_head, so they must be as wide as the hidden states")
 
 
 def _first_line(exc: BaseException | None) -> str:

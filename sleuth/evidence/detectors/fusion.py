@@ -240,6 +240,20 @@ def detect_fc(an: Analyzer) -> tuple[list[CodeReading], list[str]]:
         if isinstance(iterable, ast.Subscript) and isinstance(iterable.slice, ast.Slice) and "layer" in ast.unparse(iterable.value).lower():
             readings.append(reading_at(an, "dflash.fc_input_layers", "subset", node, 0.75,
                                      detail=f"features concatenated over {ast.unparse(iterable)}: a slice of the selected layers"))
+    # stack(..., dim=-1).flatten(-2): every selected layer is read, but fc's input interleaves them feature by feature
+    for node in nodes_of(an, ast.Call):
+        if call_name(node) != "stack" or not node.args or not isinstance(node.args[0], (ast.ListComp, ast.GeneratorExp)):
+            continue
+        dim = kwarg(node, "dim") if kwarg(node, "dim") is not None else (node.args[1] if len(node.args) > 1 else None)
+        if const_number(dim) != -1 or not _whole_layer_comprehension(node.args[0]):
+            continue
+        parent = an.parents.get(node)
+        merged = isinstance(parent, ast.Attribute) and parent.attr == "flatten" and isinstance(an.parents.get(parent), ast.Call) \
+            and [const_number(a) for a in an.parents.get(parent).args] == [-2]
+        if merged:
+            readings.append(reading_at(an, "dflash.fc_input_layers", "interleaved", node, 0.75,
+                                     detail="the selected layers are stacked on the last dim and flattened: fc's input "
+                                            "interleaves them feature by feature instead of concatenating them"))
     # the fused features are every selected layer, concatenated whole: cat(feats, -1) where feats is (through a
     # local name or a parameter's call sites) [hidden_states[i + 1] for i in layer_ids], no slice anywhere.
     # Weak evidence (0.5): any subset reading above outweighs it.
@@ -351,6 +365,18 @@ def _fc_norm_at(an: Analyzer, node: ast.AST) -> list[CodeReading]:
     if norm_call is None:
         readings.append(reading_at(an, "dflash.fc_norm", "raw", node, 0.6, detail="fc output is used without a norm"))
         return readings
+    switch = an.switch_of(norm_call)
+    if switch is not None and switch != an.switch_of(node):
+        # the norm applies only when a flag is set: the flag's default decides what runs
+        default = _flag_default(an, norm_call)
+        if default is False:
+            readings.append(reading_at(an, "dflash.fc_norm", "raw", node, 0.7, mode="default", switch=switch,
+                                       detail=f"fc output is normed only when `{switch}`, which defaults to off"))
+            return readings
+        if default is None:
+            readings.append(reading_at(an, "dflash.fc_norm", "normed?", node, 0.5, mode="switch", switch=switch,
+                                       detail=f"fc output is normed only when `{switch}`"))
+            return readings
     # the norm is what the called module IS, not what it is called: `self.hidden_norm = nn.Identity()` is no norm
     kind, what = _norm_module_kind(an, norm_call)
     if kind == "noop":
@@ -365,6 +391,37 @@ def _fc_norm_at(an: Analyzer, node: ast.AST) -> list[CodeReading]:
         readings.append(reading_at(an, "dflash.fc_norm", "normed?", node, 0.5,
                                    detail=f"fc output goes through `{ast.unparse(norm_call.func)}`, {what}"))
     return readings
+
+
+def _flag_default(an: Analyzer, node: ast.AST) -> bool | None:
+    """The default of the flag an `if` around `node` tests (`if self.cfg.norm_context:`): a config field's or a
+    parameter's default, through `not`; None when it cannot be read."""
+    current = an.parents.get(node)
+    while current is not None and not isinstance(current, ast.If):
+        current = an.parents.get(current)
+    if current is None:
+        return None
+    test, negated = current.test, False
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test, negated = test.operand, True
+    value = an.literal(test)
+    if not isinstance(value, bool) and isinstance(test, (ast.Name, ast.Attribute)):
+        defaults = {ast.unparse(v) for v, _u, _s in an.field_defaults.get(leaf_name(test), [])}
+        if len(defaults) == 1:
+            value = {"True": True, "False": False}.get(defaults.pop())
+    if not isinstance(value, bool):
+        return None
+    in_body = any(node is n or _contains(an, n, node) for n in current.body)
+    return (value != negated) if in_body else (value == negated)
+
+
+def _contains(an: Analyzer, outer: ast.AST, node: ast.AST) -> bool:
+    current = node
+    while current is not None:
+        if current is outer:
+            return True
+        current = an.parents.get(current)
+    return False
 
 
 def _normed_value_unused(an: Analyzer, func: ast.AST, var: str, norm_call: ast.Call) -> bool:

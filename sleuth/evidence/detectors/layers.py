@@ -175,9 +175,43 @@ def detect_target_layer_ids(an: Analyzer) -> list[CodeReading]:
                                      detail=f"{func.name}: L={sample[0]}, k={sample[1]} -> {sample[2]} (evaluated statically)"))
             if value == "evenly-1-to-L-3":
                 rule_functions.add(func.name)
-    if rule_functions:
+    inline = _inline_rules(an)
+    if inline:
+        an._cache["inline-layer-rules"] = {id(expr) for expr in inline}
+    if rule_functions or inline:
         readings += _read_sites(an, rule_functions)
     return readings
+
+
+def _inline_rules(an: Analyzer) -> list[ast.expr]:
+    """The rule written inline (`taps = [L // 2] if k == 1 else [round(1 + i * (L - 4) / (k - 1)) for i in range(k)]`):
+    an assigned expression of two free names that evaluates to z-lab's ids for every depth tried."""
+    from sleuth.evidence.config import zlab_layer_ids
+
+    found = []
+    for node in nodes_of(an, ast.Assign):
+        value = node.value
+        if not any(isinstance(n, ast.ListComp) for n in ast.walk(value)) or not any(
+                isinstance(n, ast.Call) and call_name(n) == "range" for n in ast.walk(value)):
+            continue
+        bound = {t.id for n in ast.walk(value) if isinstance(n, ast.comprehension) for t in ast.walk(n.target)
+                 if isinstance(t, ast.Name)}
+        free = sorted({n.id for n in ast.walk(value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+                      - bound - {"range", "round", "int", "len", "float", "min", "max", "math", "torch"})
+        if len(free) != 2:
+            continue
+        synthetic = ast.FunctionDef(name="_inline_rule", args=ast.arguments(
+            posonlyargs=[], args=[ast.arg(arg=f) for f in free], kwonlyargs=[], kw_defaults=[], defaults=[]),
+            body=[ast.Return(value=value)], decorator_list=[])
+        for order in (free, free[::-1]):
+            try:
+                if all(_interpret(synthetic, dict(zip(order, (depth, k)))) == zlab_layer_ids(depth, k)
+                       for depth, k in ((36, 5), (64, 5), (28, 3), (36, 1))):
+                    found.append(value)
+                    break
+            except (_EvalError, TypeError, IndexError, KeyError, ValueError, RecursionError, ZeroDivisionError):
+                continue
+    return found
 
 
 def _read_sites(an: Analyzer, rule_functions: set[str]) -> list[CodeReading]:
@@ -220,7 +254,7 @@ def _ids_from_rule(an: Analyzer, node: ast.AST, rule_functions: set[str], depth:
     `model.ids` read from outside the class that sets `self.ids` (the one class in the code that does)."""
     if depth > 6:
         return False
-    if produced_by(an, node, rule_functions):
+    if id(node) in an._cache.get("inline-layer-rules", set()) or produced_by(an, node, rule_functions):
         return True
     if isinstance(node, ast.Call) and call_name(node) in {"get", "pop", "getattr"} and len(node.args) >= 2:
         return _ids_from_rule(an, node.args[-1], rule_functions, depth + 1)

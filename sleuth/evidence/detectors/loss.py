@@ -587,7 +587,8 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                 if is_zero_sel:
                     parent = an.parents.get(node)
                     if not (isinstance(parent, ast.Call) and call_name(parent) in {"where", "masked_fill"} and
-                            len(parent.args) >= 2 and (_is_zero(parent.args[1]) or call_name(parent) == "masked_fill")):
+                            len(parent.args) >= 2 and (_is_zero(parent.args[1]) or call_name(parent) == "masked_fill")) \
+                            and not _removed_by_complement(an, node):
                         continue
                 if not _in_loss_context(an, node) or not _in_weight_expression(an, node):
                     continue
@@ -617,6 +618,12 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
             readings.append(reading_at(an, "dflash.anchor_slot_untrained", "weight 0", parent, 0.7,
                                      mode="switch" if switch else "hardcoded", switch=switch,
                                      detail=f"`{leaf_name(parent.func.value)}` starts with weight 0 for slot 0, decay from slot 1"))
+    # the decay placed after a zero for slot 0: cat([zeros(1), decay]) / F.pad(decay, (1, 0)) / hstack([[0.], d])
+    for node, decay in _decay_after_zero(an):
+        switch = an.switch_of(node)
+        readings.append(reading_at(an, "dflash.anchor_slot_untrained", "weight 0", node, 0.75,
+                                 mode="switch" if switch else "hardcoded", switch=switch,
+                                 detail=f"slot 0 is the zero placed before `{ast.unparse(decay)[:40]}`"))
     # functional index update (JAX): w.at[0].set(0) / w.at[:, 0].multiply(0) on the per-slot weights
     for node in nodes_of(an, ast.Call):
         func = node.func
@@ -635,6 +642,7 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
                                      detail=f"slot 0 zeroed in `{leaf_name(receiver)}` (functional update)"))
     # a decay applied from slot 0 with nothing excluding slot 0 anywhere: by that formula slot 0 weighs
     # exp(1/gamma) > 0, so slot 0 is trained. Any 1-D slice from slot 1 on a loss-side tensor makes it undecided.
+    readings = [r for r in readings if not an.overridden_everywhere(r.scope)]  # hooks every subclass replaces
     sliced_from_one = any(
         isinstance(n.slice, ast.Slice) and const_number(n.slice.lower) == 1 and n.slice.upper is None
         and set(tokens(leaf_name(n.value))) & (WEIGHTISH_TOKENS | LOGITS_TOKENS | {"ce", "nll", "kl", "losses", "target", "targets", "labels"})
@@ -766,6 +774,62 @@ def _other_branch_assignments(an: Analyzer, ref: ast.AST) -> list[tuple[ast.AST,
                 if name and name in an.functions and name != "partial":
                     out.append((alt, name))
     return out
+
+
+def _removed_by_complement(an: Analyzer, node: ast.AST) -> bool:
+    """`w - w * (k == 0)`, `w * (1 - (k == 0))`, `w * ~(k == 0)`: the weights with the selected slot taken away,
+    which is `w * (k != 0)` written as a complement."""
+    current, child = an.parents.get(node), node
+    while isinstance(current, ast.Attribute) and current.value is child and current.attr in {
+            "float", "to", "type_as", "long", "int", "double", "half"}:
+        call = an.parents.get(current)  # (k == 0).float()
+        if not (isinstance(call, ast.Call) and call.func is current):
+            return False
+        current, child = an.parents.get(call), call
+    if isinstance(current, ast.UnaryOp) and isinstance(current.op, ast.Invert):
+        return isinstance(an.parents.get(current), ast.BinOp) and isinstance(an.parents.get(current).op, ast.Mult)
+    if isinstance(current, ast.BinOp) and isinstance(current.op, ast.Sub) and current.right is child \
+            and const_number(current.left) == 1:
+        outer = an.parents.get(current)
+        return isinstance(outer, ast.BinOp) and isinstance(outer.op, ast.Mult)
+    if isinstance(current, ast.BinOp) and isinstance(current.op, ast.Mult):
+        other = current.left if current.right is child else current.right
+        outer = an.parents.get(current)
+        return (isinstance(outer, ast.BinOp) and isinstance(outer.op, ast.Sub) and outer.right is current
+                and ast.unparse(outer.left) == ast.unparse(other))
+    return False
+
+
+def _is_zero_prefix(node: ast.AST) -> bool:
+    """A constant zero of one or more slots: zeros(1), new_zeros(n), tensor([0.]), [0.0], (0,)."""
+    if isinstance(node, ast.Call) and call_name(node) in {"zeros", "new_zeros", "zeros_like"}:
+        return True
+    if isinstance(node, ast.Call) and call_name(node) in {"tensor", "as_tensor", "asarray", "array", "Tensor"} and node.args:
+        node = node.args[0]
+    return isinstance(node, (ast.List, ast.Tuple)) and bool(node.elts) and all(const_number(e) == 0 for e in node.elts)
+
+
+def _decay_after_zero(an: Analyzer) -> Iterator[tuple[ast.Call, ast.expr]]:
+    """Where the per-slot decay is laid out after a zero for the anchor slot: `cat([zeros(1), decay])` (cat,
+    concat, concatenate, hstack, stack-free forms) or `pad(decay, (1, 0))`, the decay traced through names."""
+    decay_ids = {id(call) for call, _n, _d in _decay_exponentials(an)}
+
+    def is_decay(expr: ast.AST) -> bool:
+        if any(id(sub) in decay_ids for sub in ast.walk(expr)):
+            return True
+        return any(_holds_decay(an, sub) for sub in ast.walk(expr) if isinstance(sub, (ast.Name, ast.Attribute)))
+
+    for node in nodes_of(an, ast.Call):
+        name = call_name(node)
+        if name in {"cat", "concat", "concatenate", "hstack"} and node.args and isinstance(node.args[0], (ast.List, ast.Tuple)):
+            parts = node.args[0].elts
+            if len(parts) >= 2 and _is_zero_prefix(parts[0]) and any(is_decay(p) for p in parts[1:]):
+                yield node, next(p for p in parts[1:] if is_decay(p))
+        elif name == "pad" and len(node.args) >= 2 and isinstance(node.args[1], (ast.Tuple, ast.List)) \
+                and len(node.args[1].elts) == 2 and const_number(node.args[1].elts[0]) == 1 and is_decay(node.args[0]):
+            value = kwarg(node, "value")
+            if value is None or const_number(value) == 0:
+                yield node, node.args[0]
 
 
 def _holds_decay(an: Analyzer, node: ast.AST) -> bool:
@@ -1216,7 +1280,7 @@ def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
             parent = an.parents.get(parent)
         assigned = [leaf_name(t) for t in getattr(parent, "targets", [])]
         in_anchor_code = (func is not None and (set(tokens(func.name)) & (ANCHOR_TOKENS | {"anchor"}) or func.name in producers)) or any(
-            "anchor" in name_tags(n) for n in assigned)
+            "anchor" in name_tags(n) for n in assigned) or _helper_of_anchor_code(an, func, producers)
         if not in_anchor_code:
             continue
         replace = kwarg(node, "replace")
@@ -1237,6 +1301,19 @@ def detect_anchor_sampling(an: Analyzer) -> list[CodeReading]:
             readings.append(reading_at(an, "dflash.anchor_sampling", "with replacement", node, 0.7,
                                      detail=f"anchors drawn with {name}: duplicates possible, not the reference rule"))
     return readings
+
+
+def _helper_of_anchor_code(an: Analyzer, func: ast.AST | None, producers: set[str]) -> bool:
+    """A helper the anchor sampler calls to draw its indices (`candidates[choose(n, k, gen)]`): its draw is the
+    anchors' draw, whatever the helper is called."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    for call in an.calls_named(func.name):
+        caller = an.enclosing_function(call)
+        if isinstance(caller, (ast.FunctionDef, ast.AsyncFunctionDef)) and caller is not func and (
+                set(tokens(caller.name)) & (ANCHOR_TOKENS | {"anchor"}) or caller.name in producers):
+            return True
+    return False
 
 
 def _uses_uniform_noise(an: Analyzer, node: ast.Call) -> bool:

@@ -6,7 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from sleuth.evidence.origins import Origin, block_legs, head_input, reaching_definitions, trace
+from sleuth.evidence.origins import Origin, block_legs, head_input, reaching_definitions, trace, value_uses
 from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
@@ -123,6 +123,26 @@ def _label_context(an: Analyzer, node: ast.AST) -> bool:
     return func is not None and bool(re.search(r"loss|label|target|objective", func.name, re.I))
 
 
+def _index_only(an: Analyzer, node: ast.AST) -> bool:
+    """An assignment (or keyword) whose value is only ever used to index other tensors or in comparisons:
+    `label_pos = anchors[:, None] + 1 + arange(B); labels = ids[label_pos]` is a gather index, whatever it is
+    called; position ids reach a rotary embedding or a model's `position_ids`."""
+    if isinstance(node, ast.Assign):
+        uses = value_uses(an, node.value)
+    elif isinstance(node, ast.Expr):
+        return False
+    else:
+        return False
+    return bool(uses) and uses <= {"index", "compare"}
+
+
+def _only_compared(an: Analyzer, node: ast.AST) -> bool:
+    """Targets gathered only to be compared (accuracy against the draft's argmax): not what the loss trains
+    toward, so not a reading of the shift the loss uses."""
+    uses = value_uses(an, node)
+    return bool(uses) and "compare" in uses and uses <= {"compare", "index"}
+
+
 @detector("dflash.target_shift")
 def detect_target_shift(an: Analyzer) -> list[CodeReading]:
     readings = []
@@ -131,7 +151,7 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
         if not offsets:
             continue
         kind, roll = _tensor_kind(an, src)
-        if kind is None or (kind == "tokens" and not _label_context(an, node)):
+        if kind is None or (kind == "tokens" and not _label_context(an, node)) or _only_compared(an, node):
             continue
         for offset, switch in offsets:
             effective = offset - roll
@@ -156,7 +176,7 @@ def detect_target_shift(an: Analyzer) -> list[CodeReading]:
             if "anchor" not in an.tags(part.upper) or not any(an.is_blocksize(n) for n in ast.walk(part.upper) if isinstance(n, (ast.Name, ast.Attribute))):
                 continue
             kind, roll = _tensor_kind(an, node.value)
-            if kind is None or (kind == "tokens" and not _label_context(an, node)):
+            if kind is None or (kind == "tokens" and not _label_context(an, node)) or _only_compared(an, node):
                 continue
             effective = an.const_offset(part.upper) - roll
             want = -1 if kind == "logits" else 0
@@ -289,8 +309,12 @@ def detect_block_position_ids(an: Analyzer) -> list[CodeReading]:
                 target_name, value_node = leaf_name(node.value.func.value), node.value.args[0]
             if not target_name or value_node is None or not set(tokens(target_name)) & POSITION_TOKENS:
                 continue
-            if isinstance(value_node, ast.Call) and call_name(value_node) in {"cat", "concat", "concatenate"}:
-                candidates = [e for a in value_node.args for e in (a.elts if isinstance(a, (ast.List, ast.Tuple)) else [a])]
+            if _index_only(an, node):
+                continue  # a position-named index used only to gather (labels, targets): not position ids
+            if isinstance(value_node, ast.Call) and call_name(value_node) in {"cat", "concat", "concatenate"} and value_node.args:
+                # the joined parts are the first argument's elements; the rest (`dim`) is not a part
+                joined = value_node.args[0]
+                candidates = list(joined.elts) if isinstance(joined, (ast.List, ast.Tuple)) else [joined]
             else:
                 candidates = [value_node]
             sliced = _sliced_block_positions(an, node, value_node, target_name)
@@ -507,8 +531,13 @@ def _layer_origin_value(an: Analyzer, origin: Origin) -> tuple[str | None, str, 
         number = resolved if isinstance(resolved, (int, float)) and not isinstance(resolved, bool) else None
     if number == -1:
         return "final", "hidden_states[-1], the last layer", "hardcoded", None
-    if re.fullmatch(r"(len\(.*\)\s*-\s*1|[\w.]*num_(hidden_)?layers|[\w.]*n_layers)", text):
-        return "final", f"hidden_states[{text}], the last layer", "hardcoded", None
+    relative = _depth_relative(index)
+    if relative is not None:
+        # HF's per-layer tuple has L + 1 entries: index L (= len - 1) is the last layer's output, L - 1 the one before
+        if relative == 0:
+            return "final", f"hidden_states[{text}], the last layer", "hardcoded", None
+        return "intermediate", (f"hidden_states[{text}]: {-relative} before the last of the L + 1 entries, the output of "
+                                f"layer L{relative - 1:+d}, not the target's output"), "hardcoded", None
     if number is not None:
         return "intermediate", f"hidden_states[{int(number)}], not the last layer", "hardcoded", None
     if any(isinstance(n, ast.Subscript) for n in ast.walk(index)):
@@ -518,6 +547,23 @@ def _layer_origin_value(an: Analyzer, origin: Origin) -> tuple[str | None, str, 
     if runtime:
         return "intermediate", f"hidden_states[{text}]: a layer chosen at run time", "switch", f"parameter {runtime[0]}"
     return None, "", "hardcoded", None
+
+
+_DEPTH = re.compile(r"[\w.]*(num_(hidden_)?layers|n_layers|num_target_layers|n_layer|depth)")
+
+
+def _depth_relative(index: ast.AST) -> int | None:
+    """For an index written against the model's depth: its distance from the last entry of the per-layer tuple
+    (`num_hidden_layers` and `len(hs) - 1` are 0, `num_hidden_layers - 1` is -1), else None."""
+    offset = 0
+    while isinstance(index, ast.BinOp) and isinstance(index.op, (ast.Add, ast.Sub)) and const_number(index.right) is not None:
+        offset += int(const_number(index.right)) * (1 if isinstance(index.op, ast.Add) else -1)
+        index = index.left
+    if isinstance(index, ast.Call) and call_name(index) == "len":
+        return offset + 1  # len(hidden_states) - 1 is the last entry
+    if isinstance(index, (ast.Name, ast.Attribute)) and _DEPTH.fullmatch(ast.unparse(index)):
+        return offset
+    return None
 
 
 def _named_default(an: Analyzer, name: str) -> int | None:

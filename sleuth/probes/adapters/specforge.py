@@ -70,6 +70,7 @@ class SpecForgeSubject:
             self.notes.append("the run config is not a SpecForge recipe (no `training:` / `model:`): SpecForge's "
                               "defaults were probed")
         self.config_path = Path(context["config_path"]) if context.get("config_path") else None
+        self.handed = context  # sleuth reads the files the recipe names and hands them over (runner._recipe_files)
         self.package_dir, self.origin, self.has_run_config = package_dir, origin, bool(config)
         self.run_draft = self._run_draft_config()
         self.cfg_training = self._training_config()
@@ -84,6 +85,10 @@ class SpecForgeSubject:
         name = (self.recipe.get("model") or {}).get("draft_model_config")
         if not name:
             return None
+        if isinstance(self.handed.get("draft_config"), dict):
+            return dict(self.handed["draft_config"])
+        if self.handed.get("draft_config_problem"):
+            raise FileNotFoundError(str(self.handed["draft_config_problem"]))
         candidates = [Path(name)]
         if self.config_path is not None:
             candidates.insert(0, self.config_path.parent / name)

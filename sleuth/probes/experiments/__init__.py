@@ -35,19 +35,32 @@ from sleuth.probes.experiments.sampling import probe_anchor_sampling
 from sleuth.probes.verdict import Expectations, Verdict
 
 
-def run_experiments(lab: Lab, decides: dict[str, tuple[str, ...]]) -> tuple[list[Verdict], dict[str, float]]:
-    """Every experiment on one lab; one that raises gives `unknown` verdicts with the error."""
+def run_experiments(lab: Lab, decides: dict[str, tuple[str, ...]],
+                    absent: dict[str, Any] | None = None) -> tuple[list[Verdict], dict[str, float]]:
+    """Every experiment on one lab; one that raises gives `unknown` verdicts with the error, and one that
+    needs a protocol method the subject does not offer (`absent`: method -> NotProvided, filled in as
+    experiments find more) gives `unknown` with "not provided by the entry: ...", the others still run."""
     import time
 
+    from sleuth.probes.protocol import PROBE_NEEDS, NotProvided
+
+    absent = {} if absent is None else absent
     verdicts: list[Verdict] = []
     seconds: dict[str, float] = {}
     for name, experiment in EXPERIMENTS.items():
         start = time.perf_counter()
+        lacking = [absent[m] for m in PROBE_NEEDS.get(name, ()) if m in absent]
         try:
+            if lacking:
+                raise lacking[0]
             found = experiment(lab)
         except Exception as exc:
-            text = str(exc).strip().splitlines()
-            reason = f"the experiment failed: {type(exc).__name__}" + (f": {text[0]}" if text else "")
+            if isinstance(exc, NotProvided):
+                absent.setdefault(exc.method, exc)
+                reason = exc.reason
+            else:
+                text = str(exc).strip().splitlines()
+                reason = f"the experiment failed: {type(exc).__name__}" + (f": {text[0]}" if text else "")
             found = [Verdict(invariant=i, status="unknown", experiment=name, hypothesis="", perturbed="",
                              measurement="", threshold="", reason=reason) for i in decides[name]]
         seconds[name] = round(time.perf_counter() - start, 3)
@@ -64,19 +77,27 @@ def probe_variants(subject: Any, verdicts: list[Verdict], expectations: Expectat
     e.g. speculators' fixed-exponential weighting beside its D-PACE default). A variant's mismatch is the
     verdict's (it is a defect of the code, on a path other runs take); otherwise the main verdict stands, and
     its coverage lists what each variant said."""
+    from sleuth.probes.protocol import NotProvided, PartialSubject
     from sleuth.probes.target import make_target
 
     found = getattr(subject, "variants", None)
-    variants = found() if callable(found) else {}
+    try:
+        variants = found() if callable(found) else {}
+    except NotImplementedError:  # a scaffold's TODO: no variants, the main verdicts stand
+        variants = {}
     by_invariant = {v.invariant: v for v in verdicts}
+    for verdict in verdicts:  # one experiment's verdicts may share a coverage dict: each gets its own variants
+        verdict.coverage = dict(verdict.coverage)
     for label, variant in (variants or {}).items():
         try:
+            variant = PartialSubject(variant)  # a variant is probed as its subject is: only what it offers
             info = dict(variant.describe())
             target = make_target(int(info["num_target_layers"]), seed)
             torch.manual_seed(seed)
             variant.build(target)
             randomize_drafter(variant, target, seed + 7)
-            other, _ = run_experiments(Lab(variant, info, target, expectations, seed), decides)
+            absent = {method: NotProvided(method) for method in variant.missing()}
+            other, _ = run_experiments(Lab(variant, info, target, expectations, seed), decides, absent)
         except Exception as exc:  # a variant that does not build leaves the main verdicts as they are
             for verdict in verdicts:
                 verdict.coverage.setdefault("variants", {})[label] = f"not built: {type(exc).__name__}"
@@ -85,7 +106,8 @@ def probe_variants(subject: Any, verdicts: list[Verdict], expectations: Expectat
             main = by_invariant.get(extra.invariant)
             if main is None:
                 continue
-            main.coverage.setdefault("variants", {})[label] = extra.status
+            main.coverage.setdefault("variants", {})[label] = extra.status + (
+                f" ({extra.reason[:200]})" if extra.status == "unknown" and extra.reason else "")
             if extra.status == "mismatch" and main.status != "mismatch":
                 main.status, main.reason = "mismatch", ""
                 main.observed = f"with {label}: {extra.observed}"

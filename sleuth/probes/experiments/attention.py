@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from sleuth.probes.experiments.lab import EFFECT, Lab, NO_EFFECT, influence, seen
+from sleuth.probes.protocol import NotProvided
 from sleuth.probes.target import perturb_positions
 from sleuth.probes.verdict import Verdict
 
@@ -216,7 +217,12 @@ def _bidirectional(lab: Lab, blocks: list[tuple[int, int, int]], coverage: dict[
     b = lab.block_size
     first, last = (1, b - 1) if b >= 3 else (0, b - 1)
     slots = lab.layout.num_anchors
-    layers = list(lab.subject.draft_layers() or [])
+    try:
+        layers = list(lab.subject.draft_layers() or [])
+    except NotProvided as exc:  # the dependence map above still stands; within-block needs the layers
+        layers, missing = [], exc.reason
+    else:
+        missing = "the subject exposes no draft layers"
     types = list(lab.info.get("layer_types") or ["full_attention"] * len(layers))
     causal_sliding = bool(lab.info.get("sliding_causal_within_block"))
     expect = ["causal" if t == "sliding_attention" and causal_sliding else "bidirectional" for t in types]
@@ -234,7 +240,7 @@ def _bidirectional(lab: Lab, blocks: list[tuple[int, int, int]], coverage: dict[
         bidi.status, bidi.reason = "not_applicable", "a block of one token has no other slot"
         return bidi
     if not layers:
-        bidi.reason = "the subject exposes no draft layers"
+        bidi.reason = missing
         return bidi
     late = _within_layer_changes(lab, layers, [i * b + last for i in range(slots)], seed=4001)
     early = _within_layer_changes(lab, layers, [i * b + first for i in range(slots)], seed=4101)

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from sleuth.probes.experiments.lab import EFFECT, Lab, NO_EFFECT, influence, seen
-from sleuth.probes.protocol import ProbeHooks
+from sleuth.probes.protocol import NotProvided, ProbeHooks
 from sleuth.probes.target import perturb_positions
 from sleuth.probes.verdict import Verdict
 
@@ -107,7 +107,10 @@ def _context_path_untrained(lab: Lab) -> str | None:
         return "fc does not require grad"
     for p in params:
         p.grad = None
-    loss = lab.subject.loss(lab.batch, ProbeHooks())
+    try:
+        loss = lab.subject.loss(lab.batch, ProbeHooks())
+    except NotProvided:  # an entry without loss(): the forward's reach is still measured, the gradient is not
+        return None
     if not isinstance(loss, Tensor) or not loss.requires_grad:
         return None
     grads = torch.autograd.grad(loss, params, allow_unused=True)

@@ -263,7 +263,15 @@ def _check_alignment(lab: Lab, shift: Verdict, trained: Tensor, should: Tensor, 
                        and int(lab.batch.input_ids[n, a + d]) == token), None)
         problems.append(f"slot 0 does not hold the anchor's token ({len(wrong_tokens)} blocks; e.g. row {n}, anchor {a}"
                         + (f": the token at p{offset:+d})" if offset is not None else ")"))
-    if extra.any() or lacking.any():
+    if extra.any() and not lacking.any() and bool((trained | ~valid).all()):
+        # Every slot of every valid block is trained: the loss mask is not applied per slot at all. The references
+        # apply it at p+j, but DFLASH.md's shift rule is about the teacher's position, so this is neither claimed
+        # nor flagged (unknown, saying so); a mask at the wrong offset leaves supervised slots untrained and is
+        # flagged below.
+        shift.coverage["slot_loss_mask"] = "not applied per slot"
+        shift.not_exercised.append(f"the loss mask per slot: the loss trains every slot, {int(extra.sum())} of them "
+                                   "with an unsupervised token at p+j (the references leave those out)")
+    elif extra.any() or lacking.any():
         problems.append(f"the loss mask is misaligned: {int(extra.sum())} slots with an unsupervised token at p+j are "
                         f"trained, {int(lacking.sum())} supervised slots get no weight")
     if problems:

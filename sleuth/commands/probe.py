@@ -1,0 +1,173 @@
+"""`sleuth probe init|check`: write a probe entry for a trainer, and check that an entry keeps the protocol.
+
+    sleuth probe init --code PATH [--out FILE] [--config FILE] [--no-run] [--force] [--probe-python PYTHON]
+    sleuth probe check --probe-entry MODULE:FUNCTION [--code PATH] [--config FILE] [--probe-python PYTHON]
+
+`init` locates the trainer's pieces (sleuth/probes/locate.py), calls them in the probe child unless `--no-run`
+(so each call in the entry uses arguments the code accepted), and writes `probe_entry.py` (beside the code,
+or `--out`); every step it could not wire is a TODO that says what is missing. It never overwrites a file
+without `--force`. `check` runs the entry's conformance checks in the probe child and prints one line per
+method. Exit 0: all good; 1: problems (check) ; 2: a usage or input error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
+DEBUG_ENV = "SLEUTH_DEBUG"
+
+app = typer.Typer(name="probe", help="Write a probe entry for your trainer, or check one.", no_args_is_help=True,
+                  add_completion=False, pretty_exceptions_enable=False)
+
+
+def _fail(message: str) -> typer.Exit:
+    from rich.console import Console
+    from rich.text import Text
+
+    from sleuth.redact import RedactingWriter
+
+    Console(file=RedactingWriter(sys.stderr), highlight=False).print(Text("error: ", style="red") + Text(message),
+                                                                     soft_wrap=True)
+    return typer.Exit(EXIT_ERROR)
+
+
+def _config(path: Path | None) -> dict | None:
+    if path is None:
+        return None
+    from sleuth.investigation.inputs import load_config_file
+
+    try:
+        loaded = load_config_file(path)
+    except Exception as exc:  # the loader's own errors are one line already
+        raise _fail(f"--config {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+    if not isinstance(loaded, dict):
+        raise _fail(f"--config {path} is not a mapping of config keys")
+    return loaded
+
+
+def _weak_isolation(line: str) -> None:
+    """The request is the consent, so what runs is not announced; where the machine allows only process-level
+    isolation, the user hears what that leaves the code able to reach (one line on stderr)."""
+    from sleuth.probes.sandbox import weak_isolation_warning
+
+    warning = weak_isolation_warning()
+    if warning and line.startswith("probes: running"):
+        typer.echo(f"note: {warning}", err=True)
+
+
+def _guard(fn):  # noqa: ANN001, ANN202 - a command body
+    """One line for any unexpected failure (a bug in sleuth), the traceback with SLEUTH_DEBUG=1."""
+    try:
+        return fn()
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        raise _fail("interrupted") from None
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise _fail(f"internal error ({type(exc).__name__}{': ' + first if first else ''}); rerun with "
+                    f"{DEBUG_ENV}=1 for the traceback") from None
+
+
+@app.command("init")
+def init_command(
+    code: Annotated[Path, typer.Option("--code", metavar="PATH", help="The trainer's source (a file or a tree).")],
+    out: Annotated[Path | None, typer.Option("--out", metavar="FILE", help="Where to write the entry "
+                                             "(default: probe_entry.py beside the code).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help="The run configuration the pieces "
+                                                "are called with (JSON/YAML).")] = None,
+    no_run: Annotated[bool, typer.Option("--no-run", help="Read the code only; do not call its pieces.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing entry file.")] = False,
+    probe_python: Annotated[str | None, typer.Option("--probe-python", metavar="PYTHON",
+                                                     help="Interpreter the pieces are called in.")] = None,
+) -> None:
+    """Write a probe entry for a trainer, wired to the pieces sleuth locates; TODOs say what is missing."""
+
+    def run() -> None:
+        from sleuth.probes.locate import locate
+        from sleuth.probes.runner import ProbeError, check_python, plan_for_located, run_plan
+        from sleuth.probes.scaffold import write_entry
+
+        if not code.exists():
+            raise _fail(f"--code {code} does not exist")
+        target = out or ((code if code.is_dir() else code.parent) / "probe_entry.py")
+        if target.exists() and not force:
+            raise _fail(f"{target} exists; pass --force to overwrite it, or --out FILE")
+        if not target.stem.isidentifier():
+            raise _fail(f"--out {target}: the file name must be a Python module name (e.g. probe_entry.py)")
+        values = _config(config)
+        try:
+            python = check_python(probe_python)
+        except ProbeError as exc:
+            raise _fail(str(exc)) from None
+        located = locate(code, values)
+        plan = located.to_json()
+        measured = None
+        if not no_run:  # called like every probe: on a copy of the code, isolated (the request is the consent)
+            outcome = run_plan(plan_for_located(code, located, values), python=python, announce=_weak_isolation)
+            if outcome.error:
+                typer.echo(f"note: the pieces could not be called ({outcome.error}); writing from the static reading",
+                           err=True)
+            else:
+                measured = outcome.info
+        status = write_entry(plan, measured, code, target)
+        root = (code if code.is_dir() else code.parent).resolve()
+        typer.echo(f"wrote {target}")
+        if target.resolve().parent != root:
+            typer.echo(f"note: {target} is outside {root}, the import root its imports need: move it there", err=True)
+        for method, state in status.items():
+            typer.echo(f"  {method:<13} {state}")
+        todos = sum(1 for s in status.values() if s != "wired")
+        check = f"sleuth probe check --probe-entry {target.stem}:subject --code {code}"
+        typer.echo(f"{todos} method(s) to finish (TODO(sleuth) in the file); then: {check}" if todos else
+                   f"every method is wired; check it: {check}")
+
+    _guard(run)
+
+
+@app.command("check")
+def check_command(
+    probe_entry: Annotated[str, typer.Option("--probe-entry", metavar="MODULE:FUNCTION", help="The entry to check.")],
+    code: Annotated[Path | None, typer.Option("--code", metavar="PATH", help="Import root for the entry "
+                                              "(its directory, or the file's).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help="The run configuration handed to "
+                                                "the entry (JSON/YAML).")] = None,
+    probe_python: Annotated[str | None, typer.Option("--probe-python", metavar="PYTHON",
+                                                     help="Interpreter the entry runs in.")] = None,
+) -> None:
+    """Run a probe entry's conformance checks; one line per protocol method."""
+
+    def run() -> None:
+        from sleuth.probes.runner import ProbeError, check_options, plan_for_entry, run_plan
+
+        try:
+            check_options(probe_python, probe_entry)
+        except ProbeError as exc:
+            raise _fail(str(exc)) from None
+        if code is not None and not code.exists():
+            raise _fail(f"--code {code} does not exist")
+        plan = plan_for_entry(probe_entry, code, None, _config(config))
+        plan.spec["mode"] = "check"
+        outcome = run_plan(plan, python=probe_python, announce=_weak_isolation)
+        checks = outcome.checks
+        if outcome.error or not checks:
+            raise _fail(f"{probe_entry}: nothing could be checked: {outcome.error or 'the probe process gave no answer'}")
+        problems = 0
+        for method, result in checks.items():
+            typer.echo(f"{method:<19} {result}")
+            problems += result != "ok" and not result.startswith(("not provided", "not checked"))
+        missing = sum(1 for r in checks.values() if r.startswith("not provided"))
+        typer.echo(f"{problems} problem(s)" + (f"; {missing} method(s) not provided (the probes needing them will be "
+                                               "unknown)" if missing else ""))
+        if problems:
+            raise typer.Exit(EXIT_PROBLEMS)
+
+    _guard(run)

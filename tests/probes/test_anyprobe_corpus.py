@@ -1,0 +1,47 @@
+"""The development corpus of trainers in new styles (tests/fixtures/anyprobe, each with `planted` defects in
+expected.yaml): static reading gives no false alarm and no silent agreement with a planted defect on any of
+them; probes without an adapter find what is planted, with no false alarm and no silent match. The whole
+corpus is measured by bench/anyprobe_corpus.py (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sleuth.invariants import check_invariants, load_playbook
+from sleuth.probes.runner import plan_for_code, run_plan
+from sleuth.probes.verdict import PROBED_INVARIANTS
+from sleuth.trace import Trace
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "anyprobe"
+CASES = sorted(p for p in CORPUS.iterdir() if (p / "expected.yaml").is_file())
+PLAYBOOK = load_playbook("dflash")
+
+
+def planted(case: Path) -> set[str]:
+    return set(yaml.safe_load((case / "expected.yaml").read_text()).get("planted") or [])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
+def test_static_reading_raises_no_false_alarm_and_vouches_for_no_planted_defect(case: Path):
+    findings = check_invariants(PLAYBOOK, reference=None, config=None, config_source=None, checkpoint=None,
+                                code=case, trace=Trace())
+    alarms = {f.id: f.observed for f in findings if f.status == "mismatch" and f.id not in planted(case)
+              and f.id in PROBED_INVARIANTS}
+    silent = {f.id for f in findings if f.id in planted(case) and (f.static_agreement or f.status == "match")}
+    assert not alarms and not silent, (alarms, silent)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["a03_additive_where", "a05_registry_clean", "a08_prepare_cache"])
+def test_probes_without_an_adapter_find_what_is_planted(name: str):
+    case = CORPUS / name
+    outcome = run_plan(plan_for_code(case, None))
+    assert outcome.error is None
+    statuses = {v.invariant: v.status for v in outcome.verdicts}
+    assert {i for i in planted(case) if statuses[i] == "mismatch"} == planted(case)
+    assert {i for i, s in statuses.items() if s == "mismatch"} == planted(case)
+    measured = [v for v in outcome.verdicts if v.status in ("match", "mismatch")]
+    assert len(measured) >= 7 and all(v.experiment.startswith("located-") for v in measured)
