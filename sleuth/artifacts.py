@@ -50,7 +50,6 @@ MAX_NUMBER_CHARS = 64
 MAX_RECORD_BYTES = 1024 * 1024
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 class ArtifactError(ValueError):
@@ -91,8 +90,9 @@ def printable_data(value: Any) -> Any:
 def shown(name: Path | str | bytes) -> str:
     """A path or name for a one-line message: printable, control characters (a newline, an escape
     sequence in a file name) escaped, so a name can neither break the line nor drive the terminal."""
-    text = os.fsdecode(name) if isinstance(name, bytes) else str(name)
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", printable(text))
+    from sleuth.escape import escape_unsafe  # the terminal's escaping (bidi, invisible characters too)
+
+    return escape_unsafe(os.fsdecode(name) if isinstance(name, bytes) else str(name))
 
 
 # --- opening ----------------------------------------------------------------------------------------------
@@ -160,17 +160,9 @@ def read_bytes(path: Path, *, within: Path | None = None, max_bytes: int = MAX_J
                head: bool = False) -> bytes:
     """The bytes of a regular file, at most `max_bytes` (more: ArtifactError, or with `head` the first
     `max_bytes`). FileNotFoundError when nothing is there; ArtifactError for anything else wrong."""
-    if not regular_file(path, within=within):
-        raise FileNotFoundError(2, "No such file or directory", str(path))
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise ArtifactError(path, f"cannot be read: {exc.strerror or exc}") from None
+    fd = _open_regular(path, within)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):  # swapped between the stat and the open
-            raise ArtifactError(path, f"is {_kind(info.st_mode)}, not a regular file")
         if info.st_size > max_bytes and not head:
             raise ArtifactError(path, f"is {info.st_size} bytes, more than such a file can be ({max_bytes >> 10} KiB)")
         chunks, left = [], max_bytes + (0 if head else 1)
@@ -190,6 +182,86 @@ def read_bytes(path: Path, *, within: Path | None = None, max_bytes: int = MAX_J
             return data[:max_bytes]
         raise ArtifactError(path, f"grew past {max_bytes >> 10} KiB while being read")
     return data
+
+
+def _open_regular(path: Path, within: Path | None) -> int:
+    """A read-only descriptor of a regular file (not a FIFO: O_NONBLOCK, so no open waits for a writer);
+    FileNotFoundError when nothing is there, ArtifactError for anything else wrong."""
+    if not regular_file(path, within=within):
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise ArtifactError(path, f"cannot be read: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise ArtifactError(path, f"cannot be read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):  # swapped between the stat and the open
+        os.close(fd)
+        raise ArtifactError(path, f"is {_kind(info.st_mode)}, not a regular file")
+    return fd
+
+
+class BoundedLines:
+    """The lines of a regular file, streamed: at most `max_bytes` read in all (`truncated` says the file went
+    on), a line longer than `max_line` bytes yielded as None and never held whole (its bytes are read and
+    dropped), and `sha256` of the bytes read. Memory stays about `max_line` plus one read chunk, whatever the
+    file's size (a sparse 40 GiB file is as cheap as a small one).
+
+    Iterating yields (line number, bytes without the newline, or None); opening raises FileNotFoundError or
+    ArtifactError as read_bytes does."""
+
+    _CHUNK = 1 << 20
+
+    def __init__(self, path: Path, *, within: Path | None, max_line: int, max_bytes: int) -> None:
+        import hashlib
+
+        self.path, self.within, self.max_line, self.max_bytes = path, within, max_line, max_bytes
+        self.truncated = False
+        self.size = 0
+        self._hash = hashlib.sha256()
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+    def __iter__(self) -> Iterator[tuple[int, bytes | None]]:
+        fd = _open_regular(self.path, self.within)
+        try:
+            self.size = os.fstat(fd).st_size
+            yield from self._lines(fd)
+        except OSError as exc:
+            raise ArtifactError(self.path, f"cannot be read: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+
+    def _lines(self, fd: int) -> Iterator[tuple[int, bytes | None]]:
+        number, pending, overlong, left = 1, bytearray(), False, self.max_bytes
+        while left > 0:
+            chunk = os.read(fd, min(left, self._CHUNK))
+            if not chunk:
+                break
+            left -= len(chunk)
+            self._hash.update(chunk)
+            start = 0
+            while True:
+                end = chunk.find(b"\n", start)
+                piece = chunk[start:] if end < 0 else chunk[start:end]
+                if not overlong:
+                    pending += piece
+                    if len(pending) > self.max_line:  # drop what is held; read on to the line's end
+                        overlong, pending = True, bytearray()
+                if end < 0:
+                    break
+                yield number, None if overlong else bytes(pending)
+                number, pending, overlong, start = number + 1, bytearray(), False, end + 1
+        else:
+            self.truncated = bool(os.read(fd, 1))
+        if overlong or pending:
+            yield number, None if overlong else bytes(pending)
 
 
 def decode(data: bytes, path: Path | str) -> str:

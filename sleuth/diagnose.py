@@ -122,13 +122,15 @@ def live_listener(console: Console) -> Callable[[TraceStep], None]:
     inner steps indented and dimmed under the agent's."""
     from rich.text import Text
 
+    from sleuth.escape import terminal
+
     def show(step: TraceStep) -> None:
         failed = step.outcome.startswith("error")
         inner = step.step not in AGENT_STEPS
         line = Text("    " if inner else "")
         line.append("✗ " if failed else "✓ ", style="red" if failed else ("dim green" if inner else "green"))
         line.append(f"{step.step:<20} ", style="dim" if inner else "bold")
-        outcome = step.outcome if len(step.outcome) <= 140 else step.outcome[:137] + "..."
+        outcome = terminal(step.outcome, limit=140)  # names from the run: one line, no escape sequence
         line.append(outcome, style="dim" if inner else "")
         line.append(f"  {step.duration_s:.2f} s", style="dim")
         console.print(line, highlight=False, soft_wrap=True)

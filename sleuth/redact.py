@@ -65,17 +65,36 @@ def redact_data(value: object) -> object:
     return value
 
 
+# The only escape sequence sleuth's own console output holds: rich's colours (SGR), when it colours.
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
+
+
 class RedactingWriter(io.TextIOBase):
-    """A text stream that redacts whatever is written through it: the terminal is a sink too."""
+    """A text stream that redacts whatever is written through it: the terminal is a sink too.
+
+    It is also the terminal's last gate: every field is escaped where it is rendered (sleuth.escape.terminal),
+    and whatever still reaches the stream has its unsafe code points (controls, ESC, bidi, invisible format
+    characters) escaped, newlines apart; where rich colours (a terminal, FORCE_COLOR) its colour sequences (SGR)
+    pass, no other sequence does."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        from sleuth.artifacts import printable  # a non-UTF-8 file name: spelled out, not a UnicodeEncodeError
+        from sleuth.escape import escape_unsafe
 
-        self._stream.write(printable(redact(text)))
+        redacted = redact(text)
+        coloured = self._coloured()
+        pieces = _SGR.split(redacted) if coloured else [redacted]
+        colours = _SGR.findall(redacted) if coloured else []
+        # newlines are the console's own line structure; a newline inside a field was escaped where it was rendered
+        gated = ["\n".join(escape_unsafe(line) for line in piece.split("\n")) for piece in pieces]
+        self._stream.write("".join(part for pair in zip(gated, [*colours, ""]) for part in pair))
         return len(text)
+
+    def _coloured(self) -> bool:
+        # When rich colours its output: on a terminal, or forced as rich itself reads the environment (CI logs)
+        return self.isatty() or bool(os.environ.get("FORCE_COLOR")) or os.environ.get("TTY_COMPATIBLE") == "1"
 
     def flush(self) -> None:
         self._stream.flush()

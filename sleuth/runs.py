@@ -16,6 +16,7 @@ from typing import Any
 
 from sleuth.artifacts import (
     ArtifactError,
+    BoundedLines,
     exists,
     is_dir,
     json_kind,
@@ -42,6 +43,10 @@ _MAX_LATEST = 4096
 
 # metrics.jsonl grows a few hundred bytes per logged step: a million steps fit; more is not a metrics file.
 _MAX_METRICS_FILE = 512 * 1024 * 1024
+# One row is a few hundred bytes (a few KiB with per-position lists).
+_MAX_METRICS_LINE = 1024 * 1024
+# A trajectory needs far fewer points than this; a longer run is thinned evenly (every 2nd, 4th, ... row).
+_MAX_METRICS_ROWS = 200_000
 
 
 class RunError(Exception):
@@ -174,49 +179,75 @@ def _read_config(path: Path, problems: list[str], run: Path) -> tuple[dict[str, 
 
 
 def _read_metrics(path: Path, info: RunInfo) -> None:
-    import hashlib
-
+    """metrics.jsonl, streamed under three bounds (`_MAX_METRICS_FILE` bytes, `_MAX_METRICS_LINE` per line,
+    `_MAX_METRICS_ROWS` rows kept): a damaged, huge or sparse file costs what a real one does, and everything
+    skipped is said in one problem line."""
+    lines = BoundedLines(path, within=info.path, max_line=_MAX_METRICS_LINE, max_bytes=_MAX_METRICS_FILE)
+    skipped: list[int] = []
+    too_long: list[int] = []
+    dropped: list[str] = []
+    usable, stride = 0, 1
     try:
-        raw = read_bytes(path, within=info.path, max_bytes=_MAX_METRICS_FILE)
+        for number, line in lines:
+            if line is None:
+                too_long.append(number)
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = parse_json(line, path)
+            except ArtifactError:  # not UTF-8, garbled, nested too deep, a number of 400 digits
+                skipped.append(number)
+                continue
+            step = row.get("step") if isinstance(row, dict) else None
+            if not is_step(step):
+                skipped.append(number)
+                continue
+            # NaN, ±Infinity and overflowed numbers are not measurements: dropped from the row (and named),
+            # so no reader of metrics (chart, regression) meets them.
+            unusable = [k for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+                        and not isinstance(v, bool) and metric_value(v) is None]
+            for key in unusable:
+                row.pop(key)
+                dropped.append(f"{key} at line {number}")
+            usable += 1
+            if (usable - 1) % stride:
+                continue
+            info.metrics.append(row)
+            if len(info.metrics) > _MAX_METRICS_ROWS:
+                # More rows than a trajectory needs: keep every other one, evenly over the whole run.
+                info.metrics[:] = info.metrics[::2]
+                stride *= 2
     except FileNotFoundError:
         info.problems.append("metrics.jsonl is missing")
         return
     except ArtifactError as exc:
         info.problems.append(f"metrics.jsonl {exc.reason}")
         return
-    info.metrics_sha256 = hashlib.sha256(raw).hexdigest()
-    skipped: list[int] = []
-    dropped: list[str] = []
-    for number, line in enumerate(raw.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = parse_json(line, path)
-        except ArtifactError:  # not UTF-8, garbled, nested too deep, a number of 400 digits
-            skipped.append(number)
-            continue
-        step = row.get("step") if isinstance(row, dict) else None
-        if not is_step(step):
-            skipped.append(number)
-            continue
-        # NaN, ±Infinity and overflowed numbers are not measurements: dropped from the row (and named),
-        # so no reader of metrics (chart, regression) meets them.
-        unusable = [k for k, v in row.items() if k != "step" and isinstance(v, (int, float))
-                    and not isinstance(v, bool) and metric_value(v) is None]
-        for key in unusable:
-            row.pop(key)
-            dropped.append(f"{key} at line {number}")
-        info.metrics.append(row)
+    info.metrics_sha256 = lines.sha256
+    said: list[str] = []
     if skipped:
-        numbers = ", ".join(str(n) for n in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
         # Non-UTF-8 lines count as garbled: one damaged line costs that line, never the whole file.
-        info.problems.append(f"metrics.jsonl: skipped {len(skipped)} truncated or garbled line(s) (line {numbers})")
+        said.append(f"skipped {len(skipped)} truncated or garbled line(s) (line {_numbers(skipped)})")
+    if too_long:
+        said.append(f"skipped {len(too_long)} line(s) longer than {_MAX_METRICS_LINE >> 10} KiB, not read "
+                    f"(line {_numbers(too_long)})")
+    if lines.truncated:
+        said.append(f"read only the first {_MAX_METRICS_FILE >> 20} MiB of {lines.size} bytes")
+    if stride > 1:
+        said.append(f"kept 1 row in {stride} of {usable} (at most {_MAX_METRICS_ROWS} rows are kept)")
+    if said:
+        info.problems.append("metrics.jsonl: " + "; ".join(said))
     if dropped:
         more = f" and {len(dropped) - 5} more" if len(dropped) > 5 else ""
         info.problems.append(f"metrics.jsonl: ignored {len(dropped)} value(s) that are not finite numbers within "
                              f"±{MAX_METRIC_MAGNITUDE:g} ({', '.join(dropped[:5])}{more})")
     if not info.metrics:
         info.problems.append("metrics.jsonl holds no usable metrics rows")
+
+
+def _numbers(lines: list[int]) -> str:
+    return ", ".join(str(n) for n in lines[:5]) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
 
 
 def _find_checkpoint(checkpoints: Path, info: RunInfo) -> None:

@@ -6,7 +6,6 @@ reader can replay how each conclusion was reached.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,10 +39,13 @@ class Trace:
                 self._listener(record)
 
     def write_jsonl(self, path: Path) -> None:
+        """One strict JSON object per line (sleuth.escape.dumps: a NaN or infinite input is null, a control or
+        invisible character in a name a `\\uXXXX` escape), so every line parses with a strict parser."""
         # Written by rename (sleuth.artifacts.write_atomic): a trace.jsonl that is a link is replaced, not followed.
         from sleuth.artifacts import write_atomic
+        from sleuth.escape import dumps
 
-        write_atomic(path, "".join(redact(json.dumps(s.model_dump())) + "\n" for s in self.steps))
+        write_atomic(path, "".join(redact(dumps(s.model_dump(mode="json"))) + "\n" for s in self.steps))
 
 
 def _jsonable(value: object) -> object:

@@ -122,7 +122,9 @@ def diagnose_command(
     def announce(line: str) -> None:
         from rich.text import Text
 
-        errors.print(Text(line), soft_wrap=True)
+        from sleuth.escape import terminal
+
+        errors.print(Text(terminal(line)), soft_wrap=True)
 
     try:
         result = diagnose(request, listener=listener, announce=announce)
@@ -155,8 +157,10 @@ def diagnose_command(
 def _error(console, message: str) -> None:  # noqa: ANN001 - rich Console, imported lazily
     from rich.text import Text
 
-    # One line whatever the terminal width; the message is plain text, never rich markup.
-    console.print(Text("error: ", style="red") + Text(message), soft_wrap=True)
+    from sleuth.escape import terminal
+
+    # One line whatever the terminal width or the names in it; plain text, never rich markup.
+    console.print(Text("error: ", style="red") + Text(terminal(message)), soft_wrap=True)
 
 
 def _print(result, output_format: OutputFormat) -> None:  # noqa: ANN001 - Diagnosis, imported lazily

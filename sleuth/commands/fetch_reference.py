@@ -74,8 +74,13 @@ def fetch_reference(
 def _print_human(resolution) -> None:  # noqa: ANN001 - Resolution, imported lazily
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
+    from sleuth.escape import terminal
     from sleuth.redact import RedactingWriter
+
+    def plain(value: object) -> Text:  # remote text (a git error line, a path of the reference): never markup
+        return Text(terminal(value))
 
     out = Console(file=RedactingWriter(sys.stdout))
     tiers = Table(title=f"fetch-reference {resolution.reference}", title_justify="left")
@@ -83,11 +88,11 @@ def _print_human(resolution) -> None:  # noqa: ANN001 - Resolution, imported laz
         tiers.add_column(column, overflow="fold", justify="right" if column == "time" else "left")
     for attempt in resolution.trace:
         style = _OUTCOME_STYLE.get(attempt.outcome, "")
-        tiers.add_row(attempt.tier, attempt.tried, f"[{style}]{attempt.outcome}[/{style}]", attempt.reason,
-                      f"{attempt.duration_s:.2f}s")
+        tiers.add_row(plain(attempt.tier), plain(attempt.tried), Text(terminal(attempt.outcome), style=style),
+                      plain(attempt.reason), f"{attempt.duration_s:.2f}s")
     out.print(tiers)
     for note in resolution.notes:
-        out.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+        out.print(Text("note: ", style="yellow") + plain(note), highlight=False, soft_wrap=True)
 
     if resolution.files:
         files = Table(title=f"{len(resolution.files)} files from {resolution.tier} at "
@@ -95,12 +100,14 @@ def _print_human(resolution) -> None:  # noqa: ANN001 - Resolution, imported laz
         for column in ("path", "tier", "commit", "sha256", "source"):
             files.add_column(column, overflow="fold")
         for file in resolution.files:
-            files.add_row(file.path, file.tier, (file.commit or "-")[:7], file.sha256[:12], file.source)
+            files.add_row(plain(file.path), plain(file.tier), plain((file.commit or "-")[:7]), plain(file.sha256[:12]),
+                          plain(file.source))
         out.print(files)
     if resolution.docs:
         out.print(f"docs: {len(resolution.docs)} page(s), facts from them carry lower confidence:")
         for page in resolution.docs:
-            out.print(f"  {page.path}  sha256 {page.sha256[:12]}", highlight=False)
+            out.print(Text(f"  {terminal(page.path)}  sha256 {terminal(page.sha256[:12])}"), highlight=False,
+                      soft_wrap=True)
     if resolution.pinned:
         commits = sorted({str(f.get('commit') or '?')[:7] for f in resolution.pinned.values()})
         out.print(f"pinned: {len(resolution.pinned)} facts at {', '.join(commits)} "

@@ -30,10 +30,11 @@ def _fail(message: str) -> typer.Exit:
     from rich.console import Console
     from rich.text import Text
 
+    from sleuth.escape import terminal
     from sleuth.redact import RedactingWriter
 
-    Console(file=RedactingWriter(sys.stderr), highlight=False).print(Text("error: ", style="red") + Text(message),
-                                                                     soft_wrap=True)
+    console = Console(file=RedactingWriter(sys.stderr), highlight=False)
+    console.print(Text("error: ", style="red") + Text(terminal(message)), soft_wrap=True)
     return typer.Exit(EXIT_ERROR)
 
 
@@ -51,6 +52,14 @@ def _config(path: Path | None) -> dict | None:
     return loaded
 
 
+def _echo(line: str, err: bool = False) -> None:
+    """One line of output: what the code under diagnosis answered (its errors, its check results) escaped for
+    the terminal (sleuth.escape), so it can neither add lines nor send escape sequences."""
+    from sleuth.escape import terminal
+
+    typer.echo(terminal(line), err=err)
+
+
 def _weak_isolation(line: str) -> None:
     """The request is the consent, so what runs is not announced; where the machine allows only process-level
     isolation, the user hears what that leaves the code able to reach (one line on stderr)."""
@@ -58,7 +67,7 @@ def _weak_isolation(line: str) -> None:
 
     warning = weak_isolation_warning()
     if warning and line.startswith("probes: running"):
-        typer.echo(f"note: {warning}", err=True)
+        _echo(f"note: {warning}", err=True)
 
 
 def _guard(fn):  # noqa: ANN001, ANN202 - a command body
@@ -114,20 +123,20 @@ def init_command(
         if not no_run:  # called like every probe: on a copy of the code, isolated (the request is the consent)
             outcome = run_plan(plan_for_located(code, located, values), python=python, announce=_weak_isolation)
             if outcome.error:
-                typer.echo(f"note: the pieces could not be called ({outcome.error}); writing from the static reading",
+                _echo(f"note: the pieces could not be called ({outcome.error}); writing from the static reading",
                            err=True)
             else:
                 measured = outcome.info
         status = write_entry(plan, measured, code, target)
         root = (code if code.is_dir() else code.parent).resolve()
-        typer.echo(f"wrote {target}")
+        _echo(f"wrote {target}")
         if target.resolve().parent != root:
-            typer.echo(f"note: {target} is outside {root}, the import root its imports need: move it there", err=True)
+            _echo(f"note: {target} is outside {root}, the import root its imports need: move it there", err=True)
         for method, state in status.items():
-            typer.echo(f"  {method:<13} {state}")
+            _echo(f"  {method:<13} {state}")
         todos = sum(1 for s in status.values() if s != "wired")
         check = f"sleuth probe check --probe-entry {target.stem}:subject --code {code}"
-        typer.echo(f"{todos} method(s) to finish (TODO(sleuth) in the file); then: {check}" if todos else
+        _echo(f"{todos} method(s) to finish (TODO(sleuth) in the file); then: {check}" if todos else
                    f"every method is wired; check it: {check}")
 
     _guard(run)
@@ -162,10 +171,10 @@ def check_command(
             raise _fail(f"{probe_entry}: nothing could be checked: {outcome.error or 'the probe process gave no answer'}")
         problems = 0
         for method, result in checks.items():
-            typer.echo(f"{method:<19} {result}")
+            _echo(f"{method:<19} {result}")
             problems += result != "ok" and not result.startswith(("not provided", "not checked"))
         missing = sum(1 for r in checks.values() if r.startswith("not provided"))
-        typer.echo(f"{problems} problem(s)" + (f"; {missing} method(s) not provided (the probes needing them will be "
+        _echo(f"{problems} problem(s)" + (f"; {missing} method(s) not provided (the probes needing them will be "
                                                "unknown)" if missing else ""))
         if problems:
             raise typer.Exit(EXIT_PROBLEMS)

@@ -23,12 +23,12 @@ import json
 import math
 import os
 import stat
-import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from sleuth.escape import is_unsafe
 from sleuth.probes.pieces import HELPER_KINDS, PIECE_KINDS
 from sleuth.probes.protocol import PROTOCOL_METHODS
 from sleuth.probes.verdict import PROBE_STATUSES, PROBED_INVARIANTS, Verdict
@@ -50,21 +50,23 @@ class AnswerError(ValueError):
 
 
 def safe_text(text: str, *, multiline: bool = False, limit: int | None = None) -> str:
-    """`text` that may be printed or written: no control or invisible format character (Unicode Cc, Cf, Cs,
-    Co, Cn: escapes, bidirectional marks, zero-width characters), no line break unless `multiline` (then
+    """`text` that may be printed or written: no control or invisible format character (sleuth.escape's unsafe
+    code points: Unicode Cc, Cf, Cs, Co, Cn, the letters that render as nothing: escapes, bidirectional marks,
+    zero-width characters), no line break unless `multiline` (then
     each break is one "\\n"), other spaces as " ", no recognisable secret; cut to `limit` characters."""
-    if not text.isprintable():
+    if not text.isprintable() or any(is_unsafe(ch) for ch in text):
         kept = []
         for ch in text:
-            if ch.isprintable():
-                kept.append(ch)
-            elif ch == "\r":  # a terminal control more than a break (it rewrites the line); "\r\n" is one break
+            if ch == "\r":  # a terminal control more than a break (it rewrites the line); "\r\n" is one break
                 continue
             elif ch in _BREAKS:
                 kept.append(("\t" if ch == "\t" else "\n") if multiline else " ")
-            elif unicodedata.category(ch) == "Zs":
+            elif is_unsafe(ch):
+                continue  # sleuth.escape's unsafe code points (Cc, Cf, Cs, Co, Cn, invisible letters): dropped
+            elif ch.isprintable():
+                kept.append(ch)
+            else:  # a space of another width (Zs)
                 kept.append(" ")
-            # anything else (Cc, Cf, Cs, Co, Cn) is dropped
         text = "".join(kept)
     text = redact(text)
     if limit is not None and len(text) > limit:

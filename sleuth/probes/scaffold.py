@@ -218,7 +218,7 @@ class Writer:
         depth = max(fixed[1]) + 3 if fixed and not rule else 8  # a fixed list was chosen for a target of L = max + 3
         namespace = next((meta.get("namespace") for meta in (rule[1] if rule else {}).values()
                           if isinstance(meta, dict) and "namespace" in meta), None)
-        if rule and namespace:
+        if rule and namespace and rule[0]["params"]:
             depth_words = ("num_hidden_layers", "num_layers", "n_layers", "num_target_layers", "target_depth", "depth")
             fields = ", ".join(f"{a}={'NUM_TARGET_LAYERS' if a in depth_words else k_run}" for a in namespace)
             layer_line = (f"LAYER_IDS = {self.ref(rule[0])}({rule[0]['params'][0]['name']}=SimpleNamespace({fields}))"
@@ -229,6 +229,12 @@ class Writer:
         elif fixed:
             layer_line = (f"LAYER_IDS = {fixed[1]!r}  # `{fixed[0]}`: a fixed list, so the probe's target is as deep as the "
                           "list is for")
+        elif rule:
+            # A rule with no parameter to hand the depth to (a method reading its object's fields, a closure):
+            # only the user knows which object it runs on, so the line says where the rule is and stops there.
+            layer_line = (f"LAYER_IDS = None  # TODO(sleuth): call your trainer's rule {self.ref(rule[0])} as the "
+                          "trainer does, for an L = NUM_TARGET_LAYERS target (it takes no argument sleuth could "
+                          "bind the depth to)")
         else:
             layer_line = ("LAYER_IDS = None  # TODO(sleuth): the ids your trainer selects for an L = NUM_TARGET_LAYERS "
                           f"target ({self.why_not('layer_ids')[:90]})")

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from sleuth.report.model import REPORT_SCHEMA_VERSION, Report, Rule, count_findings, rank_findings
@@ -25,7 +24,11 @@ __all__ = [
 
 
 def render_json(report: Report) -> str:
-    return report.model_dump_json(indent=2)
+    """report.json: the model's data unchanged, as strict JSON (sleuth.escape.dumps: a non-finite number is
+    null, a control or invisible character a `\\uXXXX` escape)."""
+    from sleuth.escape import dumps
+
+    return dumps(report.model_dump(mode="json"), indent=2)
 
 
 def write_report(report: Report, out_dir: Path) -> dict[str, Path]:
@@ -34,6 +37,7 @@ def write_report(report: Report, out_dir: Path) -> dict[str, Path]:
     Each file is written by `sleuth.artifacts.write_atomic` (a fresh temporary file, then a rename): a link
     or FIFO a shipped run directory plants under any of these names is replaced, never written through."""
     from sleuth.artifacts import prepare_dir
+    from sleuth.escape import dumps
     from sleuth.report.fix import render_fix_yaml
     from sleuth.report.markdown import render_markdown
     from sleuth.report.sarif import render_sarif
@@ -42,7 +46,7 @@ def write_report(report: Report, out_dir: Path) -> dict[str, Path]:
     files = {name: out_dir / name for name in REPORT_FILES}
     _write_atomic(files["report.md"], render_markdown(report))
     _write_atomic(files["report.json"], render_json(report) + "\n")
-    _write_atomic(files["report.sarif"], json.dumps(render_sarif(report), indent=2) + "\n")
+    _write_atomic(files["report.sarif"], dumps(render_sarif(report), indent=2) + "\n")
     _write_atomic(files["fix.yaml"], render_fix_yaml(report, str(files["report.md"])))
     return files
 

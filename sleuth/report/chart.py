@@ -64,7 +64,8 @@ def _draw(path: Path, series: Series, metrics: list[str], main_label: str, key: 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from sleuth.artifacts import printable, write_atomic
+    from sleuth.artifacts import write_atomic
+    from sleuth.escape import terminal
     from sleuth.regression import rolling_median
 
     # Fixed margins rather than constrained layout: the layout solver doubles the drawing time.
@@ -89,7 +90,9 @@ def _draw(path: Path, series: Series, metrics: list[str], main_label: str, key: 
                 steps,
                 shown,
                 **color,
-                label=printable(label),  # a run named by non-UTF-8 bytes: matplotlib's text engine refuses surrogates
+                # a run's name: escaped (a non-UTF-8 name's bytes as \xNN: matplotlib refuses surrogates), and
+                # "$" made literal (matplotlib reads $...$ as mathtext: a stray one fails the drawing)
+                label=terminal(label, limit=80).replace("$", r"\$"),
                 linewidth=2.0 if is_main else 1.2,
                 linestyle="-" if is_main else "--",
                 marker="o" if len(steps) <= 12 else None,

@@ -10,7 +10,12 @@
     code_changes: [{id: dflash.context_excludes_anchor, hint: ...}]
 
 The run's name, path and config hash say which run the patch was written for: `--fixed --from v3` refuses a
-fix.yaml that was written for v5 (copied, or written there with `--out`).
+fix.yaml that was written for v5 (copied, or written there with `--out`), and `--fixed` alone applies only a
+fix.yaml whose recorded path and hash are those of the run directory it sits in.
+
+Every string in it (the run's name and path, keys, hints, the comment lines) is written as
+sleuth.escape.terminal writes it: the file always parses back with `yaml.safe_load`, no value can start a
+line of its own (a comment or a key), and a control or invisible character shows as its escape.
 
 Findings are merged in ranked order, so when two mismatches want different values for one key the
 higher-ranked one wins (the loser is named in a comment).
@@ -19,8 +24,10 @@ higher-ranked one wins (the loser is named in a comment).
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
+from sleuth.escape import terminal, terminal_data
 from sleuth.report.model import Report
 
 
@@ -54,22 +61,24 @@ def build_fix(report: Report, report_path: str) -> tuple[dict[str, Any], list[st
         comments.append("mismatches without a known fix: " + ", ".join(unfixable))
     document = {
         "diagnosed_run": report.run.name if report.run is not None else None,
-        "diagnosed_run_path": report.run.path if report.run is not None else None,
+        # absolute, so that `trainer run --fixed` can tell this run's own diagnosis from one copied beside it
+        "diagnosed_run_path": os.path.abspath(report.run.path) if report.run is not None else None,
         "diagnosed_config_sha256": report.run.config_sha256 if report.run is not None else None,
         "report": report_path,
         "config_patch": patch,
         "code_changes": code_changes,
     }
-    return document, comments
+    return terminal_data(document), [terminal(line) for line in comments]
 
 
 def render_fix_yaml(report: Report, report_path: str) -> str:
     import yaml
 
     document, comments = build_fix(report, report_path)
-    header = [f"# sleuth diagnosis of {report.subject}: the config patch for its mismatches."]
+    header = [f"# sleuth diagnosis of {terminal(report.subject)}: the config patch for its mismatches."]
     header += [f"# {line}" for line in comments]
-    body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    # one line per value, never folded: a long name cannot put text at the start of a line either
+    body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, allow_unicode=True, width=2**31 - 1)
     return "\n".join(header) + "\n" + body
 
 

@@ -1,7 +1,15 @@
-"""report.md: the report a person reads: summary, chart, ranked findings with evidence and fix, the trace."""
+"""report.md: the report a person reads: summary, chart, ranked findings with evidence and fix, the trace.
+
+Every value that came from the run or from code (names, paths, keys, config values, reasons, notes, probe
+text) is written through sleuth.escape: `md` for inline text, `code` for a code span, so none can open a
+heading, a link, an image, an HTML tag or a table cell, or break the line it is on. Only sleuth's own
+template text is markdown.
+"""
 
 from __future__ import annotations
 
+from sleuth.escape import markdown as md
+from sleuth.escape import markdown_code as code
 from sleuth.findings import Evidence, Finding
 from sleuth.regression import Regression, fmt
 from sleuth.report.model import Report
@@ -10,16 +18,16 @@ STATUS_MARK = {"mismatch": "✗ mismatch", "unknown": "? unknown", "match": "✓
 
 
 def render_markdown(report: Report) -> str:
-    out: list[str] = [f"# sleuth diagnosis: {report.subject}", ""]
+    out: list[str] = [f"# sleuth diagnosis: {md(report.subject)}", ""]
     counts = report.counts
     out.append(
         f"**{counts.get('mismatch', 0)} mismatch(es), {counts.get('unknown', 0)} unknown, "
-        f"{counts.get('match', 0)} match** (exit {report.exit_status}). Generated {report.generated_at} "
-        f"by sleuth {report.tool_version}, report schema v{report.schema_version}."
+        f"{counts.get('match', 0)} match** (exit {report.exit_status}). Generated {md(report.generated_at)} "
+        f"by sleuth {md(report.tool_version)}, report schema v{report.schema_version}."
     )
-    out += ["", "## Summary", "", report.summary or "(nothing to summarise)", ""]
+    out += ["", "## Summary", "", md(report.summary) if report.summary else "(nothing to summarise)", ""]
     if report.chart:
-        out += [f"![Metric trajectories of {report.subject} and its baseline]({report.chart})", ""]
+        out += [f"![Metric trajectories of {md(report.subject)} and its baseline]({report.chart})", ""]
     if report.regression is not None:
         out += _regression(report.regression)
     out += ["## Findings, ranked by expected impact", ""]
@@ -32,7 +40,7 @@ def render_markdown(report: Report) -> str:
     out += _inputs(report)
     out += ["## Trace", "", "| # | step | outcome | duration |", "|---|---|---|---|"]
     for number, step in enumerate(report.trace, start=1):
-        out.append(f"| {number} | {_cell(step.step)} | {_cell(step.outcome)} | {step.duration_s:.3f} s |")
+        out.append(f"| {number} | {md(step.step)} | {md(step.outcome)} | {step.duration_s:.3f} s |")
     out += ["", "The full trace, with each step's inputs, is `trace.jsonl` beside this report.", ""]
     return "\n".join(out)
 
@@ -40,10 +48,10 @@ def render_markdown(report: Report) -> str:
 def _regression(regression: Regression) -> list[str]:
     out = ["## Regression", ""]
     if regression.baseline is None:
-        out += [f"Not compared: {regression.reason}", ""]
+        out += [f"Not compared: {md(regression.reason)}", ""]
     else:
         source = "named with --baseline" if regression.baseline_source == "explicit" else "best comparable earlier run"
-        out += [f"Baseline: **{regression.baseline}** ({source}). Verdict: **{regression.verdict}**.", ""]
+        out += [f"Baseline: **{md(regression.baseline)}** ({source}). Verdict: **{md(regression.verdict)}**.", ""]
         out += [
             "| metric | step | run | baseline | gap | threshold | verdict "
             "| baseline reached run's final at | run needed | ratio |",
@@ -51,14 +59,14 @@ def _regression(regression: Regression) -> list[str]:
         ]
         for c in regression.metrics:
             if c.verdict == "unknown":
-                out.append(f"| {c.metric} | | | | | | unknown: {_cell(c.reason or '')} | | | |")
+                out.append(f"| {md(c.metric)} | | | | | | unknown: {md(c.reason or '')} | | | |")
                 continue
             for i, gap in enumerate(c.gaps):
                 last = i == len(c.gaps) - 1
                 out.append(
-                    f"| {c.metric} | {gap.step} | {fmt(gap.run)} | {fmt(gap.baseline)} | {fmt(gap.gap)} | "
+                    f"| {md(c.metric)} | {gap.step} | {fmt(gap.run)} | {fmt(gap.baseline)} | {fmt(gap.gap)} | "
                     + (
-                        f"{fmt(c.threshold)} | {c.verdict} | {c.baseline_reached_step or 'never'} | "
+                        f"{fmt(c.threshold)} | {md(c.verdict)} | {c.baseline_reached_step or 'never'} | "
                         f"{c.run_reached_step} | {f'{c.speedup:.1f}x' if c.speedup else ''} |"
                         if last
                         else " | | | | |"
@@ -76,51 +84,50 @@ def _regression(regression: Regression) -> list[str]:
         out += ["Other runs considered:", ""]
         for candidate in others:
             what = f"comparable, lead {fmt(candidate.score)}" if candidate.score is not None else "not used"
-            out.append(f"- {candidate.name}: {what}" + (f" ({candidate.reason})" if candidate.reason else ""))
+            out.append(f"- {md(candidate.name)}: {what}" + (f" ({md(candidate.reason)})" if candidate.reason else ""))
         out.append("")
     return out
 
 
 def _finding(rank: int, finding: Finding) -> list[str]:
     out = [
-        f"### {rank}. {STATUS_MARK.get(finding.status, finding.status)}"
-        f"{' (static agreement, not claimed)' if finding.static_agreement else ''}: {finding.title}",
+        f"### {rank}. {STATUS_MARK.get(finding.status, md(finding.status))}"
+        f"{' (static agreement, not claimed)' if finding.static_agreement else ''}: {md(finding.title)}",
         "",
-        f"`{finding.id}`, severity **{finding.severity}**, confidence {finding.confidence:.2f}",
+        f"{code(finding.id)}, severity **{md(finding.severity)}**, confidence {finding.confidence:.2f}",
         "",
     ]
     if finding.expected is not None:
-        out.append(f"- **Expected:** {finding.expected}")
+        out.append(f"- **Expected:** {md(finding.expected)}")
     if finding.observed is not None:
-        out.append(f"- **Observed:** {finding.observed}")
+        out.append(f"- **Observed:** {md(finding.observed)}")
     if finding.reason:
-        out.append(f"- **Why {finding.status}:** {finding.reason}")
+        out.append(f"- **Why {md(finding.status)}:** {md(finding.reason)}")
     if finding.evidence:
         out.append("- **Evidence:**")
         out += [f"  - {_evidence(e)}" for e in finding.evidence]
     if finding.fix is not None and (finding.fix.config_patch or finding.fix.code_hint):
         parts = []
         if finding.fix.config_patch:
-            keys = ", ".join(f"`{k}: {_yaml_value(v)}`" for k, v in finding.fix.config_patch.items())
+            keys = ", ".join(code(f"{k}: {_yaml_value(v)}") for k, v in finding.fix.config_patch.items())
             parts.append(f"set {keys} (in fix.yaml)")
         if finding.fix.code_hint:
-            parts.append(f"code: {finding.fix.code_hint}")
-        out.append(f"- **Fix ({finding.fix.applicability}):** " + "; ".join(parts))
+            parts.append(f"code: {md(finding.fix.code_hint)}")
+        out.append(f"- **Fix ({md(finding.fix.applicability)}):** " + "; ".join(parts))
     for note in finding.notes:
-        out.append(f"- Note: {note}")
+        out.append(f"- Note: {md(note)}")
     out.append("")
     return out
 
 
 def _evidence(evidence: Evidence) -> str:
-    text = f"{evidence.kind} `{evidence.location}`"
+    text = f"{md(evidence.kind)} {code(evidence.location)}"
     if evidence.commit and evidence.commit[:7] not in evidence.location:
-        text += f" @ {evidence.commit[:12]}"
+        text += f" @ {md(evidence.commit[:12])}"
     if evidence.value is not None:
-        text += f": {evidence.value}"
+        text += f": {md(evidence.value)}"
     if evidence.snippet:
-        snippet = " ".join(evidence.snippet.split())[:160].replace("`", "'")
-        text += f" (`{snippet}`)"
+        text += f" ({code(' '.join(evidence.snippet.split())[:160])})"
     return text
 
 
@@ -130,26 +137,27 @@ def _probes(report: Report) -> list[str]:
         return []
     out = ["## Probes", ""]
     if probes.consent == "off":
-        return out + [f"Not probed: {probes.reason or 'probing off'}.", ""]
+        return out + [f"Not probed: {md(probes.reason or 'probing off')}.", ""]
     why = {"asked": "run at your request", "trusted": "run because your own trainer recorded this code",
            "declined": "not run"}[probes.consent]
-    out.append(f"**{probes.subject}**: {why}" + (f"; no experiment ran: {probes.reason}" if not probes.ran and
+    out.append(f"**{md(probes.subject)}**: {why}" + (f"; no experiment ran: {md(probes.reason)}" if not probes.ran and
                                                   probes.consent != "declined" else "") + ".")
     out.append("")
     if probes.consent == "declined":
-        out += [f"- {probes.reason}"]
+        out += [f"- {md(probes.reason)}"]
     if probes.code_sha256:
-        out.append(f"- code: {probes.code_files} file(s), tree `sha256:{probes.code_sha256}`"
-                   + (f" ({probes.trust})" if probes.trust and probes.consent != "declined" else ""))
+        out.append(f"- code: {probes.code_files} file(s), tree {code('sha256:' + probes.code_sha256)}"
+                   + (f" ({md(probes.trust)})" if probes.trust and probes.consent != "declined" else ""))
     if probes.python:
-        out.append(f"- interpreter: `{probes.python}`")
+        out.append(f"- interpreter: {code(probes.python)}")
     if probes.isolation:
         iso = probes.isolation
-        out.append(f"- isolation: **{iso.get('level')}**: network {iso.get('network')}; file system "
-                   f"{iso.get('filesystem')}; processes {iso.get('processes')}; privileges {iso.get('privileges')}")
-    out += [f"- {note}" for note in probes.notes]
+        out.append(f"- isolation: **{md(iso.get('level'))}**: network {md(iso.get('network'))}; file system "
+                   f"{md(iso.get('filesystem'))}; processes {md(iso.get('processes'))}; "
+                   f"privileges {md(iso.get('privileges'))}")
+    out += [f"- {md(note)}" for note in probes.notes]
     if probes.honesty:
-        out += ["", probes.honesty]
+        out += ["", md(probes.honesty)]
     return out + [""]
 
 
@@ -158,17 +166,17 @@ def _reference(report: Report) -> list[str]:
     if ref is None:
         return []
     out = ["## Reference", ""]
-    commit = f" at commit `{ref.commit[:12]}`" if ref.commit else ""
-    out += [f"**{ref.name}**, answered by the **{ref.tier or 'no'}** tier{commit}.", ""]
+    commit = f" at commit {code(ref.commit[:12])}" if ref.commit else ""
+    out += [f"**{md(ref.name)}**, answered by the **{md(ref.tier or 'no')}** tier{commit}.", ""]
     if ref.attempts:
         out += ["| tier | tried | outcome | reason |", "|---|---|---|---|"]
         for attempt in ref.attempts:
             out.append(
-                f"| {_cell(str(attempt.get('tier', '')))} | {_cell(str(attempt.get('tried', '')))} | "
-                f"{_cell(str(attempt.get('outcome', '')))} | {_cell(str(attempt.get('reason', '')))} |"
+                f"| {md(attempt.get('tier', ''))} | {md(attempt.get('tried', ''))} | "
+                f"{md(attempt.get('outcome', ''))} | {md(attempt.get('reason', ''))} |"
             )
         out.append("")
-    out += [f"- {note}" for note in ref.notes]
+    out += [f"- {md(note)}" for note in ref.notes]
     return out + ([""] if ref.notes else [])
 
 
@@ -180,15 +188,11 @@ def _inputs(report: Report) -> list[str]:
         ("code", report.inputs.code),
         ("playbook", report.inputs.playbook),
     ):
-        out.append(f"- {label}: {f'`{value}`' if value else 'none'}")
+        out.append(f"- {label}: {code(value) if value else 'none'}")
     if report.run is not None and report.run.problems:
         out += ["", "Problems reading the run directory:", ""]
-        out += [f"- {problem}" for problem in report.run.problems]
+        out += [f"- {md(problem)}" for problem in report.run.problems]
     return out + [""]
-
-
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
 
 
 def _yaml_value(value: object) -> str:

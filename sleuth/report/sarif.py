@@ -2,6 +2,9 @@
 
 Rules come from the playbook (id, title, why); a result is emitted for every mismatch that has code
 evidence with a path (the first such evidence is the primary location, the rest related locations).
+
+Text an editor shows (messages, rule descriptions, snippets: names and values from the run or the code) is
+written as sleuth.escape.terminal writes it; the file is strict JSON (sleuth.escape.dumps).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sleuth.escape import terminal
 from sleuth.findings import Evidence, Finding
 from sleuth.report.model import Report, Rule
 
@@ -47,7 +51,7 @@ def render_sarif(report: Report, *, base: Path | None = None) -> dict[str, Any]:
             "ruleId": finding.id,
             "ruleIndex": index[finding.id],
             "level": _LEVEL.get(finding.severity, "warning"),
-            "message": {"text": message},
+            "message": {"text": terminal(message)},
             "locations": [_location(located[0], base, code_root)],
             "properties": {"confidence": finding.confidence, "severity": finding.severity},
         }
@@ -77,9 +81,9 @@ def _rule(rule: Rule) -> dict[str, Any]:
     return {
         "id": rule.id,
         "name": rule.id.replace(".", "_"),
-        "shortDescription": {"text": rule.title or rule.id},
-        "fullDescription": {"text": full},
-        "help": {"text": help_text},
+        "shortDescription": {"text": terminal(rule.title or rule.id)},
+        "fullDescription": {"text": terminal(full)},
+        "help": {"text": terminal(help_text)},
         "defaultConfiguration": {"level": _LEVEL.get(rule.severity, "warning")},
         "properties": {"severity": rule.severity},
     }
@@ -105,7 +109,7 @@ def _location(evidence: Evidence, base: Path, code_root: Path | None) -> dict[st
     if evidence.line is not None and evidence.line >= 1:
         region: dict[str, Any] = {"startLine": evidence.line}
         if evidence.snippet:
-            region["snippet"] = {"text": evidence.snippet}
+            region["snippet"] = {"text": terminal(evidence.snippet)}
         physical["region"] = region
     return {"physicalLocation": physical}
 

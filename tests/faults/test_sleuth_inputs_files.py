@@ -156,3 +156,69 @@ def test_latest_that_points_outside_checkpoints_is_not_followed(tmp_path: Path) 
 
     assert report["run"]["checkpoint"] == str(run / "checkpoints" / "step-300" / "drafter.safetensors")
     assert any("checkpoints/latest names" in p for p in report["run"]["problems"])
+
+
+# --- metrics.jsonl, streamed under bounds (issue 22, F12) ----------------------------------------------------
+
+def _read_run_in_a_fresh_process(run: Path) -> dict:
+    """sleuth.runs.read_run of `run` in a child process: its peak RSS (KiB), problems and rows kept."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    script = ("import json, pathlib, resource, sys\nfrom sleuth.runs import read_run\n"
+              "info = read_run(pathlib.Path(sys.argv[1]))\n"
+              "print(json.dumps({'peak_kib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+              "'problems': info.problems, 'steps': [row['step'] for row in info.metrics]}))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(run)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def test_a_sparse_400_mib_metrics_file_is_streamed_not_held(tmp_path: Path) -> None:
+    """30 real rows, then 400 MiB of NUL bytes with no newline (sparse: no disk used). Streamed, the long line
+    is read and dropped, never held: peak RSS as for the intact run (measured: 69 MiB either way with the CLI;
+    837 MiB on main, which read the file whole), the 30 rows kept, one problem line naming what was skipped."""
+    intact = _read_run_in_a_fresh_process(write_run(tmp_path / "a", "intact"))
+    run = write_run(tmp_path / "b", "sparse")
+    with (run / "metrics.jsonl").open("r+b") as handle:
+        handle.truncate(400 * 1024 * 1024)
+    sparse = _read_run_in_a_fresh_process(run)
+    assert sparse["peak_kib"] < intact["peak_kib"] + 64 * 1024, (sparse["peak_kib"] >> 10, intact["peak_kib"] >> 10)
+    assert sparse["steps"] == intact["steps"] == list(range(10, 301, 10))
+    lines = [p for p in sparse["problems"] if p.startswith("metrics.jsonl")]
+    assert len(lines) == 1 and "skipped 1 line(s) longer than 1024 KiB, not read (line 31)" in lines[0], lines
+
+
+def test_metrics_past_the_byte_bound_are_read_up_to_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A metrics file over the total bound keeps the rows before it (on main the whole file was refused: no
+    metrics at all), and says so in the same one line."""
+    import sleuth.runs
+    from sleuth.runs import read_run
+
+    run = write_run(tmp_path / "runs", "long")
+    size = (run / "metrics.jsonl").stat().st_size
+    monkeypatch.setattr(sleuth.runs, "_MAX_METRICS_FILE", size // 2)
+    info = read_run(run)
+    whole_rows = [json.loads(line) for line in (run / "metrics.jsonl").read_bytes()[: size // 2].splitlines()[:-1]]
+    assert [row["step"] for row in info.metrics] == [row["step"] for row in whole_rows]
+    lines = [p for p in info.problems if p.startswith("metrics.jsonl")]
+    assert len(lines) == 1 and "read only the first" in lines[0] and f"of {size} bytes" in lines[0], lines
+
+
+def test_metrics_past_the_row_bound_are_thinned_evenly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More rows than the bound: every 2nd, 4th, ... row is kept, over the whole run (first and last stretch
+    alike), never only the head; the problem line says how many were read and 1 in how many kept."""
+    import sleuth.runs
+    from sleuth.runs import read_run
+
+    monkeypatch.setattr(sleuth.runs, "_MAX_METRICS_ROWS", 100)
+    rows = [{"step": step, "loss": 5.0 - step / 1000} for step in range(1, 351)]
+    run = write_run(tmp_path / "runs", "thin", rows=rows)
+    info = read_run(run)
+    steps = [row["step"] for row in info.metrics]
+    assert steps == list(range(1, 351, 4))  # 350 rows, bound 100: 1 in 2 (175 > 100), then 1 in 4: 88 rows
+    lines = [p for p in info.problems if p.startswith("metrics.jsonl")]
+    assert len(lines) == 1 and "kept 1 row in 4 of 350" in lines[0], lines

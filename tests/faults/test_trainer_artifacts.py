@@ -250,3 +250,78 @@ def test_a_fix_yaml_that_names_no_run_is_refused(tmp_path: Path) -> None:
     result = invoke("run", "--fixed", "--from", "v5", "--runs-dir", str(runs), "--quiet")
     assert "does not say which run" in assert_one_line_error(result.stderr, result.exit_code)
     assert sorted(p.name for p in runs.iterdir()) == ["v5"]
+
+
+# --- --fixed without --from: only a run's own diagnosis (issue 22, F15) -----------------------------------------
+
+def _diagnose(run: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, out: Path | None = None) -> None:
+    """The real `sleuth diagnose` (in this process): a fix.yaml with the provenance it records."""
+    from typer.testing import CliRunner
+
+    from sleuth.cli import app as sleuth_app
+
+    monkeypatch.setenv("SLEUTH_CACHE_DIR", str(tmp_path / "sleuth-cache"))
+    monkeypatch.setenv("SLEUTH_CONFIG_FILE", str(tmp_path / "no-config.yaml"))
+    args = ["diagnose", "--run", str(run), "--offline", "--no-probe"] + (["--out", str(out)] if out else [])
+    diagnosed = CliRunner().invoke(sleuth_app, args)
+    assert diagnosed.exit_code in (0, 1), diagnosed.output
+
+
+def _named_run(runs: Path, name: str, **config: object) -> Path:
+    run = copy_base_run(runs, name)
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "name": name}))
+    if config:
+        values = json.loads((run / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps({**values, **config}))
+    return run
+
+
+def test_fixed_refuses_a_foreign_fix_yaml_dated_in_the_future(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's v3 is diagnosed; a run dropped into runs/ ships a hand-written fix.yaml dated 2030. On main
+    `trainer run --fixed` trained the dropped run's config with its patch (lr 0.5), saying only a path."""
+    runs = tmp_path / "runs"
+    _diagnose(_named_run(runs, "v3", loss_decay_gamma=7.0), monkeypatch, tmp_path)
+    colleague = _named_run(runs, "colleague")
+    (colleague / "diagnosis").mkdir()
+    fix = colleague / "diagnosis" / "fix.yaml"
+    fix.write_text("diagnosed_run: colleague\nconfig_patch: {loss_decay_gamma: 7.0, lr: 0.5}\ncode_changes: []\n")
+    os.utime(fix, (1_893_456_000, 1_893_456_000))  # 2030-01-01
+    before = snapshot(runs)
+    result = invoke("run", "--fixed", "--runs-dir", str(runs), "--quiet")
+    line = assert_one_line_error(result.stderr, result.exit_code, naming="colleague/diagnosis/fix.yaml")
+    assert "not sleuth's diagnosis of the run it sits in" in line and "--from" in line, line
+    assert snapshot(runs) == before  # no vN made
+
+
+def test_fixed_applies_the_newest_own_diagnosis_and_says_which(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Own diagnoses are recognised by their recorded path and config hash: the newest applies, named in the
+    note. A fix.yaml copied in from a run diagnosed elsewhere (its recorded path is not where it sits) and
+    older than the own one is passed over; two own ones equally new are ambiguous and refused."""
+    from trainer.commands.run import _fixed_config
+    from trainer.errors import UsageError
+
+    runs = tmp_path / "runs"
+    v3 = _named_run(runs, "v3", loss_decay_gamma=7.0)
+    v5 = _named_run(runs, "v5", loss_decay_gamma=9.0)
+    elsewhere = _named_run(tmp_path / "elsewhere", "shared", loss_decay_gamma=11.0)
+    for run in (v3, v5, elsewhere):
+        _diagnose(run, monkeypatch, tmp_path)
+    shutil.copytree(elsewhere, runs / "shared")  # a colleague's run, diagnosed there, then copied here
+    os.utime(runs / "shared" / "diagnosis" / "fix.yaml", (1_000_000_000, 1_000_000_000))  # older than v3/v5
+    os.utime(v3 / "diagnosis" / "fix.yaml", (1_700_000_000, 1_700_000_000))
+    os.utime(v5 / "diagnosis" / "fix.yaml", (1_700_000_100, 1_700_000_100))
+
+    values, preset, notes = _fixed_config(runs, None)
+    assert preset is None and "v5/diagnosis/fix.yaml" in notes[0] and "run v5" in notes[0], notes
+    assert values["loss_decay_gamma"] == 4.0 and values["lr"] == json.loads((v5 / "config.json").read_text())["lr"]
+
+    os.utime(v3 / "diagnosis" / "fix.yaml", (1_700_000_100, 1_700_000_100))
+    with pytest.raises(UsageError, match="equally new"):
+        _fixed_config(runs, None)
+
+    # the copied run's diagnosis, newest of all: refused, though it is a genuine sleuth fix.yaml
+    os.utime(runs / "shared" / "diagnosis" / "fix.yaml", (1_800_000_000, 1_800_000_000))
+    with pytest.raises(UsageError, match="it was written for .*elsewhere/shared"):
+        _fixed_config(runs, None)

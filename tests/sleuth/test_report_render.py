@@ -99,7 +99,7 @@ def test_markdown_has_summary_chart_ranked_findings_and_trace_in_order(tmp_path:
     assert "- **Expected:** 5 layers" in md and "- **Observed:** 4 layers" in md
     assert "- **Fix (safe):** set `fc_layers: null`, `loss_decay_gamma: 7.0` (in fix.yaml)" in md
     assert "- **Why unknown:** checkpoint is corrupt: header is not JSON" in md
-    assert "| local | ~/spec | ok | a\\|b |" in md  # a pipe in a cell does not break the table
+    assert "| local | \\~/spec | ok | a\\|b |" in md  # a pipe in a cell does not break the table (nor ~ strike)
     assert "metrics.jsonl: skipped 1 truncated line" in md
 
 

@@ -107,3 +107,26 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_at(linear, 60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)
     constant = config.model_copy(update={"schedule": "constant"})
     assert lr_at(constant, 100) == pytest.approx(1e-3)
+
+
+def test_runs_table_shows_run_json_text_escaped_never_as_markup_or_terminal_codes(tmp_path):
+    """A run directory shipped by someone else: its run.json strings reach the terminal only as escaped text."""
+    import subprocess
+    import sys
+
+    from trainer.config import validate_config
+
+    run = tmp_path / "runs" / "v1"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(validate_config({}).model_dump(mode="json")))
+    (run / "run.json").write_text(json.dumps({"format_version": 1, "name": "v1", "preset": "\x1b]0;t\x07[/]\u202e",
+                                              "status": "done\u2028", "created": "2026-11-01T10:00:00+00:00",
+                                              "steps_done": 1}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    env = {**os.environ, "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", "trainer.cli", "runs", "--runs-dir", str(tmp_path / "runs")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout and "\u202e" not in done.stdout
+    assert "\u2028" not in done.stdout
+    assert "\\x1b]0;t\\x07[/]\\u202e" in done.stdout and "done\\u2028" in done.stdout

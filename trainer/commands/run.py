@@ -111,11 +111,10 @@ def _fixed_config(runs_dir: Path, from_run: str | None) -> tuple[dict[str, Any],
         if not fix_file.is_file():
             raise UsageError(f"run {from_run!r} has no diagnosis; run `sleuth diagnose --run {from_run}` first")
     else:
-        diagnosed = sorted(runs_dir.glob("*/diagnosis/fix.yaml"), key=lambda p: p.stat().st_mtime)
-        if not diagnosed:
+        chosen = _newest_own_diagnosis(runs_dir)
+        if chosen is None:
             return {}, "fixed", ["no diagnosed run found: using the reference configuration (preset 'fixed')"]
-        fix_file = diagnosed[-1]
-        source = RunDir(fix_file.parent.parent)
+        fix_file, source = chosen
     fix = load_yaml(read_text(fix_file, source.path, limit=2**20), str(fix_file)) or {}
     if not isinstance(fix, dict):
         raise RunError(f"{fix_file} must hold a mapping (config_patch, code_changes); the file is damaged")
@@ -127,11 +126,72 @@ def _fixed_config(runs_dir: Path, from_run: str | None) -> tuple[dict[str, Any],
         raise RunError(f"{fix_file}: code_changes must be a list of entries with id and hint; the file is damaged")
     values = {**source.read_config(), **patch}
     _check_written_for(fix, fix_file, source)
-    shown = ", ".join(f"{k}={v!r}" for k, v in patch.items()) or "nothing (no config-fixable finding)"
-    notes = [escape(f"applying the fix from {fix_file}: {shown}")]
-    notes += [f"[yellow]not fixed by config[/] {escape(str(change.get('id')))}: {escape(str(change.get('hint')))}"
-              for change in changes]
+    shown = ", ".join(f"{_printable(k)}={v!r}" for k, v in patch.items()) or "nothing (no config-fixable finding)"
+    notes = [escape(f"applying the fix from {_printable(fix_file)} (the diagnosis of run {_printable(source.name)}): "
+                    f"{shown}")]
+    notes += [f"[yellow]not fixed by config[/] {escape(_printable(change.get('id')))}: "
+              f"{escape(_printable(change.get('hint')))}" for change in changes]
     return values, None, notes
+
+
+def _printable(value: object) -> str:
+    """A string from fix.yaml (hand-editable) for the terminal: controls, bidi and invisible characters escaped."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(value))
+
+
+def _newest_own_diagnosis(runs_dir: Path) -> tuple[Path, Any] | None:
+    """`--fixed` without `--from`: the newest fix.yaml that is the diagnosis of the run it sits in, by the
+    provenance sleuth records (`diagnosed_run_path` is that run directory, `diagnosed_config_sha256` its
+    config.json). A fix.yaml without it (hand-written, copied in with a run from elsewhere, or from an older
+    sleuth) or for another directory is foreign: never applied here. When a foreign one is the newest (a run
+    dropped into runs/ with a fix.yaml dated in the future), or two own ones are equally new, the choice is
+    ambiguous and refused in one line; `--from RUN` chooses. None when no run has a diagnosis."""
+    import hashlib
+    import os
+
+    from trainer.config import load_yaml
+    from trainer.run.rundir import RunDir, RunError, read_bytes, read_text
+
+    own: list[tuple[float, Path, Any]] = []
+    foreign: list[tuple[float, Path, str]] = []
+    for fix_file in sorted(runs_dir.glob("*/diagnosis/fix.yaml")):
+        run = RunDir(fix_file.parent.parent)
+        try:
+            mtime = fix_file.lstat().st_mtime
+            if fix_file.is_symlink() or fix_file.parent.is_symlink() or run.path.is_symlink():
+                foreign.append((mtime, fix_file, "it is reached through a link"))
+                continue
+            fix = load_yaml(read_text(fix_file, run.path, limit=2**20), str(fix_file))
+            recorded_path = fix.get("diagnosed_run_path") if isinstance(fix, dict) else None
+            recorded_sha = fix.get("diagnosed_config_sha256") if isinstance(fix, dict) else None
+            if not isinstance(recorded_path, str) or not isinstance(recorded_sha, str):
+                foreign.append((mtime, fix_file, "it does not record which run directory and config it was "
+                                                 "written for (diagnosed_run_path, diagnosed_config_sha256)"))
+            elif os.path.realpath(recorded_path) != os.path.realpath(run.path):
+                foreign.append((mtime, fix_file, f"it was written for {_printable(recorded_path)}"))
+            elif hashlib.sha256(read_bytes(run.config_path, run.path)).hexdigest() != recorded_sha:
+                foreign.append((mtime, fix_file, f"{run.name}'s config.json changed since that diagnosis"))
+            else:
+                own.append((mtime, fix_file, run))
+        except (OSError, RunError, UsageError, ValueError) as exc:
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            foreign.append((fix_file.lstat().st_mtime if fix_file.exists() else 0.0, fix_file,
+                            f"it cannot be read ({_printable(first)[:200]})"))
+    if not own and not foreign:
+        return None
+    newest_own = max(own, key=lambda item: item[0], default=None)
+    newer_foreign = [item for item in foreign if newest_own is None or item[0] >= newest_own[0]]
+    choose = "; name the diagnosed run with --fixed --from RUN"
+    if newer_foreign:
+        mtime, fix_file, why = max(newer_foreign, key=lambda item: item[0])
+        raise UsageError(f"the newest diagnosis, {_printable(fix_file)}, is not sleuth's diagnosis of the run it "
+                         f"sits in ({why}){choose}")
+    assert newest_own is not None
+    tied = [item for item in own if item[0] == newest_own[0]]
+    if len(tied) > 1:
+        names = ", ".join(_printable(item[2].name) for item in tied)
+        raise UsageError(f"the diagnoses of {names} are equally new: which to fix is ambiguous{choose}")
+    return newest_own[1], newest_own[2]
 
 
 def _check_written_for(fix: dict[str, Any], fix_file: Path, source: Any) -> None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import math
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from trainer.commands.options import RunsDir, flag
 from trainer.errors import print_error, user_errors
@@ -69,13 +71,27 @@ def runs_command(
     table = Table("run", "preset", "status", "step", "loss", "acc", "streak", "tau")
     for row in rows:
         table.add_row(
-            row["name"],
-            row.get("preset") or "",
-            row["status"] or "",
+            _cell(row["name"]),
+            _cell(row.get("preset") or ""),
+            _cell(row["status"] or ""),
             str(row.get("step") if row.get("step") is not None else ""),
             *(f"{row[k]:.4f}" if row.get(k) is not None else "" for k in ("loss", "acc", "streak", "tau")),
         )
     Console().print(table)
+
+
+def _cell(value: str) -> Text:
+    """A table cell of run.json text, shown as written: a Text is never read as rich markup (`[/]` in a preset
+    name is no error), and control, format and separator characters (an ESC sequence, a bidi override, a line
+    separator from a run directory shipped by someone else) are spelled as escapes, never sent to the terminal."""
+    shown = "".join(ch if unicodedata.category(ch) not in {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}
+                    else _escaped(ch) for ch in value)
+    return Text(shown)
+
+
+def _escaped(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _text(value: Any) -> str | None:
