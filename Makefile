@@ -34,7 +34,7 @@ parity: $(SPEC_VENV)/.installed
 	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not catalog" tests/parity
 
 # The probes catalog (bench/upstream_defects/defects_probes.yaml) against its measured bar: every copy of
-# speculators and SpecForge diagnosed with probes, ~15+ min on 2 cores, so not part of `parity` / CI.
+# speculators and SpecForge diagnosed with probes, ~8 min on 2 cores, so not part of `parity` / CI.
 parity-catalog: $(SPEC_VENV)/.installed
 	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m catalog tests/parity
 

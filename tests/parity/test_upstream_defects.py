@@ -320,7 +320,7 @@ def probes_result() -> dict:
 
 # The bar, as measured (BENCHMARKS.md, "Probes on planted upstream defects"): a later change may find more,
 # never fewer, and never trade a find for a silent match or a false alarm.
-PROBES_CATALOG_FOUND = None
+PROBES_CATALOG_FOUND = 30  # of 30, at 5e1bba5
 
 
 @pytest.mark.slow
