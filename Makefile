@@ -33,8 +33,9 @@ $(SPEC_VENV)/.installed: bench/setup_speculators_env.sh tools/install_torch.sh
 parity: $(SPEC_VENV)/.installed
 	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not catalog" tests/parity
 
-# The probes catalog (bench/upstream_defects/defects_probes.yaml) against its measured bar: every copy of
-# speculators and SpecForge diagnosed with probes, ~8 min on 2 cores, so not part of `parity` / CI.
+# The long probe benchmarks (pytest marker `catalog`): the probes catalog (bench/upstream_defects/
+# defects_probes.yaml) against its measured bar, ~8 min on 2 cores, and the probe mutation suites on
+# speculators and SpecForge, ~2 min each; not part of `parity`, so CI stays well under 15 minutes.
 parity-catalog: $(SPEC_VENV)/.installed
 	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m catalog tests/parity
 

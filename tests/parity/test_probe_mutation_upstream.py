@@ -97,12 +97,16 @@ def _check(score) -> None:
     assert len(score.planted) >= 8, table  # enough mutants changed behaviour for the bar to mean something
 
 
+# ~2 min each on 2 cores: with the probes catalog in `make parity-catalog`, so CI (`make test` + `make parity`)
+# stays well under 15 minutes; the example's mutation suite (tests/probes/test_probe_mutation.py) is in CI.
+@pytest.mark.catalog
 def test_speculators_mutants_are_never_vouched_for():
     package = _installed("speculators")
     _check(score_package("speculators", "speculators", package, SPECULATORS_SITES, SPECULATORS_CONFIGS,
                          sys.executable, per_operator=2, total=24, jobs=JOBS))
 
 
+@pytest.mark.catalog
 def test_specforge_mutants_are_never_vouched_for():
     pytest.importorskip("specforge.algorithms.common.dflash_family_model",
                         reason="SpecForge 0.2.0 is installed by bench/setup_speculators_env.sh")

@@ -311,7 +311,9 @@ def fingerprint(subject: Any, context_seed: int = 0) -> dict[str, Any]:
     ids_source = (lab.configured.get("target_layer_ids") or {}).get("source") or ""
     if callable(rule) and "run config" not in ids_source:  # the rule is on the run's path only without explicit ids
         found["layer_ids_for"] = {d: list(rule(d)) for d in (8, 36, 64)}
-    found["logits"] = lab.baseline
+    # Logits of real blocks only: a padded anchor slot's output is discarded by every trainer (the protocol: its
+    # block stays out of the loss); whether padding is trained shows in the gradients below.
+    found["logits"] = lab.baseline[lab.batch.anchor_valid]
     n, a = lab.batch.anchors.shape
     v = target.vocab_size
     g = torch.Generator().manual_seed(5)
