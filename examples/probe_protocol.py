@@ -7,8 +7,12 @@ sleuth imports this module in a separate process (the file's directory first on 
 `draft_logits`, `loss`, `train_step`, `draft_layers`, `rotary` (sleuth/probes/protocol.py documents each).
 Your own trainer needs the same few methods, each wired to the functions your training really uses.
 
-`context["config"]` may carry `defects` (a list of names in DEFECTS) to plant one of the bugs the probes
-catch; sleuth's own tests use that to check every probe on a correct and a broken implementation.
+`context["config"]` holds the run's settings (`gamma`, `loss`, `weighting`, `block_size`); `describe()`
+reports each one it uses and where it came from (the run's config, or this file's default), so sleuth can
+tell "the code ignored the configured gamma" from "the configured gamma is wrong". It may also carry
+`defects` (a list of names in DEFECTS) to plant one of the bugs the probes catch; sleuth's own tests use
+that to check every probe on a correct and a broken implementation (tests/probes/ also mutates this file
+automatically, so keep every DFlash rule in plain code here).
 """
 
 from __future__ import annotations
@@ -32,7 +36,18 @@ DEFECTS = {
     "no_shift": "slot j is trained toward the target's prediction at p+j",
     "slot0_weighted": "slot 0 gets loss weight",
     "trainable_head": "embeddings and lm_head are trained",
+    "anchor_tiling": "per-query anchors tiled with repeat instead of repeat_interleave",
+    "cross_document": "a block sees the context of earlier documents in its row",
+    "query_positions": "queries rotated at their slot index 0..B-1 instead of anchor + j",
+    "softmax_ce": "cross-entropy applied to softmax(logits) instead of the logits",
+    "self_labels": "each slot is trained toward the drafter's own argmax",
+    "gamma_ignored": "the loss decays with gamma 4 whatever the config says",
+    "sampler_ranks": "the sampler returns ranks among the eligible positions instead of the positions",
+    "mask_is_pad": "slots 1..B-1 hold the pad token (0) instead of the mask token",
+    "fc_interleaved": "fc's input interleaves the layers feature by feature (stack, then flatten)",
+    "context_detached": "the fused context is detached before the layers (fc never trains)",
 }
+DEFAULTS = {"gamma": 4.0, "loss": "ce", "weighting": "decay", "block_size": 6}
 
 
 class RMSNorm(nn.Module):
@@ -70,8 +85,10 @@ class Layer(nn.Module):
         self.o = nn.Linear(heads * head_dim, hidden, bias=False)
         self.up, self.down = nn.Linear(hidden, intermediate, bias=False), nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, hidden_states: Tensor, context: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, hidden_states: Tensor, context: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor,
+                query_rotation: tuple[Tensor, Tensor] | None = None) -> Tensor:
         n, q_len, _ = hidden_states.shape
+        q_cos, q_sin = query_rotation or (cos[:, -q_len:], sin[:, -q_len:])  # the block's own positions
         x = self.norm1(hidden_states)
         keys_in = x if context is None else torch.cat([context, x], dim=1)  # context K/V first, then the block's
         if context is None:
@@ -80,7 +97,7 @@ class Layer(nn.Module):
         def split(t: Tensor) -> Tensor:
             return t.view(n, -1, self.heads, self.head_dim).transpose(1, 2)
 
-        q = rotate(split(self.q(x)), cos[:, -q_len:], sin[:, -q_len:])
+        q = rotate(split(self.q(x)), q_cos, q_sin)
         k = rotate(split(self.k(keys_in)), cos, sin)
         out = F.scaled_dot_product_attention(q, k, split(self.v(keys_in)), attn_mask=mask[:, None])
         hidden_states = hidden_states + self.o(out.transpose(1, 2).reshape(n, q_len, -1))
@@ -89,8 +106,10 @@ class Layer(nn.Module):
 
 class Drafter(nn.Module):
     def __init__(self, num_features: int, hidden: int, layers: int, heads: int, head_dim: int,
-                 intermediate: int, theta: float, context_first_layer_only: bool) -> None:
+                 intermediate: int, theta: float, context_first_layer_only: bool, block_size: int,
+                 context_detached: bool = False) -> None:
         super().__init__()
+        self.block_size, self.context_detached = block_size, context_detached
         self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden)
         self.layers = nn.ModuleList(Layer(hidden, heads, head_dim, intermediate) for _ in range(layers))
@@ -98,12 +117,20 @@ class Drafter(nn.Module):
         self.rotary = Rotary(head_dim, theta)
         self.context_first_layer_only = context_first_layer_only
 
-    def forward(self, block: Tensor, features: Tensor, position_ids: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, block: Tensor, features: Tensor, position_ids: Tensor, mask: Tensor,
+                slot_positions: bool = False) -> Tensor:
         context = self.hidden_norm(self.fc(features))  # [N, S, H]
+        if self.context_detached:
+            context = context.detach()
         cos, sin = self.rotary(block, position_ids)
+        query_rotation = None
+        if slot_positions:  # the defect: queries at their slot index within the block
+            n, q_len, _ = block.shape
+            slots = (torch.arange(q_len) % self.block_size).expand(n, -1)
+            query_rotation = self.rotary(block, slots)
         for index, layer in enumerate(self.layers):
             sees = index == 0 or not self.context_first_layer_only
-            block = layer(block, context if sees else None, cos, sin, mask)
+            block = layer(block, context if sees else None, cos, sin, mask, query_rotation)
         return self.norm(block)
 
 
@@ -114,19 +141,43 @@ def reference_layer_ids(num_layers: int, k: int) -> list[int]:
 class TinyDFlash:
     """The probe protocol over this file's drafter and loss."""
 
-    def __init__(self, defects: set[str], block_size: int = 6, num_target_layers: int = 8, num_features: int = 3,
-                 gamma: float | None = 4.0, loss: str = "ce", weighting: str = "decay") -> None:
+    def __init__(self, defects: set[str], config: dict[str, Any] | None = None, num_target_layers: int = 8,
+                 num_features: int = 3) -> None:
         unknown = defects - set(DEFECTS)
         if unknown:
             raise ValueError(f"unknown defects {sorted(unknown)}")
-        self.defects, self.block_size, self.gamma, self.loss_kind, self.weighting = defects, block_size, gamma, loss, weighting
-        self.num_target_layers = num_target_layers
-        self.layer_ids = reference_layer_ids(num_target_layers, num_features)
+        given = config or {}
+        self.settings = {key: given.get(key, default) for key, default in DEFAULTS.items()}
+        self.sources = {key: "run config " + key if key in given else "default of examples/probe_protocol.py"
+                        for key in DEFAULTS}
+        self.defects = defects
+        self.block_size = int(self.settings["block_size"])
+        self.gamma, self.loss_kind, self.weighting = self.settings["gamma"], self.settings["loss"], self.settings["weighting"]
+        self.num_target_layers, self.num_features = num_target_layers, num_features
+        self.layer_ids = self.layer_ids_for(num_target_layers)
+
+    def layer_ids_for(self, num_target_layers: int, count: int | None = None) -> list[int]:
+        """This implementation's layer-id rule, for a target of any depth (and any number of layers)."""
+        return reference_layer_ids(num_target_layers, count or self.num_features)
+
+    def feature_projection(self) -> nn.Module:
+        return self.drafter.fc
 
     def describe(self) -> dict[str, Any]:
+        weighting = {"decay": "fixed-exp" if self.gamma is not None else "none", "dpace": "dpace"}[self.weighting]
+        # "no decay" is set by gamma None: its source is gamma's
+        weighting_source = self.sources["gamma" if weighting == "none" else "weighting"]
+        configured = {"weighting": {"value": weighting, "source": weighting_source},
+                      "loss": {"value": self.loss_kind, "source": self.sources["loss"]}}
+        if weighting == "fixed-exp":
+            configured["gamma"] = {"value": self.gamma, "source": self.sources["gamma"]}
+        if weighting == "dpace":
+            configured["dpace_alpha"] = {"value": 0.5, "source": "default of examples/probe_protocol.py"}
         return {"name": "probe_protocol example", "protocol": 1, "block_size": self.block_size,
                 "num_target_layers": self.num_target_layers, "layer_ids": self.layer_ids,
-                "layer_id_convention": "zlab", "notes": sorted(self.defects)}
+                "layer_id_convention": "zlab", "configured": configured, "anchor_exclusions": ["last B positions"],
+                "layer_ids_source": "reference_layer_ids (this file's rule) for the target's depth",
+                "notes": sorted(self.defects)}
 
     def build(self, target: Any) -> None:
         self.target = target
@@ -138,7 +189,8 @@ class TinyDFlash:
         read = self.layer_ids[:-1] if "fc_subset" in self.defects else self.layer_ids
         self.read = [i if "layer_offset" in self.defects else i + 1 for i in read]  # hidden_states indices
         self.drafter = Drafter(len(self.read), target.hidden_size, 2, target.num_heads, target.head_dim,
-                               target.intermediate_size, target.rope_theta, "context_first_layer_only" in self.defects)
+                               target.intermediate_size, target.rope_theta, "context_first_layer_only" in self.defects,
+                               self.block_size, "context_detached" in self.defects)
 
     def parameters(self) -> dict[str, nn.Parameter]:
         found = dict(self.drafter.named_parameters())
@@ -156,7 +208,10 @@ class TinyDFlash:
         n, s = doc_ids.shape
         b, q_len = self.block_size, anchors.shape[1] * self.block_size
         block_of = torch.arange(q_len) // b
-        anchor = anchors[:, block_of]  # [N, Q]
+        if "anchor_tiling" in self.defects:
+            anchor = anchors.repeat(1, b)  # [N, Q], anchors[q % A]: the wrong tiling
+        else:
+            anchor = anchors.repeat_interleave(b, dim=1)  # [N, Q], anchors[q // B]
         kv = torch.arange(s)[None, None, :]
         if "future_context" in self.defects:
             before = torch.ones(n, q_len, s, dtype=torch.bool)
@@ -165,6 +220,8 @@ class TinyDFlash:
         else:
             before = kv < anchor[..., None]
         same_doc = doc_ids[:, None, :] == doc_ids.gather(1, anchor)[..., None]
+        if "cross_document" in self.defects:
+            same_doc = doc_ids[:, None, :] <= doc_ids.gather(1, anchor)[..., None]
         own = block_of[:, None] == block_of[None, :]
         if "cross_block" in self.defects:
             own = torch.ones_like(own)
@@ -175,14 +232,18 @@ class TinyDFlash:
     def _logits(self, batch: Any, hooks: Any) -> Tensor:  # [N, A*B, V]
         n, a = batch.anchors.shape
         b = self.block_size
-        ids = torch.full((n, a, b), self.target.mask_token_id)
+        ids = torch.full((n, a, b), 0 if "mask_is_pad" in self.defects else self.target.mask_token_id)
         ids[:, :, 0] = batch.input_ids.gather(1, batch.anchors)
         block = hooks.block_embeddings(F.embedding(ids.view(n, a * b), self.embed))
-        features = torch.cat([batch.hidden_states[i] for i in self.read], dim=-1)
+        if "fc_interleaved" in self.defects:
+            features = torch.stack([batch.hidden_states[i] for i in self.read], dim=-1).flatten(-2)
+        else:
+            features = torch.cat([batch.hidden_states[i] for i in self.read], dim=-1)
         shift = 1 if "position_offset" in self.defects else 0
         block_positions = batch.position_ids.gather(1, batch.anchors)[..., None] + torch.arange(b) + shift
         positions = torch.cat([batch.position_ids, block_positions.view(n, a * b)], dim=1)
-        hidden = self.drafter(block, features, positions, self.mask(batch.anchors, batch.doc_ids))
+        hidden = self.drafter(block, features, positions, self.mask(batch.anchors, batch.doc_ids),
+                              slot_positions="query_positions" in self.defects)
         return hooks.draft_logits(hidden @ self.head.T)
 
     def draft_logits(self, batch: Any, hooks: Any) -> Tensor:
@@ -192,33 +253,58 @@ class TinyDFlash:
     def loss(self, batch: Any, hooks: Any) -> Tensor:
         n, a = batch.anchors.shape
         b = self.block_size
-        logp = F.log_softmax(self._logits(batch, hooks).view(n, a, b, -1).float(), dim=-1)
+        logits = self._logits(batch, hooks).view(n, a, b, -1).float()
+        logp = F.log_softmax(logits.softmax(-1) if "softmax_ce" in self.defects else logits, dim=-1)
         teacher = batch.logits
         if "teacher_last_selected" in self.defects:
             h = batch.hidden_states[self.layer_ids[-1] + 1]
             normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.target.rms_norm_eps) * self.target.norm_weight
             teacher = normed @ self.target.lm_head_weight.T
         shift = 0 if "no_shift" in self.defects else -1
-        where = (batch.anchors[..., None] + torch.arange(b) + shift).clamp(0, teacher.shape[1] - 1)  # [N, A, B]
+        labels = batch.anchors[..., None] + torch.arange(b)  # [N, A, B] the position of the token slot j predicts
+        where = (labels + shift).clamp(0, teacher.shape[1] - 1)  # the target's prediction of that token
         target = teacher.gather(1, where.view(n, -1, 1).expand(-1, -1, teacher.shape[-1])).view(n, a, b, -1)
+        if "self_labels" in self.defects:
+            target = logits.detach()
         if self.loss_kind == "ce":
             per_slot = -logp.gather(-1, target.argmax(-1, keepdim=True)).squeeze(-1)
         else:
             q = F.log_softmax(target, -1)
             per_slot = (q.exp() * (q - logp)).sum(-1)
+        # Which slots are trained: a real block (not a padded anchor slot), slot >= 1, a supervised token at p+j.
+        inside = labels < batch.loss_mask.shape[1]
+        supervised = batch.loss_mask.gather(1, labels.clamp(max=batch.loss_mask.shape[1] - 1).view(n, -1)).view(n, a, b)
+        mask = (batch.anchor_valid[..., None] & inside & (supervised > 0)).float()
         slot = torch.arange(b, dtype=torch.float32)
+        if "slot0_weighted" not in self.defects:
+            mask = mask * (slot > 0).float()
         if self.weighting == "dpace":  # speculators' D-PACE: suffix sums of cumulative smoothed confidence
             with torch.no_grad():
-                mask = (slot > 0).float().expand(n, a, b)
                 smooth = torch.where(mask > 0, 0.5 * torch.exp(-per_slot) + 0.5, torch.ones_like(per_slot))
                 prefix = torch.cumprod(smooth, -1)
                 weights = torch.flip(torch.cumsum(torch.flip(prefix * mask, [-1]), -1), [-1]) * mask
         else:
-            decay = torch.ones(b) if self.gamma is None else torch.exp(-(slot - 1).clamp(min=0) / self.gamma)
-            if "slot0_weighted" not in self.defects:
-                decay[0] = 0.0
-            weights = decay.expand(n, a, b)
-        return (weights * per_slot).sum() / (weights > 0).sum()
+            gamma = 4.0 if "gamma_ignored" in self.defects else self.gamma
+            decay = torch.ones(b) if gamma is None else torch.exp(-(slot - 1).clamp(min=0) / gamma)
+            weights = decay * mask
+        return (weights * per_slot).sum() / (weights > 0).sum().clamp_min(1)
+
+    def sample_anchors(self, batch: Any, num_anchors: int) -> tuple[Tensor, Tensor]:
+        """The anchors a training step would draw: uniform without replacement over supervised positions,
+        never in the last B positions of the row, sorted; rows with fewer are padded with invalid slots."""
+        n, s = batch.loss_mask.shape
+        anchors = torch.zeros(n, num_anchors, dtype=torch.long)
+        valid = torch.zeros(n, num_anchors, dtype=torch.bool)
+        eligible = batch.loss_mask.bool().clone()
+        eligible[:, max(s - self.block_size, 0) :] = False
+        for row in range(n):
+            candidates = eligible[row].nonzero().squeeze(-1)
+            count = min(num_anchors, candidates.numel())
+            chosen = torch.randperm(candidates.numel())[:count]
+            picked = chosen if "sampler_ranks" in self.defects else candidates[chosen]
+            anchors[row, :count] = picked.sort().values
+            valid[row, :count] = True
+        return anchors, valid
 
     def train_step(self, batch: Any) -> None:
         trainable = [p for p in self.parameters().values() if p.requires_grad]
@@ -232,6 +318,5 @@ class TinyDFlash:
 
 def subject(context: dict[str, Any]) -> TinyDFlash:
     """The entry point sleuth calls: `--probe-entry probe_protocol:subject`."""
-    config = context.get("config") or {}
-    return TinyDFlash(set(config.get("defects", [])), gamma=config.get("gamma", 4.0), loss=config.get("loss", "ce"),
-                      weighting=config.get("weighting", "decay"), block_size=config.get("block_size", 6))
+    config = dict(context.get("config") or {})
+    return TinyDFlash(set(config.pop("defects", [])), config)

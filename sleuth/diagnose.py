@@ -348,6 +348,7 @@ class _Investigation(InputDiscovery):
             python=request.probe_python, run_dir=info.path if info is not None else None,
             run_name=info.name if info is not None else None, run_code=info.code_dir if info is not None else None,
             code=request.code, config=self.config, timeout_s=request.probe_timeout_s, announce=self.announce,
+            config_path=request.config,
         )
         return findings
 

@@ -104,6 +104,19 @@ class TrainerProbeSubject:
 
     def describe(self) -> dict[str, Any]:
         config = resolve_for_target(self.config, self.num_target_layers)
+        run = "run config config.json:"
+        # What the run's config sets for the rules sleuth judges (it tells "the code ignored the config" from
+        # "the config is wrong"); a run's config.json holds every value explicitly.
+        configured: dict[str, dict[str, Any]] = {
+            "loss": {"value": config.loss, "source": run + "loss"},
+            "weighting": {"value": "dpace" if config.loss_weighting == "dpace" else
+                          ("none" if config.loss_decay_gamma is None else "fixed-exp"), "source": run + "loss_weighting"},
+            "dpace_alpha": {"value": config.dpace_alpha, "source": run + "dpace_alpha"},
+        }
+        if config.loss_decay_gamma is not None:
+            configured["gamma"] = {"value": config.loss_decay_gamma, "source": run + "loss_decay_gamma"}
+        if self.config.target_layer_ids is not None:
+            configured["target_layer_ids"] = {"value": list(self.config.target_layer_ids), "source": run + "target_layer_ids"}
         return {
             "name": "dflash-sleuth trainer",
             "protocol": PROBE_PROTOCOL_VERSION,
@@ -111,8 +124,30 @@ class TrainerProbeSubject:
             "num_target_layers": self.num_target_layers,
             "layer_ids": list(config.target_layer_ids or []),
             "layer_id_convention": "zlab",
+            "configured": configured,
+            "anchor_exclusions": ["last B positions"],  # trainer/model/anchors.py
+            "anchor_sampler_source": "trainer.run.step.sample_step_anchors",
+            "layer_ids_source": "TrainConfig.resolved_layer_ids for the target's depth",
             "notes": [f"the run's config: loss {config.loss}, gamma {config.loss_decay_gamma}"],
         }
+
+    def layer_ids_for(self, num_target_layers: int) -> list[int]:
+        """The trainer's own id rule for a target of that depth (the run's explicit ids, if it set them)."""
+        return list(self.config.resolved_layer_ids(num_target_layers))
+
+    def feature_projection(self) -> nn.Module:
+        return self.drafter.fc
+
+    def sample_anchors(self, batch: Any, num_anchors: int) -> tuple[Tensor, Tensor]:
+        """The training loop's sampler (sample_step_anchors) with max_anchors = num_anchors; the step number
+        is drawn from torch's global generator, which the probe seeds per draw."""
+        from dataclasses import replace
+
+        from trainer.run.step import sample_step_anchors
+
+        plan = replace(self.plan, max_anchors=num_anchors)
+        rows = {"loss_mask": batch.loss_mask, "doc_ids": batch.doc_ids}
+        return sample_step_anchors(rows, plan, seed=self.config.seed, step=int(torch.randint(0, 2**30, (1,))))
 
     def build(self, target: Any) -> None:
         self.stand_in = _StandInCausalLM(target)

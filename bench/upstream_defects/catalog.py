@@ -44,7 +44,9 @@ class Edit(_Strict):
 
 
 class Expectation(_Strict):
-    status: Literal["mismatch"] = "mismatch"
+    # mismatch: a planted defect; clean (or match): a behaviour-preserving rewrite, for which a diagnosis
+    # should report no mismatch beyond the unmodified source's
+    status: Literal["mismatch", "clean", "match"] = "mismatch"
     observed: str | None = None  # the value sleuth should read, where it is obvious
 
 
@@ -150,13 +152,14 @@ def package_dir(path: Path, package: str) -> Path | None:
     return None
 
 
-def _speculators_fallbacks() -> list[Path]:
-    # This interpreter's speculators when it has one (the parity venv), else the repo's parity venv.
+def _installed_fallbacks(package: str) -> list[Path]:
+    # This interpreter's package when it has one (the parity venv), else the repo's parity venv (which holds
+    # speculators and SpecForge: bench/setup_speculators_env.sh).
     found: list[Path] = []
-    spec = importlib.util.find_spec("speculators")
+    spec = importlib.util.find_spec(package)
     if spec is not None and spec.submodule_search_locations:
         found.append(Path(next(iter(spec.submodule_search_locations))))
-    pattern = REPO / ".venv-speculators" / "lib" / "python3*" / "site-packages" / "speculators"
+    pattern = REPO / ".venv-speculators" / "lib" / "python3*" / "site-packages" / package
     found += [Path(p) for p in sorted(glob.glob(str(pattern)))]
     return found
 
@@ -169,23 +172,23 @@ def resolve_source(name: SourceName, spec: SourceSpec, given: str | None) -> tup
         if root is None:
             return None, f"{explicit} holds no {spec.package}/ package (from {'--' + name if given else spec.env})"
         return root, f"{'--' + name if given else spec.env}"
-    if name == "speculators":
-        for candidate in _speculators_fallbacks():
+    if name in ("speculators", "specforge"):
+        for candidate in _installed_fallbacks(spec.package):
             root = package_dir(candidate, spec.package)
             if root is not None:
                 return root, "installed package"
-        return None, (f"speculators is not installed here and {spec.env} is unset (`make parity` builds "
-                      ".venv-speculators with speculators 0.9.0)")
+        return None, (f"{name} is not installed here and {spec.env} is unset (`make parity` builds "
+                      ".venv-speculators with speculators 0.9.0 and SpecForge 0.2.0)")
     return None, (f"no checkout: set {spec.env} or pass --{name} PATH (defects were written against "
                   f"{spec.written_against})")
 
 
 def describe_version(name: SourceName, root: Path) -> str:
     """The upstream version actually read: the installed distribution, or the checkout's commit."""
-    if name == "speculators":
-        metadata = sorted(root.parent.glob("speculators-*.dist-info"))
-        if metadata:
-            return metadata[-1].name.removesuffix(".dist-info").replace("-", " ")
+    # An installed distribution first: a site-packages inside some git work tree is not that tree's commit.
+    metadata = sorted(root.parent.glob(f"{root.name}-*.dist-info"))
+    if metadata:
+        return metadata[-1].name.removesuffix(".dist-info").replace("-", " ")
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()

@@ -13,8 +13,12 @@ and then, from OUT/report.json, the finding of the invariant the defect breaks:
   error               sleuth exited 2, timed out or wrote no readable report
 The unmodified source is diagnosed the same way: every `mismatch` there is a false alarm.
 
-No `--config`: speculators' run configuration is its own CLI/YAML (not the trainer's config.json that
-`--config` reads), and its defaults live in the code under test, so the code is the only evidence given.
+A rewrite (`expect.status: clean`, behaviour-preserving) is `kept` when its invariant is not `mismatch`
+(beyond what the unmodified source has), and `false_alarm` when it is.
+
+By default no `--config` and no probes: the code is the only evidence. With `probe` (the CLI's `--probe`)
+every copy is also probed (`--probe --probe-python PYTHON`), and a source's run config may be given
+(`configs`: speculators' run.yaml, SpecForge's recipe), passed as `--config` to every diagnosis of it.
 Every sleuth process gets an empty cache and config directory, so the reference is the same on every
 machine (the playbook's pinned facts, offline) and no user setting leaks into the numbers.
 """
@@ -49,7 +53,8 @@ from .catalog import (
     resolve_source,
 )
 
-CLASSES = ("detected", "silent_false_match", "unknown", "detected_elsewhere", "same_as_unmodified", "error")
+CLASSES = ("detected", "silent_false_match", "unknown", "detected_elsewhere", "same_as_unmodified", "kept",
+           "false_alarm", "error")
 SLEUTH_ENV_OVERRIDE = "UPSTREAM_BENCH_SLEUTH"
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -101,9 +106,22 @@ def _child_env(command: SleuthCommand, scratch: Path) -> dict[str, str]:
     return env
 
 
-def diagnose(command: SleuthCommand, code: Path, scratch: Path, timeout_s: float) -> Diagnosis:
+@dataclass(frozen=True)
+class ProbeOptions:
+    """`--probe` for every diagnosis, in this interpreter; a run config per source (a path)."""
+
+    python: str | None = None
+    configs: dict[str, str] = field(default_factory=dict)
+
+
+def diagnose(command: SleuthCommand, code: Path, scratch: Path, timeout_s: float,
+             probes: ProbeOptions | None = None, config: str | None = None) -> Diagnosis:
     out = scratch / "diagnosis"
     argv = [*command.argv, "diagnose", "--code", str(code), "--offline", "--format", "json", "--out", str(out)]
+    if probes is not None:
+        argv += ["--probe"] + (["--probe-python", probes.python] if probes.python else [])
+    if config:
+        argv += ["--config", config]
     started = time.monotonic()
     try:
         proc = subprocess.run(argv, env=_child_env(command, scratch), cwd=scratch, capture_output=True, text=True,
@@ -126,13 +144,16 @@ def diagnose(command: SleuthCommand, code: Path, scratch: Path, timeout_s: float
 
 
 def _summarise_finding(finding: dict[str, Any]) -> dict[str, Any]:
-    code = [e for e in finding.get("evidence") or [] if isinstance(e, dict) and e.get("kind") == "code"]
+    evidence = [e for e in finding.get("evidence") or [] if isinstance(e, dict)]
+    code = [e for e in evidence if e.get("kind") == "code"]
+    probe = [e for e in evidence if e.get("kind") == "probe"]
     return {
         "status": finding["status"],
         "observed": finding.get("observed"),
         "expected": finding.get("expected"),
         "where": code[0].get("location") if code else None,
         "reason": str(finding.get("reason") or "")[:300],
+        "probe": str(probe[0].get("value") or "")[:300] if probe else None,
     }
 
 
@@ -150,6 +171,7 @@ class DefectResult:
     where: str | None
     reason: str | None
     new_mismatches: list[str]  # other invariants that turned mismatch (not mismatch on the unmodified source)
+    probe: str | None  # the probe's verdict on the invariant, when probed
     exit_code: int | None
     seconds: float
     error: str | None
@@ -160,8 +182,12 @@ def classify(defect: Defect, diagnosis: Diagnosis, unmodified: Diagnosis) -> Def
     before = unmodified.findings.get(defect.invariant)
     status = finding["status"] if finding else None
     new_mismatches = sorted(diagnosis.ids_with("mismatch") - unmodified.ids_with("mismatch") - {defect.invariant})
+    rewrite = defect.expect.status in ("clean", "match")
     if diagnosis.error is not None:
         classification = "error"
+    elif rewrite:
+        newly = diagnosis.ids_with("mismatch") - unmodified.ids_with("mismatch")
+        classification = "false_alarm" if newly else "kept"
     elif status == "mismatch" and before is not None and before["status"] == "mismatch" \
             and before["observed"] == finding["observed"]:  # type: ignore[index]
         classification = "same_as_unmodified"
@@ -180,27 +206,29 @@ def classify(defect: Defect, diagnosis: Diagnosis, unmodified: Diagnosis) -> Def
         classification=classification, status=status, observed=observed, expected_observed=expected,
         observed_as_expected=None if expected is None or status is None else str(observed) == expected,
         where=finding["where"] if finding else None, reason=finding["reason"] if finding else None,
-        new_mismatches=new_mismatches, exit_code=diagnosis.exit_code, seconds=round(diagnosis.seconds, 2),
+        new_mismatches=new_mismatches, probe=finding.get("probe") if finding else None,
+        exit_code=diagnosis.exit_code, seconds=round(diagnosis.seconds, 2),
         error=diagnosis.error,
     )
 
 
 def _diagnose_copy(root: Path, package: str, defect: Defect | None, command: SleuthCommand,
-                   timeout_s: float) -> Diagnosis:
+                   timeout_s: float, probes: ProbeOptions | None = None, config: str | None = None) -> Diagnosis:
     with tempfile.TemporaryDirectory(prefix="upstream-defect-") as tmp:
         scratch = Path(tmp)
         code = copy_with_defect(root, scratch / "code" / package, defect)
-        return diagnose(command, code, scratch, timeout_s)
+        return diagnose(command, code, scratch, timeout_s, probes, config)
 
 
 def totals(results: list[DefectResult], false_alarms: dict[str, list[str]]) -> dict[str, Any]:
     counts = Counter(r.classification for r in results)
-    n = len(results)
+    n = sum(r.classification not in ("kept", "false_alarm") for r in results)  # planted defects, not rewrites
     return {
         "defects": n,
+        "rewrites": len(results) - n,
         **{c: counts.get(c, 0) for c in CLASSES},
         "recall": round(counts.get("detected", 0) / n, 4) if n else None,
-        "false_alarms": sum(len(v) for v in false_alarms.values()),
+        "false_alarms": sum(len(v) for v in false_alarms.values()) + counts.get("false_alarm", 0),
     }
 
 
@@ -214,6 +242,7 @@ def run_benchmark(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     only: set[str] | None = None,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    probes: ProbeOptions | None = None,
 ) -> dict[str, Any]:
     """Diagnose every source unmodified and with each of its defects; the results as one JSON-able dict."""
     started = time.monotonic()
@@ -246,7 +275,8 @@ def run_benchmark(
 
     def work(task: tuple[str, Defect | None]) -> Diagnosis:
         name, defect = task
-        diagnosis = _diagnose_copy(roots[name], catalog.sources[name].package, defect, command, timeout_s)
+        config = probes.configs.get(name) if probes is not None else None
+        diagnosis = _diagnose_copy(roots[name], catalog.sources[name].package, defect, command, timeout_s, probes, config)
         done = next(finished)  # atomic under the GIL, unlike `+= 1`
         label = defect.id if defect else f"{name} (unmodified)"
         state = diagnosis.error or ", ".join(f"{s} {len(diagnosis.ids_with(s))}"
@@ -269,6 +299,7 @@ def run_benchmark(
     return {
         "benchmark": "upstream_defects",
         "sleuth": command.display,
+        "probes": None if probes is None else {"python": probes.python, "configs": probes.configs},
         "jobs": jobs,
         "sources": available,
         "skipped_sources": skipped,

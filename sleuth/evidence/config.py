@@ -131,6 +131,18 @@ def _read_target_layer_ids(config: dict, keys: list[str], meta: RunMeta) -> Conf
     return reading
 
 
+def _rule_count(config: dict, ids: tuple[str, Any] | None, meta: RunMeta) -> int | None:
+    """How many layers `target_layer_ids: null` selects, where the run format says: the trainer's rule picks
+    k = `draft_layers` layers (README, "Configuration"), all distinct when the target has room (L >= k + 3)."""
+    drafts = lookup(config, ["draft_layers"])
+    if ids is None or ids[1] is not None or drafts is None or meta.num_layers is None:
+        return None
+    k = drafts[1]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or meta.num_layers < k + 3:
+        return None
+    return k
+
+
 @config_reader("fc_layers")
 def _read_fc_layers(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
@@ -138,7 +150,7 @@ def _read_fc_layers(config: dict, keys: list[str], meta: RunMeta) -> ConfigReadi
         return None
     key, value = found
     ids = lookup(config, ["target_layer_ids"])
-    k = len(ids[1]) if ids and isinstance(ids[1], list) else None
+    k = len(ids[1]) if ids and isinstance(ids[1], list) else _rule_count(config, ids, meta)
     if value is None:
         return ConfigReading("all", key, value, detail=f"fc_layers null: all {k or 'k'} selected layers", count=k)
     if isinstance(value, list):

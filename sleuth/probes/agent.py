@@ -38,7 +38,8 @@ from sleuth.trace import Trace
 
 
 def choose_plan(*, probe: bool | None, entry: str | None, run_dir: Path | None, run_name: str | None,
-                run_code: Path | None, code: Path | None, config: dict[str, Any] | None) -> tuple[ProbePlan | None, str]:
+                run_code: Path | None, code: Path | None, config: dict[str, Any] | None,
+                config_path: Path | None = None) -> tuple[ProbePlan | None, str]:
     """The plan, or None and why nothing is probed."""
     if probe is False:
         return None, "--no-probe"
@@ -47,7 +48,7 @@ def choose_plan(*, probe: bool | None, entry: str | None, run_dir: Path | None, 
     if code is not None:
         if not probe:
             return None, "--code is probed only with --probe (running the code is the user's decision)"
-        return plan_for_code(code, config), "--probe"
+        return plan_for_code(code, config, config_path), "--probe"
     if run_dir is not None:
         plan = plan_for_run(run_dir, run_code, run_name or run_dir.name)
         plan.asked = bool(probe)
@@ -90,12 +91,13 @@ def probe_findings(
     code: Path | None,
     config: dict[str, Any] | None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    config_path: Path | None = None,
     announce: Callable[[str], None] | None = None,
 ) -> tuple[list[Finding], ProbeOutcome | None, str]:
     """Run the probes the policy allows and merge their verdicts into the findings; also the outcome (None
     when nothing was planned) and the policy that decided."""
     plan, why = choose_plan(probe=probe, entry=entry, run_dir=run_dir, run_name=run_name, run_code=run_code,
-                            code=code, config=config)
+                            code=code, config=config, config_path=config_path)
     if plan is None:
         with trace.step("run-probes", policy=why) as step:
             step.outcome = f"not probed: {why}"

@@ -59,7 +59,10 @@ def check_subject(subject: Any, seed: int = 0) -> dict[str, str]:
     if info is None:
         return {m: r or "not checked: describe() must work first" for m, r in results.items()}
     target = make_target(int(info["num_target_layers"]), seed)
-    layout = make_layout(int(info["block_size"]), 1 if info.get("documents_per_row") == 1 else 2)
+    # the experiments' own layout (packed rows, several blocks, a padded anchor slot), so what passes here is
+    # what the probes will call
+    layout = make_layout(int(info["block_size"]), packed=info.get("documents_per_row") != 1,
+                         rows=min(int(info.get("max_rows") or 2), 2))
     batch = make_batch(target, layout, seed + 1)
     torch.manual_seed(seed)
     if run("build", lambda: partial.build(target)) is None and results["build"] != OK:
@@ -150,11 +153,12 @@ def _draft_logits(subject: PartialSubject, info: dict[str, Any], batch: Any) -> 
             return "never calls hooks.draft_logits on the drafter's logits"
         if not torch.equal(replaced.reshape(-1), marker["out"].reshape(-1)):
             return "calls hooks.draft_logits but does not return its result"
-        if a >= 2:
+        last = int(batch.anchor_valid[0].nonzero().max()) if bool(batch.anchor_valid[0].any()) else a - 1
+        if a >= 2 and int(batch.anchors[0, last]) >= 1:  # the last real anchor (a padded slot may follow it)
             moved = batch.anchors.clone()
-            moved[:, -1] = moved[:, -1] - 1
+            moved[0, last] = moved[0, last] - 1
             shifted = subject.draft_logits(batch.replace(anchors=moved), ProbeHooks()).reshape(n, a, b, -1)
-            if torch.equal(shifted[:, -1], base[:, -1]):
+            if torch.equal(shifted[0, last], base[0, last]):
                 return "ignores batch.anchors (moving the last anchor left its block's logits unchanged)"
     return base
 

@@ -280,7 +280,8 @@ def verdict(invariant: str, kind: str, where: str, called: str, *, status: str =
     perturbed = f"called {where} with {called}" + (f"; exercised: {exercised}" if exercised else "")
     return Verdict(invariant=invariant, status=status, experiment=f"located-{kind}", hypothesis=hypothesis,
                    perturbed=perturbed, measurement=measurement, threshold=threshold, observed=observed,
-                   expected=expected, measured=measured, reason=reason, fix=fix)
+                   expected=expected, measured=measured, reason=reason, fix=fix,
+                   coverage={"piece": where, "called with": called, **({"scene": exercised} if exercised else {})})
 
 
 def exercised_scene(scene: Scene, documents: bool = True) -> str:
@@ -673,7 +674,11 @@ def slot_weights(result: Any, block: int) -> Tensor | str:
 
 
 def judge_weights(weights: Tensor, block: int, gamma_given: float | None, expectations: Expectations, kind: str,
-                  where: str, called: str, exercised: str, block_known: bool = True) -> list[Verdict]:
+                  where: str, called: str, exercised: str, block_known: bool = True,
+                  gamma_from_config: bool = False) -> list[Verdict]:
+    """Slot 0's weight and the decay. A gamma the piece was handed from the run's --config and applies is a
+    `match` bound to that config (`config_bound`): the code follows the config, and whether the value is right
+    is the config's finding (sleuth/probes/merge.py), never the probe's."""
     w = weights.double()
     common = dict(kind=kind, where=where, called=called, exercised=exercised,
                   measurement="slot weights " + ", ".join(f"{x:.4g}" for x in w.tolist()), measured={"weights": w.tolist()})
@@ -715,6 +720,9 @@ def judge_weights(weights: Tensor, block: int, gamma_given: float | None, expect
         gamma_v.status = "mismatch"
         gamma_v.observed += f": the code was given gamma {gamma_given:g} and decays with {gamma:.4g}"
         gamma_v.fix = "Weigh slot k >= 1 by exp(-(k-1)/gamma) with the configured gamma (divide by gamma)."
+    elif gamma_given is not None and gamma_from_config and math.isfinite(gamma):
+        gamma_v.status, gamma_v.config_bound = "match", ["gamma"]
+        gamma_v.observed += f": the code applies the configured gamma {gamma_given:g}"
     elif not accepted:
         gamma_v.reason = "no expected gamma to compare with"
     elif any(math.isfinite(gamma) and abs(gamma - g) <= GAMMA_RTOL * g for g in accepted):

@@ -66,6 +66,16 @@ Conventions the subject must follow (they are what makes the experiments' answer
     parameter groups, its choice of what is trained). It may build a new optimizer each call or keep one
     from `build`: it is called once.
 
+Optional, read where present (absent ones leave what they would decide `unknown`, with the reason):
+`layer_ids_for(num_target_layers, count=None)` (the subject's layer-id rule for any depth),
+`sample_anchors(batch, num_anchors)` (its training sampler: anchors and valid flags [N, n]),
+`feature_projection()` (fc, the module the concatenated target features enter), `variants()` (the same code
+under other settings, {label: subject}, probed too). describe() may add "configured" ({name: {"value",
+"source"}}: weighting, gamma, dpace_alpha, loss, target_layer_ids, and where each came from, "run config
+..." when the run's config set it), "max_rows", "documents_per_row", "layer_types",
+"sliding_causal_within_block", "anchor_exclusions", "layer_ids_source", "mask_token_source"; it is read
+again after build().
+
 This module imports no torch at load time, so sleuth's own process can read it without the heavy stack.
 """
 
@@ -101,6 +111,19 @@ DESCRIBE_FIELDS: dict[str, tuple[bool, str]] = {
                                  ">= 2) for a trainer that packs several documents per row, with positions "
                                  "restarting per document and a document mask"),
     "notes": (False, "a list of strings: what configuration was exercised (shown in the report)"),
+    # Read by the experiments' coverage (what the run's path is, so a `match` can say it was exercised):
+    "configured": (False, "{name: {\"value\", \"source\"}} for weighting, gamma, dpace_alpha, loss, "
+                          "target_layer_ids: the values the subject runs with, \"run config ...\" where the run's "
+                          "config set one (a verdict on it then only says the code follows the config)"),
+    "max_rows": (False, "the most rows per batch the subject takes (1 for a single-row forward)"),
+    "layer_types": (False, "each draft layer's attention type (\"full_attention\", \"sliding_attention\")"),
+    "sliding_causal_within_block": (False, "true where the sliding-window layers are causal within a block by "
+                                           "the subject's configuration"),
+    "anchor_exclusions": (False, "the positions the subject's sampler documents it never draws (\"last B "
+                                 "positions\", \"unsupervised next token\")"),
+    "anchor_sampler_source": (False, "which code sample_anchors() calls (shown in the coverage)"),
+    "layer_ids_source": (False, "which code computed layer_ids (its own rule, the config, an explicit list)"),
+    "mask_token_source": (False, "how the subject resolved its mask token"),
 }
 PACKED = "packed"
 
@@ -111,7 +134,9 @@ PROBE_NEEDS: dict[str, tuple[str, ...]] = {
     "attention": ("describe", "build", "draft_logits"),
     "context-per-layer": ("describe", "build", "draft_logits", "draft_layers"),
     "rotary-positions": ("describe", "build", "draft_logits", "rotary"),
+    "block-inputs": ("describe", "build", "draft_logits"),
     "loss-gradient": ("describe", "build", "loss"),
+    "anchor-sampling": ("describe",),  # its sampler (sample_anchors) is optional; padded anchors come from the loss
     "optimizer-step": ("describe", "build", "parameters", "train_step"),
 }
 

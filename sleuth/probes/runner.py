@@ -137,8 +137,9 @@ def plan_for_run(run_dir: Path, code_dir: Path | None, name: str) -> ProbePlan:
                      asked=False, trust_applies=True)
 
 
-def plan_for_code(code: Path, config: dict[str, Any] | None) -> ProbePlan:
-    """speculators or SpecForge source (a package directory or a checkout), by its layout."""
+def plan_for_code(code: Path, config: dict[str, Any] | None, config_path: Path | None = None) -> ProbePlan:
+    """speculators or SpecForge source (a package directory or a checkout), by its layout. The run's config
+    (and its path: a SpecForge recipe names its draft config relative to itself) reach the adapter."""
     code = code.resolve()
     for kind, package, marker in (
         ("speculators", "speculators", Path("models") / "dflash" / "core.py"),
@@ -147,7 +148,7 @@ def plan_for_code(code: Path, config: dict[str, Any] | None) -> ProbePlan:
         for candidate in (code, code / package, code / "src" / package):
             if (candidate / "__init__.py").is_file() and (candidate / marker).is_file() and candidate.name == package:
                 spec = {"subject": kind, "package_dir": str(candidate), "sys_path": [str(candidate.parent)],
-                        "context": {"config": config}}
+                        "context": {"config": config, **_recipe_files(kind, config, config_path)}}
                 return ProbePlan(f"{kind} at {candidate}", spec=spec, copy=CodeCopy(candidate.parent, only=package))
     # Any other trainer: its pieces are located statically and called one by one (sleuth/probes/locate.py).
     from sleuth.probes.locate import locate
@@ -158,6 +159,27 @@ def plan_for_code(code: Path, config: dict[str, Any] | None) -> ProbePlan:
                          "located no DFlash piece in it to call; give --probe-entry module:function "
                          "(`sleuth probe init --code PATH` writes one)")
     return plan_for_located(code, located, config)
+
+
+def _recipe_files(kind: str, config: dict[str, Any] | None, config_path: Path | None) -> dict[str, Any]:
+    """What the run's config names beside itself, read here and handed over by value (the child sees only its
+    box): a SpecForge recipe's `model.draft_model_config`, resolved next to the recipe, then as given."""
+    model = (config or {}).get("model") if kind == "specforge" else None
+    name = model.get("draft_model_config") if isinstance(model, dict) else None
+    if not isinstance(name, str) or not name:
+        return {}
+    from sleuth.artifacts import optional_json_object
+
+    candidates = ([config_path.resolve().parent / name] if config_path else []) + [Path(name)]
+    for candidate in candidates:
+        problems: list[str] = []
+        data = optional_json_object(candidate, problems)
+        if data is not None:
+            return {"draft_config": data, "draft_config_from": str(candidate)}
+        if problems:
+            return {"draft_config_problem": f"the recipe's model.draft_model_config {problems[0]}"}
+    return {"draft_config_problem": f"the recipe's model.draft_model_config {name} was not found next to the "
+                                    f"recipe ({config_path or 'its location was not given'})"}
 
 
 def plan_for_located(code: Path, located: Any, config: dict[str, Any] | None) -> ProbePlan:
@@ -232,7 +254,7 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
         return _failed(outcome, plan.reason or "nothing to probe")
     interpreter = check_python(python)
     outcome.python = interpreter
-    threads = threads or min(2, os.cpu_count() or 1)
+    threads = threads or 1  # tiny tensors: a second thread only adds contention (BENCHMARKS.md, probe time)
     box = Box.create()
     try:
         try:

@@ -333,7 +333,8 @@ def subject(context: dict[str, Any]) -> Subject:
         return f'''def describe(self) -> dict[str, Any]:
     info = {{"name": "{self.code.name} (sleuth probe init)", "protocol": 1, "block_size": BLOCK_SIZE,
             "num_target_layers": NUM_TARGET_LAYERS, "layer_id_convention": "zlab",
-            "documents_per_row": {rows}}}{note}
+            "documents_per_row": {rows},
+            "max_rows": 1}}{note}  # the calls below were bound on one-row batches (some pass row 0 alone)
     if LAYER_IDS is not None:
         info["layer_ids"] = list(LAYER_IDS)
     return info

@@ -3,6 +3,12 @@
 Hidden states are random per layer (not a real forward): what matters is that every layer, every
 position and every candidate teacher (final logits at p+j-1 and p+j, lm_head(norm(h)) of each layer)
 differs from the others, so a measurement can only agree with one of them.
+
+The batch is built to show the defects that only appear with company (issue 20: a mask tiled with
+`repeat` for `repeat_interleave` is invisible when one block runs alone): several rows, several blocks per
+row, two anchors one position apart (their blocks overlap), anchors on the last position of a document and
+on the first position of the next (whose own context is empty), several documents packed in a row, a
+padded anchor slot (the sampler's sentinel), and loss-mask holes under some block slots.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ RMS_EPS = 1e-6
 # Logits with a spread of about 2 nats per unit: soft targets keep visible mass on several tokens (so a KL
 # loss is told apart from a one-hot CE) and argmaxes of different candidates rarely coincide.
 LM_HEAD_STD = 0.35
+PAD_TOKEN = 0  # the padding token of padded rows (and the synthetic tokenizer's pad / eos)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = RMS_EPS) -> Tensor:
@@ -45,58 +52,112 @@ def make_target(num_layers: int, seed: int = 0) -> ProbeTarget:
         mask_token_id=VOCAB - 1,
         embed_weight=torch.randn(VOCAB, HIDDEN, generator=g),
         lm_head_weight=torch.randn(VOCAB, HIDDEN, generator=g) * LM_HEAD_STD,
-        norm_weight=1.0 + 0.1 * torch.randn(HIDDEN, generator=g),  # not all ones: a missing norm shows
+        # far from all ones: a teacher built without the final norm's gain (or with another) changes many argmaxes
+        norm_weight=torch.exp(0.5 * torch.randn(HIDDEN, generator=g)),
     )
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where things are in the probe batch: one row, two documents, three anchors.
+class Row:
+    """One row of the batch: its documents (as [start, end) spans), padding, anchors and loss-mask holes."""
 
-    Block 0 at a0 and block 1 at a1 = a0 + 2 share document 0 and overlap in positions (the case where a
-    cross-block leak shows); block 2 sits in document 1, whose positions restart at 0.
-    """
+    documents: tuple[tuple[int, int], ...]
+    length: int  # positions before the padding (the row's valid part)
+    anchors: tuple[int, ...]  # the valid anchors, sorted
+    holes: tuple[int, ...]  # positions inside documents whose loss mask is 0 (a prompt, say)
+
+    def document_of(self, position: int) -> tuple[int, int] | None:
+        return next(((s, e) for s, e in self.documents if s <= position < e), None)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where things are in the probe batch: every row's documents and anchors, one padded anchor slot each."""
 
     block_size: int
     seq_len: int
-    doc0_end: int  # document 0 is [0, doc0_end), document 1 is [doc0_end, seq_len)
-    anchors: tuple[int, int, int]
+    rows: tuple[Row, ...]
+    packed: bool  # True when rows hold several documents (the subject's API takes document ids / positions)
 
     @property
-    def num_anchors(self) -> int:
-        return len(self.anchors)
+    def num_anchors(self) -> int:  # anchor slots per row, the padded one included
+        return max(len(r.anchors) for r in self.rows) + 1
 
     @property
     def documents(self) -> int:
-        return 1 if self.doc0_end == self.seq_len else 2
+        return max(len(r.documents) for r in self.rows)
+
+    def blocks(self) -> list[tuple[int, int, int]]:
+        """(row, slot index, anchor position) of every valid block."""
+        return [(n, i, a) for n, row in enumerate(self.rows) for i, a in enumerate(row.anchors)]
+
+    def adjacent_pairs(self) -> list[tuple[int, int, int]]:
+        """(row, i, i+1) for anchors one position apart: their blocks overlap."""
+        return [(n, i, i + 1) for n, row in enumerate(self.rows) for i in range(len(row.anchors) - 1)
+                if row.anchors[i + 1] - row.anchors[i] == 1]
+
+    def edge_anchors(self) -> dict[str, list[tuple[int, int]]]:
+        """Anchors on a document's last position, and on a document's first position (after another)."""
+        last, first = [], []
+        for n, row in enumerate(self.rows):
+            for i, a in enumerate(row.anchors):
+                s, e = row.document_of(a) or (0, 0)
+                if a == e - 1:
+                    last.append((n, i))
+                if a == s and s > 0:
+                    first.append((n, i))
+        return {"last position of a document": last, "first position of a document after another": first}
 
 
-def make_layout(block_size: int, documents: int = 2) -> Layout:
-    """Two documents per row; `documents=1` for subjects that never pack (their rows hold one document)."""
+def make_layout(block_size: int, *, packed: bool = True, rows: int = 2) -> Layout:
+    """Rows of 3B+17 positions. Packed: three documents in row 0, two in row 1. Not packed (a subject whose
+    forward takes no document ids): one document per row, the second row padded at its end."""
     b = block_size
-    a0 = 4
-    boundary = a0 + 2 + b + 4  # block 1 (a0 + 2) ends before it, with context after it
-    a2 = boundary + 4
-    seq_len = a2 + b + 4  # block 2 ends inside the row; anchors stay out of the last B positions
-    doc0_end = seq_len if documents == 1 else boundary
-    return Layout(block_size=b, seq_len=seq_len, doc0_end=doc0_end, anchors=(a0, a0 + 2, a2))
+    d0, d1 = b + 8, b + 6
+    seq = d0 + d1 + b + 3
+    mid = b // 2 + 3
+    holes0 = (mid + 2, mid + 3, d0 + b + 2)  # under slots 2-3 of the block at `mid` and the last of the one at d0+3
+    row0 = Row(documents=((0, d0), (d0, d0 + d1), (d0 + d1, seq)) if packed else ((0, seq),), length=seq,
+               anchors=(1, 2, mid, d0 - 1, d0, d0 + 3), holes=holes0)
+    split = b + 5
+    anchors1 = (3, 4, split - 1, split, split + 2, 2 * b + 9)
+    if packed:
+        row1 = Row(documents=((0, split), (split, seq)), length=seq, anchors=anchors1, holes=(split + 4,))
+    else:  # padded after 2B+14 positions: the last block runs into the padding
+        length = seq - (b + 3)
+        row1 = Row(documents=((0, length),), length=length, anchors=anchors1, holes=(split + 4,))
+    chosen = (row0, row1)[: max(1, rows)]
+    return Layout(block_size=b, seq_len=seq, rows=chosen, packed=packed)
 
 
 def make_batch(target: ProbeTarget, layout: Layout, seed: int = 1) -> ProbeBatch:
     g = torch.Generator().manual_seed(seed)
-    s, h, v, n_layers = layout.seq_len, target.hidden_size, target.vocab_size, target.num_layers
-    input_ids = torch.randint(0, v - 1, (1, s), generator=g)  # never the mask token
-    doc_ids = torch.zeros(1, s, dtype=torch.long)
-    doc_ids[0, layout.doc0_end :] = 1
-    position_ids = torch.cat([torch.arange(layout.doc0_end), torch.arange(s - layout.doc0_end)]).unsqueeze(0)
-    loss_mask = torch.ones(1, s, dtype=torch.long)
-    anchors = torch.tensor([layout.anchors], dtype=torch.long)
-    anchor_valid = torch.ones(1, layout.num_anchors, dtype=torch.bool)
-    hidden = [target.embed_weight[input_ids]]  # [1, S, H] index 0: the embeddings
-    hidden += [torch.randn(1, s, h, generator=g) for _ in range(n_layers - 1)]  # outputs of layers 0..L-2
-    last_hidden = torch.randn(1, s, h, generator=g)  # output of layer L-1, before the final norm
+    n, s, h, v = len(layout.rows), layout.seq_len, target.hidden_size, target.vocab_size
+    # Data tokens avoid the mask token and the pad token, so neither can be mistaken for data.
+    input_ids = torch.randint(1, v - 1, (n, s), generator=g)
+    doc_ids = torch.full((n, s), -1, dtype=torch.long)
+    position_ids = torch.zeros(n, s, dtype=torch.long)
+    loss_mask = torch.zeros(n, s, dtype=torch.long)
+    a = layout.num_anchors
+    anchors = torch.zeros(n, a, dtype=torch.long)  # the padded slot stays at position 0, as samplers leave it
+    anchor_valid = torch.zeros(n, a, dtype=torch.bool)
+    for r, row in enumerate(layout.rows):
+        for d, (start, end) in enumerate(row.documents):
+            doc_ids[r, start:end] = d
+            position_ids[r, start:end] = torch.arange(end - start)
+            loss_mask[r, start:end] = 1
+        input_ids[r, row.length :] = PAD_TOKEN
+        last_start = row.documents[-1][0]  # padding continues the last document's positions (arange for one)
+        position_ids[r, row.length :] = torch.arange(row.length - last_start, s - last_start)
+        for hole in row.holes:
+            loss_mask[r, hole] = 0
+        anchors[r, : len(row.anchors)] = torch.tensor(row.anchors)
+        anchor_valid[r, : len(row.anchors)] = True
+    hidden = [target.embed_weight[input_ids]]  # [N, S, H] index 0: the embeddings
+    hidden += [torch.randn(n, s, h, generator=g) for _ in range(target.num_layers - 1)]  # outputs of layers 0..L-2
+    last_hidden = torch.randn(n, s, h, generator=g)  # output of layer L-1, before the final norm
     hidden.append(rms_norm(last_hidden, target.norm_weight, target.rms_norm_eps))  # HF: the last entry is normed
-    logits = hidden[-1] @ target.lm_head_weight.T  # [1, S, V]
+    logits = hidden[-1] @ target.lm_head_weight.T  # [N, S, V]
     return ProbeBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -110,18 +171,17 @@ def make_batch(target: ProbeTarget, layout: Layout, seed: int = 1) -> ProbeBatch
     )
 
 
-def perturb_positions(batch: ProbeBatch, positions: list[int], seed: int, scale: float = 3.0) -> ProbeBatch:
-    """Replace every layer's hidden state (and the pre-norm last one) at `positions` by other random values."""
+def perturb_positions(batch: ProbeBatch, positions: list[tuple[int, int]], seed: int, scale: float = 3.0) -> ProbeBatch:
+    """Add noise to every layer's hidden state (and the pre-norm last one) at these (row, position) pairs."""
     g = torch.Generator().manual_seed(seed)
-    index = torch.tensor(positions, dtype=torch.long)
+    rows = torch.tensor([r for r, _ in positions], dtype=torch.long)
+    cols = torch.tensor([p for _, p in positions], dtype=torch.long)
     hidden = []
-    for layer in batch.hidden_states:
+    for layer in [*batch.hidden_states, batch.last_hidden]:
         changed = layer.clone()
-        changed[:, index] = changed[:, index] + scale * torch.randn(changed[:, index].shape, generator=g)
+        changed[rows, cols] = changed[rows, cols] + scale * torch.randn(changed[rows, cols].shape, generator=g)
         hidden.append(changed)
-    last = batch.last_hidden.clone()
-    last[:, index] = last[:, index] + scale * torch.randn(last[:, index].shape, generator=g)
-    return batch.replace(hidden_states=tuple(hidden), last_hidden=last)
+    return batch.replace(hidden_states=tuple(hidden[:-1]), last_hidden=hidden[-1])
 
 
 def perturb_layer(batch: ProbeBatch, layer: int, seed: int, scale: float = 3.0) -> ProbeBatch:

@@ -26,6 +26,22 @@ class Verdict:
     reason: str = ""
     fix: str = ""
     seconds: float = 0.0  # the experiment's wall time (shared by the verdicts it produced)
+    # What the experiment exercised (rows, blocks per row, documents per row, adjacent anchors, anchors at
+    # document edges, the weighting mode, which code computed the layer ids, the tensors observed, the
+    # config values used and where each came from), and what the run's path needs that it did not.
+    coverage: dict[str, Any] = field(default_factory=dict)
+    not_exercised: list[str] = field(default_factory=list)
+    # Config keys whose value the subject took from the run's config: a match then says "the code does what
+    # the config asks", and whether that value is right is the config's finding, not the probe's.
+    config_bound: list[str] = field(default_factory=list)
+
+    def gated(self) -> Verdict:
+        """A `match` claims the run's path was exercised: with anything left unexercised it is `unknown`."""
+        if self.status == "match" and self.not_exercised:
+            measured = f"the exercised part agrees ({self.observed})" if self.observed else "the exercised part agrees"
+            self.reason = f"not exercised: {'; '.join(self.not_exercised)} ({measured})"
+            self.status = "unknown"
+        return self
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,8 +81,10 @@ DECIDES: dict[str, tuple[str, ...]] = {
     "attention": ("dflash.context_excludes_anchor", "dflash.blocks_isolated", "dflash.block_bidirectional"),
     "context-per-layer": ("dflash.kv_injection",),
     "rotary-positions": ("dflash.block_position_ids",),
+    "block-inputs": ("dflash.mask_token_distinct",),
     "loss-gradient": ("dflash.target_logits_source", "dflash.target_shift", "dflash.loss_kind",
                       "dflash.anchor_slot_untrained", "dflash.loss_decay_gamma"),
+    "anchor-sampling": ("dflash.anchor_sampling",),
     "optimizer-step": ("dflash.frozen_embed_head",),
 }
 PROBED_INVARIANTS: tuple[str, ...] = tuple(i for ids in DECIDES.values() for i in ids)

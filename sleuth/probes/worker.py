@@ -89,10 +89,10 @@ def load_subject(spec: dict[str, Any]) -> Any:
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from sleuth.probes.experiments import EXPERIMENTS, Lab, randomize_drafter
-    from sleuth.probes.protocol import PROBE_NEEDS, NotProvided, PartialSubject, check_description
+    from sleuth.probes.experiments import Lab, probe_variants, randomize_drafter, run_experiments
+    from sleuth.probes.protocol import NotProvided, PartialSubject, check_description
     from sleuth.probes.target import make_target
-    from sleuth.probes.verdict import DECIDES, Expectations, Verdict
+    from sleuth.probes.verdict import DECIDES, Expectations
 
     torch.set_num_threads(int(spec.get("threads") or 1))
     seed = int(spec.get("seed") or 0)
@@ -107,7 +107,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
             answer["checks"] = check_subject(loaded, seed)
             return answer
-        if spec["subject"] == "generic":  # located pieces called one by one (sleuth/probes/adapters/generic.py)
+        if spec.get("subject") == "generic":  # located pieces called one by one (sleuth/probes/adapters/generic.py)
             return loaded.run(answer, expectations, seed, started)
         # Every protocol method is optional: one the entry lacks makes the experiments needing it unknown.
         subject = PartialSubject(loaded)
@@ -116,8 +116,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         answer["subject"] = info
         target = make_target(int(info["num_target_layers"]), seed)
         torch.manual_seed(seed)
-        lab = Lab(subject, info, target, expectations, seed)
+        lab = None
         for step in ("build", "parameters", "draft_logits"):
+            if step == "draft_logits":
+                # after build: the Lab reads describe() again (building decides some of what it reports)
+                lab = Lab(subject, info, target, expectations, seed)
             if step in absent or (step != "build" and "build" in absent):
                 continue
             try:
@@ -130,6 +133,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                                        "deterministic")
             except NotProvided as exc:
                 absent[exc.method] = exc
+        answer["subject"] = dict(lab.info)
     except Exception as exc:
         answer["error"] = f"cannot set up the subject: {exc.reason if isinstance(exc, NotProvided) else _one_line(exc)}"
         answer["traceback"] = traceback.format_exc(limit=8)
@@ -137,26 +141,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         return answer
     answer["seconds"]["setup"] = round(time.perf_counter() - started, 3)
     answer["not_provided"] = {method: exc.reason for method, exc in sorted(absent.items())}
-    for name, experiment in EXPERIMENTS.items():
-        start = time.perf_counter()
-        lacking = [absent[m] for m in PROBE_NEEDS.get(name, ()) if m in absent]
-        try:
-            if lacking:
-                raise lacking[0]
-            verdicts = experiment(lab)
-        except Exception as exc:
-            if isinstance(exc, NotProvided):
-                absent.setdefault(exc.method, exc)
-                reason = exc.reason
-            else:
-                reason = f"the experiment failed: {_one_line(exc)}"
-            verdicts = [Verdict(invariant=i, status="unknown", experiment=name, hypothesis="", perturbed="",
-                                measurement="", threshold="", reason=reason) for i in DECIDES[name]]
-        seconds = round(time.perf_counter() - start, 3)
-        answer["seconds"][name] = seconds
-        for verdict in verdicts:
-            verdict.seconds = seconds
-            answer["verdicts"].append(verdict.to_json())
+    verdicts, seconds = run_experiments(lab, DECIDES, absent)
+    answer["seconds"].update(seconds)
+    # The other paths of the same code (its variants), when no run config fixes which one runs.
+    verdicts = probe_variants(subject, verdicts, lab.expectations, seed, DECIDES)
+    answer["verdicts"] = [verdict.to_json() for verdict in verdicts]
     answer["seconds"]["total"] = round(time.perf_counter() - started, 3)
     return answer
 

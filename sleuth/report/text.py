@@ -15,6 +15,20 @@ _STYLE = {"mismatch": "bold red", "unknown": "yellow", "match": "green"}
 _MAX_ROWS = 12
 # A run's name heads the summary line; a longer one is cut there (the report has it in full).
 _MAX_NAME = 120
+_CELL = 60  # characters of observed / expected shown per row; the whole text and its evidence are in report.md
+
+
+def brief(text: str | None, limit: int = _CELL) -> str:
+    """One line of at most `limit` characters: the first clause of `text` (where findings put the measured
+    value and its number), whitespace collapsed, cut with an ellipsis."""
+    line = " ".join(str(text or "").split())
+    if len(line) <= limit:
+        return line
+    for stop in ("; ", " (", ": ", ", "):
+        cut = line.find(stop, 12)
+        if 0 < cut <= limit:
+            return line[:cut] + " …"
+    return line[: limit - 2].rstrip() + " …"
 
 
 def print_text(report: Report, console: Console, files: dict[str, Path] | None = None) -> None:
@@ -42,14 +56,15 @@ def print_text(report: Report, console: Console, files: dict[str, Path] | None =
     mismatches = [f for f in report.findings if f.status == "mismatch"]
     if mismatches:
         table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-        table.add_column("severity", no_wrap=True)
-        table.add_column("mismatch", no_wrap=True, style=_STYLE["mismatch"])
-        table.add_column("observed", overflow="fold")
-        table.add_column("expected", overflow="fold")
+        table.add_column("severity", no_wrap=True, min_width=8)
+        table.add_column("mismatch", no_wrap=True, style=_STYLE["mismatch"], min_width=20)
+        table.add_column("observed", no_wrap=True, overflow="ellipsis")
+        table.add_column("expected", no_wrap=True, overflow="ellipsis")
         for finding in mismatches[:_MAX_ROWS]:
-            # Text cells: a str cell would be read as rich markup ("[link=...]" from a probe's answer)
-            table.add_row(*(Text(terminal(cell)) for cell in (finding.severity, finding.id, finding.observed or "",
-                                                              finding.expected or "")))
+            # Text cells: a str cell would be read as rich markup ("[link=...]" from a probe's answer); one short
+            # line each (the first clause, where findings put the measured value), the rest in report.md
+            table.add_row(*(Text(terminal(cell)) for cell in (finding.severity, finding.id, brief(finding.observed),
+                                                              brief(finding.expected, _CELL // 2))))
         console.print(table)
         if len(mismatches) > _MAX_ROWS:
             console.print(f"... and {len(mismatches) - _MAX_ROWS} more mismatches in the report")

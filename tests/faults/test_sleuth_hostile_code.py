@@ -350,8 +350,6 @@ def test_asked_probes_that_ran_nothing_exit_2_with_one_line_and_the_isolation_on
 # --- a forged answer --------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="needs i20-power's merge rule (sleuth/probes/merge.py): a probe verdict never "
-                   "turns a config mismatch into a match; remove this marker at merge")
 def test_a_forged_all_match_answer_cannot_clean_a_run_with_config_mismatches(tmp_path):
     from trainer.config import PRESETS, validate_config
 

@@ -23,12 +23,15 @@ def example_subject(**config: Any) -> Any:
     return probe_protocol.subject({"config": config})
 
 
-def make_lab(subject: Any, expectations: Expectations | None = None) -> Lab:
+def make_lab(subject: Any, expectations: Expectations | None = None, info_update: dict[str, Any] | None = None) -> Lab:
     info = subject.describe()
     target = make_target(int(info["num_target_layers"]), 0)
     torch.manual_seed(0)
     subject.build(target)
     randomize_drafter(subject, target, 7)
+    if info_update:  # what a subject would say of itself, e.g. that its forward takes no document ids
+        describe = subject.describe
+        subject.describe = lambda: {**describe(), **info_update}
     return Lab(subject, info, target, expectations or Expectations(), 0)
 
 

@@ -1,6 +1,6 @@
 """Every probe on a small hand-built DFlash implementation (examples/probe_protocol.py): correct, and with
 each defect planted. The implementation is written independently of the probes (plain torch, its own
-mask, loss and optimizer), so these tests compare the experiments' verdicts with known answers."""
+mask, loss, sampler and optimizer), so these tests compare the experiments' verdicts with known answers."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import math
 
 import pytest
 
+from sleuth.probes.experiments import EXPERIMENTS
 from sleuth.probes.verdict import PROBED_INVARIANTS, Expectations
-from tests.probes.lab import example_subject, verdicts
+from tests.probes.lab import example_subject, make_lab, verdicts
 
 
 def test_correct_implementation_matches_every_probed_invariant():
@@ -20,72 +21,125 @@ def test_correct_implementation_matches_every_probed_invariant():
     assert wrong == {}
     assert found["dflash.loss_decay_gamma"].measured["gamma"] == pytest.approx(4.0, rel=1e-3)
     assert found["dflash.loss_kind"].observed.startswith("ce")
-    # Every verdict states its experiment: what was perturbed, the number measured, the threshold.
+    # Every verdict states its experiment (what was perturbed, the number measured, the threshold) and its
+    # coverage: the batch has several rows, blocks, documents, adjacent anchors and anchors at document edges.
     for verdict in found.values():
         assert verdict.hypothesis and verdict.perturbed and verdict.measurement and verdict.threshold
+        assert verdict.coverage["rows"] == 2 and min(verdict.coverage["documents_per_row"]) >= 2
+        assert verdict.coverage["adjacent_anchors"] >= 2 and all(verdict.coverage["anchors_at_document_edges"].values())
+        assert verdict.not_exercised == []
 
 
 DEFECT_CASES = [
     ("fc_subset", "layers-read", "dflash.fc_input_layers", "2 of 3 selected layers read"),
     ("layer_offset", "layers-read", "dflash.target_layer_ids", "off by one"),
-    ("anchor_leak", "attention", "dflash.context_excludes_anchor", "sees its anchor's own context position"),
+    ("anchor_leak", "attention", "dflash.context_excludes_anchor", "see their anchor's own context position"),
     # Context "after" the anchor includes the anchor itself, so that rule breaks too.
     ("future_context", "attention", "dflash.blocks_isolated", "context after its anchor"),
     ("cross_block", "attention", "dflash.blocks_isolated", "another block's tokens"),
     ("causal_block", "attention", "dflash.block_bidirectional", "causal within the block"),
     ("context_first_layer_only", "context-per-layer", "dflash.kv_injection", "does not reach layers [1]"),
-    ("position_offset", "rotary-positions", "dflash.block_position_ids", "anchor + j +1"),
+    ("position_offset", "rotary-positions", "dflash.block_position_ids", "queries at anchor + j +1"),
     ("teacher_last_selected", "loss-gradient", "dflash.target_logits_source", "lm_head(norm(hidden_states[6]))"),
     ("no_shift", "loss-gradient", "dflash.target_shift", "p+j+0"),
     ("slot0_weighted", "loss-gradient", "dflash.anchor_slot_untrained", "slot 0 weighs 1 x slot 1"),
     ("trainable_head", "optimizer-step", "dflash.frozen_embed_head", "embeddings and lm_head trained"),
+    # The classes an outside test found matched before (issue 20): too small a batch, a coarse observable.
+    ("anchor_tiling", "attention", "dflash.context_excludes_anchor", "see their anchor's own context position"),
+    ("cross_document", "attention", "dflash.blocks_isolated", "another document's context"),
+    ("query_positions", "rotary-positions", "dflash.block_position_ids", "slot index 0..B-1"),
+    ("softmax_ce", "loss-gradient", "dflash.loss_kind", "neither CE nor KL"),
+    ("self_labels", "loss-gradient", "dflash.target_logits_source", "the drafter's own argmax"),
+    ("sampler_ranks", "anchor-sampling", "dflash.anchor_sampling", "anchors at unsupervised positions"),
+    ("mask_is_pad", "block-inputs", "dflash.mask_token_distinct", "is the pad / eos token"),
+    ("fc_interleaved", "layers-read", "dflash.fc_input_layers", "interleaves or spreads the layers"),
+    ("context_detached", "context-per-layer", "dflash.kv_injection", "does not reach the context projection"),
 ]
+# A defect may break a neighbouring rule of the same experiment as well; nothing else may turn.
+ALSO = {"future_context": {"dflash.context_excludes_anchor"}, "anchor_tiling": {"dflash.blocks_isolated"},
+        "cross_block": {"dflash.context_excludes_anchor"}, "softmax_ce": {"dflash.loss_decay_gamma"},
+        "self_labels": {"dflash.target_shift", "dflash.loss_kind", "dflash.loss_decay_gamma"}}
+
+
+def test_the_layer_id_rule_is_called_at_depths_and_counts_where_rounding_matters():
+    lab = make_lab(example_subject())
+    ids = {v.invariant: v for v in EXPERIMENTS["layers-read"](lab)}["dflash.target_layer_ids"]
+    assert ids.status == "match" and 45 in ids.coverage["rule_called_at"] and ids.coverage["rule_counts"] == [2, 3, 4, 5]
+    # A rule that truncates instead of rounding agrees at the probe's depth and is caught at L = 45.
+    lab.subject.layer_ids_for = lambda depth, count=None: [int(1 + i * (depth - 4) / ((count or 3) - 1))
+                                                           for i in range(count or 3)]
+    truncated = {v.invariant: v for v in EXPERIMENTS["layers-read"](lab)}["dflash.target_layer_ids"]
+    assert truncated.status == "mismatch" and "L=45" in truncated.observed
 
 
 @pytest.mark.parametrize(("defect", "experiment", "invariant", "observed"), DEFECT_CASES, ids=[c[0] for c in DEFECT_CASES])
 def test_each_planted_defect_is_a_mismatch_of_its_invariant(defect, experiment, invariant, observed):
     correct = correct_verdicts(experiment)
-    broken = verdicts(example_subject(defects=[defect]), experiment)
+    broken = verdicts(example_subject(defects=[defect]), *_with_prerequisites(experiment))
     assert correct[invariant].status == "match"
     assert broken[invariant].status == "mismatch", broken[invariant]
     assert observed in broken[invariant].observed
     assert broken[invariant].fix
-    # The other invariants the same experiment decides are not dragged along.
-    also = {"future_context": {"dflash.context_excludes_anchor"}}.get(defect, set())
-    others = {k: v.status for k, v in broken.items() if k != invariant and k not in also}
+    others = {k: v.status for k, v in broken.items() if k != invariant and k not in ALSO.get(defect, set())}
     assert all(status == "match" for status in others.values()), others
+    # What the neighbours say is never a match on broken code they could not read.
+    assert all(broken[k].status != "match" or k == invariant for k in ALSO.get(defect, set()) if k in broken)
+
+
+def _with_prerequisites(experiment: str) -> tuple[str, ...]:
+    # block-inputs leaves slot 0's tokens for the loss experiment, which leaves the padded-anchor fact for the sampler
+    chain = {"loss-gradient": ("block-inputs", "loss-gradient"),
+             "anchor-sampling": ("block-inputs", "loss-gradient", "anchor-sampling")}
+    return chain.get(experiment, (experiment,))
 
 
 @functools.cache
 def correct_verdicts(experiment: str):
-    return verdicts(example_subject(), experiment)
+    return verdicts(example_subject(), *_with_prerequisites(experiment))
 
 
-def test_gamma_is_fitted_and_judged_against_the_expected_value():
+def test_a_configured_gamma_the_loss_ignores_is_a_mismatch_naming_both():
+    # The code hard-codes gamma 4 (the default): with the default config nothing shows ...
+    assert verdicts(example_subject(defects=["gamma_ignored"]), "loss-gradient")["dflash.loss_decay_gamma"].status == "match"
+    # ... a run configured with gamma 7 is measured applying 4.
+    gamma = verdicts(example_subject(defects=["gamma_ignored"], gamma=7.0), "loss-gradient")["dflash.loss_decay_gamma"]
+    assert gamma.status == "mismatch"
+    assert "configured exp(-(k-1)/gamma) with gamma 7 (run config gamma)" in gamma.observed
+    assert gamma.measured["gamma"] == pytest.approx(4.0, rel=1e-3)
+
+
+def test_a_configured_value_the_code_applies_is_a_claim_about_the_code_only():
     seven = verdicts(example_subject(gamma=7.0), "loss-gradient")["dflash.loss_decay_gamma"]
-    assert seven.status == "mismatch" and seven.measured["gamma"] == pytest.approx(7.0, rel=1e-3)
-    # 7 is the accepted value at B = 16 (the paper's setting).
-    at_16 = verdicts(example_subject(gamma=7.0, block_size=16), "loss-gradient")["dflash.loss_decay_gamma"]
-    assert at_16.status == "match"
-    # No expected value at all: the fitted gamma is reported, the status stays unknown.
-    free = verdicts(example_subject(gamma=4.0), "loss-gradient",
-                    expectations=Expectations(gamma=None, gamma_by_block_size={}))["dflash.loss_decay_gamma"]
+    # gamma 7 at B = 6 is not the reference's, but the code does what the config asks: whether 7 is right is
+    # the config's finding (config_bound), not the probe's.
+    assert seven.status == "match" and seven.config_bound == ["loss_decay_gamma"]
+    assert seven.measured["gamma"] == pytest.approx(7.0, rel=1e-3)
+    # The code's own default is judged like any value: 7 as a default at B = 6 is a mismatch, at B = 16 accepted.
+    lab = make_lab(example_subject(gamma=7.0))
+    lab.configured["gamma"]["source"] = lab.configured["weighting"]["source"] = "default of the code"
+    assert EXPERIMENTS["loss-gradient"](lab)[-1].status == "mismatch"
+
+
+def test_no_expected_gamma_leaves_the_fitted_one_unknown():
+    lab = make_lab(example_subject(), Expectations(gamma=None, gamma_by_block_size={}))
+    lab.configured.clear()  # a subject that does not say how it is configured
+    free = {v.invariant: v for v in EXPERIMENTS["loss-gradient"](lab)}["dflash.loss_decay_gamma"]
     assert free.status == "unknown" and free.measured["gamma"] == pytest.approx(4.0, rel=1e-3)
 
 
-def test_no_decay_is_gamma_infinity():
+def test_no_decay_configured_and_applied():
     found = verdicts(example_subject(gamma=None), "loss-gradient")["dflash.loss_decay_gamma"]
-    assert found.status == "mismatch"
+    assert found.status == "match" and found.config_bound == ["loss_decay_gamma"]
     assert found.measured["gamma"] == "inf" and "no decay" in found.observed
-    assert not math.isnan(found.measured["confidence_drift"])
+    assert not math.isnan(found.measured["drift"])
 
 
 def test_dpace_weighting_is_recognised_not_read_as_a_wrong_gamma():
     found = verdicts(example_subject(weighting="dpace"), "loss-gradient")
     gamma = found["dflash.loss_decay_gamma"]
     assert gamma.status == "match", gamma
-    assert "D-PACE" in gamma.observed and "alpha 0.50" in gamma.observed
-    assert gamma.measured["confidence_drift"] > 1e-3
+    assert "D-PACE" in gamma.observed and gamma.measured["alpha"] == pytest.approx(0.5)
+    assert gamma.measured["drift"] > 1e-3
     assert found["dflash.anchor_slot_untrained"].status == "match"
 
 
@@ -96,5 +150,17 @@ def test_soft_targets_are_read_as_kl():
     assert found["dflash.target_logits_source"].status == "match"
     assert found["dflash.loss_decay_gamma"].measured["gamma"] == pytest.approx(4.0, rel=1e-2)
     # A playbook that accepts only CE turns the same measurement into a mismatch.
-    ce_only = verdicts(example_subject(loss="kl"), "loss-gradient", expectations=Expectations(loss_kinds=("ce",)))
-    assert ce_only["dflash.loss_kind"].status == "mismatch"
+    lab = make_lab(example_subject(loss="kl"), Expectations(loss_kinds=("ce",)))
+    lab.configured.pop("loss")
+    kind = {v.invariant: v for v in EXPERIMENTS["loss-gradient"](lab)}["dflash.loss_kind"]
+    assert kind.status == "mismatch"
+
+
+def test_a_subject_that_does_not_pack_never_gets_a_packing_match():
+    lab = make_lab(example_subject(), info_update={"documents_per_row": 1})
+    found = {v.invariant: v for v in EXPERIMENTS["attention"](lab) + EXPERIMENTS["rotary-positions"](lab)}
+    assert lab.layout.documents == 1
+    for invariant in ("dflash.blocks_isolated", "dflash.block_position_ids"):
+        assert found[invariant].status == "unknown"
+        assert found[invariant].reason.startswith("not exercised: documents packed in one row")
+    assert found["dflash.context_excludes_anchor"].status == "match"

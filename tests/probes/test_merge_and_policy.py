@@ -89,7 +89,24 @@ def test_speculators_layouts_are_recognised(tmp_path: Path):
     for given in (tmp_path, package):
         plan = plan_for_code(given, None)
         assert plan.spec == {"subject": "speculators", "package_dir": str(package.resolve()),
-                             "sys_path": [str(package.parent.resolve())], "context": {"config": None}}
+                             "sys_path": [str(package.parent.resolve())],
+                             "context": {"config": None}}
+
+
+def test_a_specforge_recipe_hands_its_draft_config_over_by_value(tmp_path: Path):
+    # The child sees only its box: the draft config the recipe names beside itself is read here and handed over.
+    package = tmp_path / "specforge"
+    (package / "modeling" / "draft").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "modeling" / "draft" / "dflash.py").write_text("")
+    recipes = tmp_path / "configs"
+    recipes.mkdir()
+    (recipes / "draft.json").write_text('{"block_size": 16, "num_target_layers": 36}')
+    recipe = {"model": {"draft_model_config": "draft.json"}, "training": {"loss_decay_gamma": 7}}
+    plan = plan_for_code(package, recipe, recipes / "recipe.yaml")
+    assert plan.spec["context"]["draft_config"] == {"block_size": 16, "num_target_layers": 36}
+    missing = plan_for_code(package, {"model": {"draft_model_config": "gone.json"}}, recipes / "recipe.yaml")
+    assert "gone.json was not found next to the recipe" in missing.spec["context"]["draft_config_problem"]
 
 
 @pytest.mark.parametrize(("python", "entry", "message"), [
@@ -122,3 +139,63 @@ def test_an_unknown_probe_leaves_static_agreement_unclaimed():
     agreement = finding("unknown").model_copy(update={"static_agreement": True, "confidence": 0.0})
     merged, _ = apply_probes([agreement], ProbeOutcome("code", [verdict("unknown", reason="no gradient")]), Trace())
     assert merged[0].status == "unknown" and merged[0].static_agreement
+
+
+def config_finding(status: str, observed: str) -> Finding:
+    return Finding(id="dflash.loss_decay_gamma", title="gamma", status=status, severity="medium", expected="4.0",
+                   observed=observed, confidence=0.9,
+                   evidence=[Evidence(kind="pinned", location="core.py:247@c05b95b", value="4.0"),
+                             Evidence(kind="config", location="config.json:loss_decay_gamma", value=observed)])
+
+
+def gamma_verdict(status: str, observed: str, config_bound: bool = False) -> Verdict:
+    return Verdict(invariant="dflash.loss_decay_gamma", status=status, experiment="loss-gradient",
+                   hypothesis="the slot weights are the configured weighting", perturbed="the drafter's logits",
+                   measurement="slot weights 1, 0.87, 0.75", threshold="1 %", observed=observed,
+                   config_bound=["loss_decay_gamma"] if config_bound else [])
+
+
+def test_a_probe_match_never_turns_a_config_mismatch_into_a_match():
+    merged, changed = apply_probes([config_finding("mismatch", "7.0")],
+                                   ProbeOutcome("run", [gamma_verdict("match", "the loss applies gamma 7", True)]), Trace())
+    assert changed == [] and merged[0].status == "mismatch" and merged[0].observed == "7.0"
+    assert merged[0].evidence[0].kind == "probe"
+    assert any("a measurement of the code cannot make it right" in n for n in merged[0].notes)
+
+
+def test_a_probe_that_disagrees_with_a_config_match_is_a_conflict_naming_both():
+    merged, changed = apply_probes([config_finding("match", "7.0")],
+                                   ProbeOutcome("run", [gamma_verdict("mismatch", "gamma 4")]), Trace())
+    result = merged[0]
+    assert changed == ["dflash.loss_decay_gamma"] and result.status == "mismatch"
+    assert result.observed == "config: 7.0; measured: gamma 4"
+    assert any(n.startswith("conflict: the run's config says '7.0', the probe loss-gradient measured gamma 4")
+               for n in result.notes)
+    assert result.confidence < 0.95
+
+
+def test_a_config_bound_match_does_not_decide_a_value_the_config_left_undecided():
+    undecided = config_finding("unknown", "7.0").model_copy(update={"confidence": 0.0})
+    merged, changed = apply_probes([undecided], ProbeOutcome("run", [gamma_verdict("match", "applies gamma 7", True)]),
+                                   Trace())
+    assert changed == [] and merged[0].status == "unknown"
+    assert any("the code follows the run's config" in n for n in merged[0].notes)
+
+
+def test_a_forged_all_match_probe_answer_cannot_clean_the_v5_run():
+    """The demo's v5 config has three config mismatches; a probe answer saying `match` for everything (what a
+    hostile code/ copy could return) leaves every one of them a mismatch. On main the probe decided them."""
+    from sleuth.invariants import check_invariants, load_playbook
+    from trainer.config import PRESETS, resolve_for_target, validate_config
+
+    config = resolve_for_target(validate_config(dict(PRESETS["v5"])), 36).model_dump()
+    findings = check_invariants(load_playbook("dflash"), config=config, config_source="config.json", trace=Trace())
+    before = {f.id for f in findings if f.status == "mismatch"}
+    assert {"dflash.fc_input_layers", "dflash.target_logits_source", "dflash.loss_decay_gamma"} <= before
+    forged = ProbeOutcome("run v5", [Verdict(invariant=i, status="match", experiment="forged", hypothesis="h",
+                                             perturbed="p", measurement="m", threshold="t", observed="all good")
+                                     for i in PROBED_INVARIANTS])
+    merged, changed = apply_probes(findings, forged, Trace())
+    after = {f.id for f in merged if f.status == "mismatch"}
+    assert before <= after, before - after
+    assert not set(changed) & before

@@ -43,6 +43,6 @@ def test_each_way_finds_the_planted_leak_and_nothing_else(planted: Path, entry: 
     leak = findings["dflash.context_excludes_anchor"]
     assert leak["status"] == "mismatch"
     assert leak["evidence"][0]["kind"] == "probe"
-    expected_location = "probe:located-mask" if entry is None else "probe:anchor-context"
+    expected_location = "probe:located-mask" if entry is None else "probe:dependence-map"
     assert leak["evidence"][0]["location"] == expected_location
     assert sorted(i for i, f in findings.items() if f["status"] == "mismatch") == ["dflash.context_excludes_anchor"]

@@ -193,3 +193,26 @@ def test_text_summary_shows_counts_and_the_non_matching_findings(tmp_path: Path)
     assert "unknown (1): fc_norm" in text  # unknowns by id; their reasons are in the report
     assert "block_bidirectional" not in text  # matches stay in the report
     assert text.rstrip().endswith("report: r.md")
+
+
+def test_text_summary_keeps_each_finding_to_one_short_line(tmp_path: Path) -> None:
+    """A finding whose observed value is a paragraph (the train-serve gap's is) is one row of the table, cut at
+    its first clause; the paragraph stays in report.md."""
+    from rich.console import Console
+
+    from sleuth.findings import Finding
+    from sleuth.report.text import brief, print_text
+
+    report = sample_report(tmp_path)
+    long = ("real tau falls short of what training measures by 2.41 (11.3 standard errors over prompts); "
+            + "explained by the broken invariant(s) this diagnosis found: dflash.context_excludes_anchor " * 6)
+    report.findings.insert(0, Finding(id="dflash.train_serve_gap", title="gap", status="mismatch", severity="critical",
+                                      observed=long, expected="a gap within noise\nof what training measures",
+                                      confidence=0.85))
+    buffer = io.StringIO()
+    print_text(report, Console(file=buffer, width=140, no_color=True), {"report.md": Path("r.md")})
+    rows = [line for line in buffer.getvalue().splitlines() if "dflash.train_serve_gap" in line]
+    assert len(rows) == 1
+    assert "real tau falls short of what training measures by 2.41 …" in rows[0]
+    assert not any("explained by the broken" in line for line in buffer.getvalue().splitlines())
+    assert brief("short") == "short" and len(brief("x" * 200)) <= 60

@@ -545,7 +545,8 @@ class GenericSubject:
         known = self._block_known(piece, weights.numel())
         exercised += "" if known else " (the run's block size is not known)"
         return px.judge_weights(weights, weights.numel(), gamma if takes_gamma else None, self.expectations, "weights",
-                                report.where, called, exercised, block_known=known)
+                                report.where, called, exercised, block_known=known,
+                                gamma_from_config=takes_gamma and self._gamma_source(piece) == "--config")
 
     def _block_known(self, piece: dict[str, Any], block: int) -> bool:
         """Whether B is the run's: passed by the run, its --config / the code's one default, or the code's own."""

@@ -1,18 +1,33 @@
 """The probe protocol over sgl-project/SpecForge's DFlash draft model and its training wrapper.
 
-Wires SpecForge's own pieces the way its trainer does (algorithms/model_providers.py): a
-`DFlashDraftModel(Qwen3Config + dflash_config)`, the target's embeddings and lm_head as frozen modules
-(its `TargetEmbeddingsAndHead` loader freezes them), `OnlineDFlashModel(...)` with the configured
-`loss_decay_gamma` / `loss_type` (SpecForge's defaults unless `--config` says otherwise), and features
-selected by its own `extract_context_feature` (z-lab ids). Only the anchor sampler is replaced, by one
-returning the probe's anchors. SpecForge packs one sample per row (positions are `arange` over the row),
-so it is probed on one-document rows. When SpecForge cannot be imported here (it needs packages or a GPU
-this interpreter lacks), the worker reports every probe `unknown` with the import error.
+Builds the drafter the way SpecForge's composition root does, through its own code at every step that
+decides an invariant:
+  * the run's configuration: SpecForge's `Config` over the run's recipe (`--config`, SpecForge's recipe
+    YAML: `training.loss_decay_gamma`, `training.loss_type`, `model.draft_model_config`, ...), or over
+    nothing (SpecForge's own defaults for `training.strategy: dflash`); `describe()["configured"]` says
+    where each value came from;
+  * the draft config: the recipe's draft config, shrunk to the probe's sizes (block size, layers, layer
+    types and target layer ids kept), or, without one, SpecForge's `resolve_draft_config`, which generates
+    it from the target (`build_target_layer_ids` for the target's depth);
+  * the drafter and the training model: the dflash registration's `build_draft` and
+    `build_training_model` (`OnlineDFlashModel`, `TargetEmbeddingsAndHead` loaded from a synthetic target
+    directory, `resolve_mask_token_id` over its tokenizer);
+  * the optimizer step: AdamW over the parameters that require grad (SpecForge's BF16Optimizer).
+Replaced, and said so: the anchor sampler during the experiments (the probe's anchors; the sampler itself
+is probed through `sample_anchors`), flex attention by SDPA on CPU, chunked objective evaluation by one
+piece (recomputation would call lm_head again behind the probe's hook; the sum is the same).
+SpecForge's forward takes no document ids or positions (its collator pads one sample per row), so the
+probe runs it on one document per row, and the verdicts that depend on packing say so.
+When no recipe gamma is given, SpecForge's default is no decay: the probe then also sets a gamma of its
+own, so the decay path is exercised, and says that the run's value is the config's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,62 +36,198 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-DRAFT_LAYERS = 2
-TARGET_LAYERS = 8
-BLOCK_SIZE = 8
+from sleuth.probes.adapters.synthetic import write_target_dir
+
+DEFAULT_TARGET_LAYERS = 8
+PROBE_GAMMA = 4.0  # set when the run gives none, so SpecForge's decay path runs (its default is no decay)
+# Fields of a run's draft config that decide DFlash behaviour; the sizes come from the probe's target.
+_DRAFT_KEEP = ("architectures", "model_type", "auto_map", "block_size", "num_hidden_layers", "layer_types",
+               "num_target_layers", "sliding_window", "use_sliding_window", "max_window_layers")
+
+
+# Without a recipe, the probes also take SpecForge's other paths: the D-PACE loss, and a drafter of three
+# layers, whose target layer ids its override path computes with build_target_layer_ids (the default
+# generated drafter has one layer, which reads [L // 2]).
+VARIANT = ("SpecForge's D-PACE loss (alpha 0.3), a 3-layer drafter (model.draft_num_hidden_layers) and the SDPA "
+           "mask builder", {"model": {"draft_num_hidden_layers": 3},
+                            "training": {"loss_type": "dpace", "dpace_alpha": 0.3, "attention_backend": "sdpa"}})
+TAIL = 5  # positions each stored sample has beyond max_len, so the offline normaliser's truncation runs
 
 
 class SpecForgeSubject:
-    def __init__(self, package_dir: str, context: dict[str, Any]) -> None:
+    def __init__(self, package_dir: str, context: dict[str, Any], origin: str | None = None) -> None:
         import specforge
-        from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
-        from specforge.modeling.draft.dflash import DFlashDraftModel, build_target_layer_ids, extract_context_feature
 
         where = Path(specforge.__file__).resolve().parent
         if where != Path(package_dir).resolve():
             raise ImportError(f"specforge was imported from {where}, not from the diagnosed {package_dir}")
-        self.online_class, self.draft_class, self.extract = OnlineDFlashModel, DFlashDraftModel, extract_context_feature
+        self.scratch = Path(tempfile.mkdtemp(prefix="sleuth-specforge-"))
+        self.target_dir = self.scratch / "target"
         config = context.get("config") or {}
-        self.block_size = int(config.get("block_size") or BLOCK_SIZE)
-        self.gamma = config.get("loss_decay_gamma")  # SpecForge's training default: None (no decay)
-        self.loss_type = str(config.get("loss_type") or "dflash")
-        self.layer_ids = list(build_target_layer_ids(TARGET_LAYERS, DRAFT_LAYERS))
+        self.recipe = config if isinstance(config.get("training"), dict) or isinstance(config.get("model"), dict) else {}
+        self.notes: list[str] = []
+        if config and not self.recipe:
+            self.notes.append("the run config is not a SpecForge recipe (no `training:` / `model:`): SpecForge's "
+                              "defaults were probed")
+        self.config_path = Path(context["config_path"]) if context.get("config_path") else None
+        self.handed = context  # sleuth reads the files the recipe names and hands them over (runner._recipe_files)
+        self.package_dir, self.origin, self.has_run_config = package_dir, origin, bool(config)
+        self.run_draft = self._run_draft_config()
+        self.cfg_training = self._training_config()
+        self.num_target_layers = int(self.run_draft.get("num_target_layers") or DEFAULT_TARGET_LAYERS) \
+            if self.run_draft else DEFAULT_TARGET_LAYERS
+        self.block_size = int((self.recipe.get("model") or {}).get("draft_block_size")
+                              or (self.run_draft or {}).get("block_size") or 16)
+
+    # --- the run's configuration ---------------------------------------------------------------------------
+
+    def _run_draft_config(self) -> dict[str, Any] | None:
+        name = (self.recipe.get("model") or {}).get("draft_model_config")
+        if not name:
+            return None
+        if isinstance(self.handed.get("draft_config"), dict):
+            return dict(self.handed["draft_config"])
+        if self.handed.get("draft_config_problem"):
+            raise FileNotFoundError(str(self.handed["draft_config_problem"]))
+        candidates = [Path(name)]
+        if self.config_path is not None:
+            candidates.insert(0, self.config_path.parent / name)
+        for path in candidates:
+            if path.is_file():
+                return json.loads(path.read_text())
+        raise FileNotFoundError(f"the recipe's model.draft_model_config {name} was not found next to the recipe "
+                                f"({self.config_path or 'its location was not given'})")
+
+    def _training_config(self) -> Any:
+        from specforge.config.schema import TrainingConfig
+
+        training = {**(self.recipe.get("training") or {}), "strategy": "dflash"}
+        return TrainingConfig.model_validate(training)
+
+    def variants(self) -> dict[str, Any]:
+        """The code's other paths: its defaults (when a recipe chose others) and the settings above."""
+        label, config = VARIANT
+        found = {label: SpecForgeSubject(self.package_dir, {"config": config}, origin=label)}
+        if self.has_run_config and not self.origin:
+            found = {"SpecForge's defaults": SpecForgeSubject(self.package_dir, {}, origin="SpecForge's defaults"),
+                     **found}
+        return found
+
+    def _source(self, key: str) -> str:
+        if key in (self.recipe.get("training") or {}):
+            return f"probe choice ({self.origin})" if self.origin else f"run config training.{key}"
+        if self.origin and key in (self.recipe.get("model") or {}):
+            return f"probe choice ({self.origin})"
+        return f"SpecForge default (config/schema.py TrainingConfig.{key})"
 
     def describe(self) -> dict[str, Any]:
-        return {
+        training = self.cfg_training
+        gamma = training.loss_decay_gamma
+        configured: dict[str, dict[str, Any]] = {"loss": {"value": "ce", "source": "SpecForge's objective (CE on data tokens)"}}
+        if training.loss_type == "dflash":
+            if gamma is not None and gamma > 0:
+                configured["weighting"] = {"value": "fixed-exp", "source": self._source("loss_decay_gamma")}
+                configured["gamma"] = {"value": float(gamma), "source": self._source("loss_decay_gamma")}
+            else:
+                configured["weighting"] = {"value": "fixed-exp", "source": "probe choice: SpecForge's default is no decay"}
+                configured["gamma"] = {"value": PROBE_GAMMA, "source": "probe choice: SpecForge's default is no decay"}
+                configured["default_weighting"] = {"value": "no decay (loss_decay_gamma None)",
+                                                   "source": self._source("loss_decay_gamma")}
+        elif training.loss_type == "dpace":
+            configured["weighting"] = {"value": "dpace", "source": self._source("loss_type")}
+            configured["dpace_alpha"] = {"value": training.dpace_alpha, "source": self._source("dpace_alpha")}
+        else:
+            configured["weighting"] = {"value": training.loss_type, "source": self._source("loss_type")}
+        ids_from = "SpecForge build_target_layer_ids for the target's depth (generated draft config)"
+        if self.run_draft and (self.run_draft.get("dflash_config") or {}).get("target_layer_ids"):
+            ids = list(self.run_draft["dflash_config"]["target_layer_ids"])
+            configured["target_layer_ids"] = {"value": ids, "source": "run config (the recipe's draft config)"}
+            ids_from = "the recipe's draft config dflash_config.target_layer_ids"
+        info = {
             "name": "SpecForge OnlineDFlashModel",
             "protocol": 1,
             "block_size": self.block_size,
-            "num_target_layers": TARGET_LAYERS,
-            "layer_ids": self.layer_ids,
+            "num_target_layers": self.num_target_layers,
             "layer_id_convention": "zlab",
             "documents_per_row": 1,
-            "notes": [f"loss_type {self.loss_type}, loss_decay_gamma {self.gamma}"],
+            "configured": configured,
+            "anchor_exclusions": ["next token unsupervised"],  # dflash_family_model.py _sample_anchor_positions
+            "anchor_sampler_source": "SpecForge OnlineDFlashModel._sample_anchor_positions",
+            "layer_ids_source": ids_from,
+            "mask_token_source": "SpecForge resolve_mask_token_id over the target's tokenizer (training/model_utils.py)",
+            "features_source": "SpecForge extract_context_feature, normalize_offline_sample and its collator",
+            "attention_backend": f"{training.attention_backend} mask builder, SDPA attention (flex mask_mod "
+                                 "evaluated densely)",
+            "notes": [*self.notes, f"loss_type {training.loss_type}, loss_decay_gamma {gamma}, block {self.block_size}; "
+                      "attention SDPA (flex attention needs compilation)"],
         }
+        if hasattr(self, "model"):
+            info["layer_ids"] = list(self.model.draft_model.target_layer_ids)
+            info["layer_types"] = list(self.model.draft_model.layer_types)
+            # dflash_family_model.py: sliding layers see the earlier slots of their block only
+            info["sliding_causal_within_block"] = True
+        return info
+
+    def _specforge_config(self) -> Any:
+        from specforge.config import Config
+
+        recipe = copy.deepcopy(self.recipe)
+        model = dict(recipe.get("model") or {})
+        model.update(target_model_path=str(self.target_dir), draft_checkpoint_path=None, torch_dtype="float32",
+                     draft_model_config=str(self.scratch / "draft.json") if self.run_draft else None)
+        model.pop("mask_token_id", None)  # the run's mask id belongs to its real vocabulary; the probe's has its own
+        training = dict(recipe.get("training") or {})
+        training.update(strategy="dflash", attention_backend="sdpa", objective_chunk_blocks=0)
+        if self.cfg_training.loss_type == "dflash" and not (self.cfg_training.loss_decay_gamma or 0) > 0:
+            training["loss_decay_gamma"] = PROBE_GAMMA
+        recipe.update(model=model, training=training)
+        recipe.setdefault("data", {"hidden_states_path": str(self.scratch / "features")})
+        return Config.model_validate(recipe)
+
+    def _write_draft_config(self, target: Any) -> None:
+        assert self.run_draft is not None
+        payload = {k: v for k, v in self.run_draft.items() if k in _DRAFT_KEEP}
+        payload.update(target.config_kwargs(int(self.run_draft.get("num_hidden_layers") or 1)))
+        payload["dflash_config"] = {k: v for k, v in (self.run_draft.get("dflash_config") or {}).items()
+                                    if k != "mask_token_id"}
+        payload.setdefault("layer_types", ["full_attention"] * payload["num_hidden_layers"])
+        (self.scratch / "draft.json").write_text(json.dumps(payload))
+
+    # --- building ------------------------------------------------------------------------------------------
 
     def build(self, target: Any) -> None:
-        config = target.qwen3_config(num_hidden_layers=DRAFT_LAYERS)
-        config._attn_implementation = "sdpa"
-        config.block_size = self.block_size
-        config.num_target_layers = TARGET_LAYERS
-        config.layer_types = ["full_attention"] * DRAFT_LAYERS
-        config.dflash_config = {"mask_token_id": target.mask_token_id, "target_layer_ids": self.layer_ids}
-        draft = self.draft_class(config).float()
-        embed = nn.Embedding(target.vocab_size, target.hidden_size)
-        head = nn.Linear(target.hidden_size, target.vocab_size, bias=False)
-        with torch.no_grad():
-            embed.weight.copy_(target.embed_weight)
-            head.weight.copy_(target.lm_head_weight)
-        embed.requires_grad_(False)  # as TargetEmbeddingsAndHead.from_pretrained leaves them
-        head.requires_grad_(False)
-        self.model = self.online_class(
-            draft_model=draft, target_lm_head=head, target_embed_tokens=embed, mask_token_id=target.mask_token_id,
-            block_size=self.block_size, attention_backend="sdpa", num_anchors=3, loss_decay_gamma=self.gamma,
-            loss_type=self.loss_type,
-            # 0 evaluates the objective in one piece; chunks add activation checkpointing, whose recomputation
-            # would call lm_head again behind the probe's hook. The loss is the same sum either way.
-            objective_chunk_blocks=0,
-        )
+        from transformers import AutoConfig, AutoTokenizer
+
+        from specforge.algorithms.builtin import builtin_algorithm_registry
+        from specforge.training.model_loading import resolve_draft_config
+
+        self.target = target
+        write_target_dir(target, self.target_dir)
+        if self.run_draft is not None:
+            self._write_draft_config(target)
+        cfg = self._specforge_config()
+        providers = builtin_algorithm_registry().resolve("dflash").providers.model
+        draft_config = resolve_draft_config(cfg, provider=providers.draft_config)
+        draft = providers.build_draft(cfg, draft_config).float()
+        tokenizer = AutoTokenizer.from_pretrained(str(self.target_dir))
+        parts = providers.build_training_model(cfg, draft, draft_config, AutoConfig.from_pretrained(str(self.target_dir)),
+                                               tokenizer)
+        self.model = parts.model.float()
+        self.block_size = int(self.model.block_size)
+        # The run's mask builder (flex_attention by default) with SDPA attention: its flex mask_mod is evaluated
+        # densely (create_mask, as speculators' SDPA path does), since flex attention needs compilation.
+        self.model.attention_backend = self.cfg_training.attention_backend
+        if self.model.attention_backend not in ("flex_attention", "sdpa"):
+            self.model.attention_backend = "sdpa"
+
+    def layer_ids_for(self, num_target_layers: int, count: int | None = None) -> list[int]:
+        """SpecForge's own rule for that depth, for `count` draft layers (default: this drafter's)."""
+        from specforge.modeling.draft.dflash import build_target_layer_ids
+
+        return list(build_target_layer_ids(num_target_layers, count or len(self.model.draft_model.layers)))
+
+    def feature_projection(self) -> nn.Module:
+        return self.model.draft_model.fc
 
     def parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.model.named_parameters())
@@ -101,18 +252,49 @@ class SpecForgeSubject:
 
         handles = [self.model.embed_tokens.register_forward_hook(lambda _m, _a, out: hooks.block_embeddings(out)),
                    self.model.lm_head.register_forward_hook(on_logits)]
+        from torch.nn.attention.flex_attention import create_mask
+
+        from specforge.algorithms.common import dflash_family_model as family
+
+        original = family.create_block_mask
+        family.create_block_mask = lambda mod, B, H, Q_LEN, KV_LEN, device: create_mask(mod, B, H, Q_LEN, KV_LEN, device)
         try:
             yield drafted
         finally:
+            family.create_block_mask = original
             del self.model._sample_anchor_positions
             for handle in handles:
                 handle.remove()
 
+    def _through_data_path(self, batch: Any) -> dict[str, Tensor]:
+        """The rows as SpecForge's training gets them: the selected layers (its extract_context_feature), each
+        row stored as an offline sample a few positions longer than max_len, its offline normaliser
+        (normalize_offline_sample) and its collator (zero padding)."""
+        from specforge.algorithms.common.dflash_family_data import build_collator, normalize_offline_sample
+        from specforge.modeling.draft.dflash import extract_context_feature
+
+        features = extract_context_feature(list(batch.hidden_states), list(self.model.draft_model.target_layer_ids))
+        g = torch.Generator().manual_seed(11)
+        samples = []
+        for row in range(batch.input_ids.shape[0]):
+            length = int((batch.doc_ids[row] >= 0).sum())
+            raw = {"input_ids": torch.cat([batch.input_ids[row, :length], torch.randint(1, 60, (TAIL,), generator=g)]),
+                   "loss_mask": torch.cat([batch.loss_mask[row, :length], torch.ones(TAIL, dtype=batch.loss_mask.dtype)]),
+                   "hidden_states": torch.cat([features[row, :length],
+                                               torch.randn(TAIL, features.shape[-1], generator=g).to(features.dtype)])}
+            samples.append(normalize_offline_sample(raw, max_len=length))
+        collated = build_collator()(samples)
+        width = batch.input_ids.shape[1]
+        if collated["input_ids"].shape[1] != width:  # rows all padded: the collator pads to the longest only
+            pad = width - collated["input_ids"].shape[1]
+            collated = {k: torch.nn.functional.pad(v, (0, 0, 0, pad) if v.dim() == 3 else (0, pad)) for k, v in collated.items()}
+        return collated
+
     def _forward(self, batch: Any, hooks: Any) -> tuple[Tensor, list[Tensor]]:
-        features = self.extract(list(batch.hidden_states), self.layer_ids)
+        fed = self._through_data_path(batch)
         with self._wired(batch, hooks) as drafted:
-            loss, _accuracy, _metrics = self.model(input_ids=batch.input_ids, hidden_states=features,
-                                                   loss_mask=batch.loss_mask)
+            loss, _accuracy, _metrics = self.model(input_ids=fed["input_ids"], hidden_states=fed["hidden_states"],
+                                                   loss_mask=fed["loss_mask"])
         return loss, drafted
 
     def draft_logits(self, batch: Any, hooks: Any) -> Tensor:
@@ -124,6 +306,12 @@ class SpecForgeSubject:
         self.model.train()
         loss, _drafted = self._forward(batch, hooks)
         return loss
+
+    def sample_anchors(self, batch: Any, num_anchors: int) -> tuple[Tensor, Tensor]:
+        """SpecForge's sampler, as its forward calls it, on the batch's loss mask (through its data path)."""
+        self.model.num_anchors = num_anchors
+        mask = self._through_data_path(batch)["loss_mask"]
+        return self.model._sample_anchor_positions(mask.shape[1], mask, mask.device)
 
     def train_step(self, batch: Any) -> None:
         # SpecForge's BF16Optimizer is AdamW over the parameters that require grad (specforge/optimizer.py).

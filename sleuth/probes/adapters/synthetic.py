@@ -1,0 +1,56 @@
+"""The probe's synthetic target as a Hugging Face model directory, for trainers that load their target from disk.
+
+speculators and SpecForge build their drafters from a verifier / target *path*: its config (depth, sizes),
+its weights (embeddings, lm_head, final norm) and its tokenizer (the mask token). Writing the probe's
+target there lets their own loaders, layer-id rules and mask-token resolution run, instead of the adapter
+handing them the answers. The decoder layers are random (the probe supplies every hidden state itself);
+the tokenizer has V-1 tokens, token 0 the pad / eos, so the one unused embedding row is the mask token a
+trainer should pick.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sleuth.probes.target import PAD_TOKEN
+
+
+def write_target_dir(target: Any, path: Path, num_layers: int | None = None) -> Path:
+    """save_pretrained of a Qwen3 causal LM carrying the target's embeddings, lm_head and final norm, plus a
+    tokenizer; `num_layers` overrides the depth (a config for another depth, e.g. to call a layer-id rule)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen3Config(**target.config_kwargs(num_layers or target.num_layers))
+    config.pad_token_id = config.eos_token_id = config.bos_token_id = PAD_TOKEN
+    if num_layers is not None and num_layers != target.num_layers:
+        config.save_pretrained(path)  # a rule only reads the depth
+        return path
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(target.embed_weight)
+        model.lm_head.weight.copy_(target.lm_head_weight)
+        model.model.norm.weight.copy_(target.norm_weight)
+    model.save_pretrained(path)
+    write_tokenizer(path, target.vocab_size)
+    return path
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over V-1 tokens ("<pad>" = 0 is also eos): no mask token, one free row."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD_TOKEN, **{f"t{i}": i for i in range(1, vocab_size - 1)}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<pad>",
+                                        unk_token="<pad>")
+    tokenizer.save_pretrained(path)
+    # Some loaders look for a generation config's eos; keep the ids in one place.
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": PAD_TOKEN, "pad_token_id": PAD_TOKEN}))
