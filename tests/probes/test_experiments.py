@@ -8,6 +8,7 @@ import functools
 import math
 
 import pytest
+import torch
 
 from sleuth.probes.experiments import EXPERIMENTS
 from sleuth.probes.verdict import PROBED_INVARIANTS, Expectations
@@ -46,7 +47,7 @@ DEFECT_CASES = [
     ("trainable_head", "optimizer-step", "dflash.frozen_embed_head", "embeddings and lm_head trained"),
     # The classes an outside test found matched before (issue 20): too small a batch, a coarse observable.
     ("anchor_tiling", "attention", "dflash.context_excludes_anchor", "see their anchor's own context position"),
-    ("cross_document", "attention", "dflash.blocks_isolated", "another document's context"),
+    ("cross_document", "attention", "dflash.context_excludes_anchor", "another document's context"),
     ("query_positions", "rotary-positions", "dflash.block_position_ids", "slot index 0..B-1"),
     ("softmax_ce", "loss-gradient", "dflash.loss_kind", "neither CE nor KL"),
     ("self_labels", "loss-gradient", "dflash.target_logits_source", "the drafter's own argmax"),
@@ -164,3 +165,40 @@ def test_a_subject_that_does_not_pack_never_gets_a_packing_match():
         assert found[invariant].status == "unknown"
         assert found[invariant].reason.startswith("not exercised: documents packed in one row")
     assert found["dflash.context_excludes_anchor"].status == "match"
+
+
+class _RowByRow:
+    """The example subject run one row at a time, as hand-written trainers often do (a Python loop over the
+    batch, each row's forward with a batch of 1): its layers and rotary module are called once per row."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft_logits(self, batch, hooks):
+        rows = []
+        for r in range(batch.anchors.shape[0]):
+            one = {k: getattr(batch, k)[r : r + 1] for k in ("input_ids", "position_ids", "doc_ids", "loss_mask",
+                                                              "anchors", "anchor_valid", "last_hidden", "logits")}
+            rows.append(self.inner.draft_logits(batch.replace(**one, hidden_states=tuple(h[r : r + 1] for h in
+                                                                                       batch.hidden_states)), hooks))
+        return torch.cat(rows, 0)
+
+
+@pytest.mark.parametrize("defect", [None, "position_offset", "cross_document"])
+def test_a_subject_that_runs_row_by_row_is_judged_like_one_that_runs_the_batch(defect):
+    """Per-row calls of the layers and the rotary module: the experiments read every call, so a correct
+    subject is no false alarm and a planted defect is still found (was: the first call's row judged against
+    every row's expectation, and one row's layer outputs taken for the batch's)."""
+    subject = _RowByRow(example_subject(defects=[defect] if defect else []))
+    found = verdicts(subject, "attention", "rotary-positions")
+    statuses = {k: v.status for k, v in found.items()}
+    if defect is None:
+        assert "mismatch" not in statuses.values(), {k: found[k].observed for k, s in statuses.items() if s == "mismatch"}
+    elif defect == "position_offset":
+        assert statuses["dflash.block_position_ids"] == "mismatch"
+    else:
+        assert statuses["dflash.context_excludes_anchor"] == "mismatch"
+        assert "another document's context" in found["dflash.context_excludes_anchor"].observed

@@ -54,3 +54,10 @@ def test_no_false_alarm_in_the_correct_cases(case: str):
     planted_by_design = {"adapter_beside_trainer": {"dflash.fc_norm"}}  # that trainer has no norm after fc
     mismatches = {i for i, (s, _a, _o) in _statuses(case).items() if s == "mismatch"}
     assert mismatches <= planted_by_design.get(case, set()), mismatches
+
+
+def test_an_mlp_or_a_targets_own_mixing_layer_is_not_the_fusion_projection():
+    # main: "subset" (a hard-coded 2 layers; the code's layer-id list has 4 entries) from `down` and `mix`
+    readings = analyse_path(CASES / "mlp_beside_fc").readings["dflash.fc_input_layers"]
+    assert {r.value for r in readings} == {"all"}
+    assert _statuses("mlp_beside_fc")["dflash.fc_input_layers"][0] != "mismatch"

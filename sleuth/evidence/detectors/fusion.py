@@ -196,30 +196,51 @@ def every_site_counts(readings: list[CodeReading], good: set[str]) -> list[CodeR
     return readings
 
 
+def _fusion_name(name: str | None) -> bool:
+    return bool(name) and bool(re.search(r"(^|_)(fc|fus|fusion|feat|features?|ctx|context|aux|taps?|cond|target)"
+                                         r"|hidden_proj|input_proj|proj_in|in_proj", name, re.I))
+
+
 def detect_fc(an: Analyzer) -> tuple[list[CodeReading], list[str]]:
     """Readings for dflash.fc_input_layers, and the attribute names of the fusion projection(s)."""
     readings: list[CodeReading] = []
     names: list[str] = []
+    candidates: list[tuple[ast.Call, str | None, ast.expr]] = []
+    widenings: set[str] = set()  # multipliers of Linear(H, M * H): the up / gate half of an MLP
     for node in nodes_of(an, ast.Call):
         dims = _linear_dims(an, node)
         if dims is None:
             continue
+        widening = _multiplier(an, dims[1], dims[0])
+        if widening is not None:
+            widenings.add(ast.unparse(widening))
         multiplier = _multiplier(an, *dims)
         if multiplier is None:
             continue
         parent = an.parents.get(node)
         while isinstance(parent, ast.BinOp) and isinstance(parent.op, (ast.Mult, ast.Div)):
             parent = an.parents.get(parent)  # normal(key, shape) * 0.02
+        name = None
         if isinstance(parent, ast.Assign) and parent.targets:
-            names.append(leaf_name(parent.targets[0]))
+            name = leaf_name(parent.targets[0])
         elif isinstance(parent, ast.AnnAssign):
-            names.append(leaf_name(parent.target))
+            name = leaf_name(parent.target)
         elif isinstance(parent, ast.Dict):
-            for key, value in zip(parent.keys, parent.values):
-                if value is node and isinstance(key, ast.Constant) and isinstance(key.value, str):
-                    names.append(key.value)
+            name = next((key.value for key, value in zip(parent.keys, parent.values)
+                         if value is node and isinstance(key, ast.Constant) and isinstance(key.value, str)), None)
         elif isinstance(parent, ast.keyword) and parent.arg:
-            names.append(parent.arg)
+            name = parent.arg
+        if name:
+            names.append(name)
+        candidates.append((node, name, multiplier))
+    # A Linear(M * H, H) is the fusion projection only where nothing says otherwise: one whose M * H width some
+    # Linear(H, M * H) produces is an MLP's down projection, and where some candidates are named as the fusion
+    # (fc, fusion, context / feature projection), the unnamed and otherwise-named ones (a target's own mixing
+    # layer, a block's MLP) are not it.
+    candidates = [c for c in candidates if ast.unparse(c[2]) not in widenings or _fusion_name(c[1])]
+    if any(_fusion_name(c[1]) for c in candidates):
+        candidates = [c for c in candidates if _fusion_name(c[1])]
+    for node, _name, multiplier in candidates:
         value, detail, confidence, mode = _classify_layer_count(an, multiplier)
         if value.startswith("count:"):
             lengths = _layer_list_lengths(an)

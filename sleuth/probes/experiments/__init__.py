@@ -60,7 +60,8 @@ def run_experiments(lab: Lab, decides: dict[str, tuple[str, ...]],
                 reason = exc.reason
             else:
                 text = str(exc).strip().splitlines()
-                reason = f"the experiment failed: {type(exc).__name__}" + (f": {text[0]}" if text else "")
+                reason = f"the experiment failed: {type(exc).__name__}" + (f": {text[0]}" if text else "") \
+                    + _raised_at(exc)
             found = [Verdict(invariant=i, status="unknown", experiment=name, hypothesis="", perturbed="",
                              measurement="", threshold="", reason=reason) for i in decides[name]]
         seconds[name] = round(time.perf_counter() - start, 3)
@@ -68,6 +69,14 @@ def run_experiments(lab: Lab, decides: dict[str, tuple[str, ...]],
             verdict.seconds = seconds[name]
         verdicts += found
     return verdicts, seconds
+
+
+def _raised_at(exc: BaseException) -> str:
+    """Where it was raised (file name and line): the entry's code or an experiment's, for whoever fixes it."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" (raised at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno})" if frames else ""
 
 
 def probe_variants(subject: Any, verdicts: list[Verdict], expectations: Expectations, seed: int,

@@ -89,6 +89,13 @@ def probe_attention(lab: Lab) -> list[Verdict]:
         anchor.observed = f"{len(anchor_seen)} of {len(blocks)} blocks see their anchor's own context position " \
                           f"(kv <= anchor; e.g. row {anchor_seen[0][0]}, anchor {anchor_seen[0][1]})"
         anchor.fix = "Mask context keys at or after the anchor: kv_pos < anchor, not <=."
+    elif other_doc:
+        # DFLASH.md's rule is context before the anchor *in the anchor's document*: another document's context
+        # breaks it (the drafter is trained on states it never has at serving time), whatever else it sees.
+        anchor.status = "mismatch"
+        anchor.observed = (f"blocks see another document's context ({len(other_doc)} (row, anchor, position) cases; "
+                           f"e.g. {other_doc[0]})")
+        anchor.fix = "Mask context keys of other documents: same document and kv_pos < anchor."
     elif ambiguous:
         anchor.reason = f"{len(ambiguous)} changes are between the thresholds (e.g. row, anchor, position {ambiguous[0]})"
     elif not context_seen_anywhere:
@@ -109,19 +116,18 @@ def probe_attention(lab: Lab) -> list[Verdict]:
     leaks = {
         "another block's tokens": [x for x in token_leaks if seen(x[3])],
         "context after its anchor": future,
-        "another document's context": other_doc,
         "another row": [k for k, v in cross_row.items() if seen(v)],
     }
     if leaks["another block's tokens"]:  # the context map is then confounded: a block sees what the others see
-        leaks["context after its anchor"], leaks["another document's context"] = [], []
+        leaks["context after its anchor"] = []
     undecided = [x for x in token_leaks if seen(x[3]) is None] + [k for k, v in cross_row.items() if seen(v) is None]
     isolated = Verdict(
         invariant="dflash.blocks_isolated", experiment="dependence-map",
         hypothesis="a block sees neither another block's tokens, nor context after its anchor, nor another "
-        "document's or another row's context",
+        "row's context (another document's context is context_excludes_anchor's rule)",
         perturbed=f"(1) every context position of every row, one at a time; (2) the input embeddings of each "
         f"block's tokens in turn; (3) every position of one row at a time (other rows' blocks observed)",
-        measurement=f"(1) blocks seeing later context: {len(future)}, another document: {len(other_doc)}; "
+        measurement=f"(1) blocks seeing later context: {len(future)}; "
         f"(2) largest change of another block: {max((x[3] for x in token_leaks), default=0.0):.2g} (a block's "
         f"own tokens: smallest {min(own_controls, default=0.0):.2g}); (3) largest change of another row: "
         f"{max(cross_row.values(), default=0.0):.2g}",
@@ -139,8 +145,7 @@ def probe_attention(lab: Lab) -> list[Verdict]:
         isolated.reason = "a leak measurement is between the thresholds"
     else:
         isolated.status = "match"
-        isolated.observed = "no leak from other blocks, later context" + (", other documents" if packed else "") + \
-            (" or other rows" if lab.rows > 1 else "")
+        isolated.observed = "no leak from other blocks or later context" + (" or other rows" if lab.rows > 1 else "")
         isolated.not_exercised += lab.packing_gap()
         if not layout.adjacent_pairs():
             isolated.not_exercised.append("adjacent anchors (overlapping blocks)")
@@ -163,8 +168,11 @@ def _layer_inputs(args: tuple, kwargs: dict) -> Tensor | None:
 
 def _within_layer_changes(lab: Lab, layers: list[Any], tokens: list[int], seed: int) -> list[Tensor]:
     """For each layer alone: the change of its output per block token [N, T] when its own block-token input
-    is perturbed at `tokens` (attention is the only path between tokens inside a layer)."""
-    outputs: dict[int, Tensor] = {}
+    is perturbed at `tokens` (attention is the only path between tokens inside a layer).
+
+    A subject that runs its rows one at a time calls each layer once per row: the outputs of one forward are
+    concatenated in call order, which is the rows' order."""
+    outputs: dict[int, list[Tensor]] = {}
     target = {"layer": -1}
 
     def pre(index: int):
@@ -187,7 +195,7 @@ def _within_layer_changes(lab: Lab, layers: list[Any], tokens: list[int], seed: 
     def post(index: int):
         def hook(module, args, output):
             out = output[0] if isinstance(output, (tuple, list)) else output
-            outputs[index] = out.detach().float().clone()
+            outputs.setdefault(index, []).append(out.detach().float().clone())
 
         return hook
 
@@ -195,14 +203,25 @@ def _within_layer_changes(lab: Lab, layers: list[Any], tokens: list[int], seed: 
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(pre(i), with_kwargs=True))
         handles.append(layer.register_forward_hook(post(i)))
-    try:
+    def forward() -> dict[int, Tensor]:
+        outputs.clear()
         lab.logits()
-        base = dict(outputs)
+        joined = {}
+        for index, parts in outputs.items():
+            whole = torch.cat([p.reshape(-1, *p.shape[-2:]) for p in parts], 0)
+            if whole.shape[0] != lab.rows:
+                raise RuntimeError(f"draft layer {index} ran {len(parts)} time(s) per forward on pieces that do not "
+                                   f"make the batch's {lab.rows} rows")
+            joined[index] = whole
+        return joined
+
+    try:
+        base = forward()
         changes = []
         for i in range(len(layers)):
             target["layer"] = i
-            lab.logits()
-            before, after = base[i], outputs[i]
+            after_all = forward()
+            before, after = base[i], after_all[i]
             scale = before.abs().max().clamp_min(1e-12)
             changes.append(((after - before).abs().amax(-1) / scale).reshape(lab.rows, -1))  # [N, T]
     finally:

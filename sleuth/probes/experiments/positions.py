@@ -213,17 +213,39 @@ def _positions_from_rotary_call(lab: Lab, verdict: Verdict, called: list[Tensor]
         verdict.reason = "the rotary module was not called with position ids"
         return verdict.gated()
     q = layout.num_anchors * b
-    ids = called[0].reshape(-1, called[0].shape[-1])
-    wrong = []
+    # Every row of every call that is long enough to hold the block tokens (their ids are the last A*B). A
+    # subject that runs its rows one at a time calls the rotary module once (or twice: queries, keys) per row
+    # with a batch of 1, so a call's row index is not the batch row: each batch row is judged against every
+    # call-row, and only a row whose blocks are at anchor + j in none of them is a mismatch.
+    candidates = [r for ids in called for r in ids.reshape(-1, ids.shape[-1]) if r.shape[-1] >= q]
+    if not candidates:
+        verdict.reason = f"the rotary module was never called with ids for the {q} block tokens"
+        return verdict.gated()
+    per_row: dict[int, list[tuple[int, int]]] = {}
     for n, i, a in lab.valid_blocks():
-        row = ids[min(n, ids.shape[0] - 1)]
-        got = row[-q:][i * b : (i + 1) * b].tolist()
-        if got != expected[(n, i)]:
-            wrong.append((n, a, got))
+        per_row.setdefault(n, []).append((i, a))
+
+    def fits(row: Tensor, n: int) -> bool:
+        tail = row[-q:]
+        return all(tail[i * b : (i + 1) * b].tolist() == expected[(n, i)] for i, _ in per_row[n])
+
+    wrong = []
+    for n in sorted(per_row):
+        if any(fits(row, n) for row in candidates):
+            continue
+        # the call-row this batch row would be when calls carry the whole batch, else its nearest in order
+        row = candidates[min(n, len(candidates) - 1)] if called[0].reshape(-1, called[0].shape[-1]).shape[0] == lab.rows \
+            else candidates[min(n * max(1, len(candidates) // lab.rows), len(candidates) - 1)]
+        i, a = next(((i, a) for i, a in per_row[n] if row[-q:][i * b : (i + 1) * b].tolist() != expected[(n, i)]),
+                    per_row[n][0])
+        wrong.append((n, a, row[-q:][i * b : (i + 1) * b].tolist(), expected[(n, i)]))
+    ids = candidates[0][None]
     verdict.measurement = f"position ids given to the rotary module for the block tokens: {ids[0, -q:].tolist()}"
     if wrong:
         verdict.status = "mismatch"
-        verdict.observed = f"block tokens at {wrong[0][2]} for the block at {wrong[0][1]} (expected anchor + j)"
+        n, a, got, want = wrong[0]
+        verdict.observed = (f"block tokens at {got} for the block at {a} in row {n} (expected position_ids[anchor] + j "
+                            f"= {want}; no rotary call gave that row's blocks those ids)")
         verdict.fix = "Give block token j the position of its anchor plus j."
     else:
         verdict.status, verdict.observed = "match", "anchor + j given to the rotary module"
