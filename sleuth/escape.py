@@ -33,13 +33,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import unicodedata
 from typing import Any
 
-UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
-# Assigned letters and marks that render as nothing (Unicode's Default_Ignorable_Code_Point, less the
-# variation selectors an emoji needs): as good as invisible format characters for hiding text.
-_INVISIBLE_GRAPHIC = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0")
+# The code-point level lives in sleuth.codepoints (sleuth.redact's console writer uses it too); importers of
+# sleuth.escape keep finding it here.
+from sleuth.codepoints import UNSAFE_CATEGORIES, escape_unsafe, is_unsafe  # noqa: F401
+
 # Every line break Python's str.splitlines() knows, CR included.
 LINE_BREAKS = frozenset("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
 _BREAK_RUN = re.compile("[" + "".join(sorted(LINE_BREAKS)) + "]+")
@@ -52,31 +51,6 @@ _MD_INLINE = re.compile(r"([\\`*\[\]|~$#]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z]))")
 # ... and what only acts at the start of a block ("#" is escaped everywhere): a value that begins a list item
 # ("- {note}") could open a nested list, a setext rule or an ordered list.
 _MD_LEADING = re.compile(r"^(\s*)([+=\-]|\d+[.)])")
-
-
-def is_unsafe(ch: str) -> bool:
-    """Whether this code point must not reach a terminal or a document raw (see the module docstring)."""
-    if ch.isprintable():  # the fast path: printable is every category but C*, Z* (bar the plain space)
-        return ch in _INVISIBLE_GRAPHIC
-    return unicodedata.category(ch) in UNSAFE_CATEGORIES
-
-
-def _escape(ch: str) -> str:
-    code = ord(ch)
-    if 0xDC80 <= code <= 0xDCFF:  # a byte of a non-UTF-8 file name (surrogateescape): the byte itself
-        return f"\\x{code - 0xDC00:02x}"
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    if code < 0x10000:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
-def escape_unsafe(text: str) -> str:
-    """`text` with every unsafe code point written as its escape; nothing else changes (no redaction)."""
-    if text.isprintable() and not any(ch in _INVISIBLE_GRAPHIC for ch in text):
-        return text
-    return "".join(_escape(ch) if is_unsafe(ch) else ch for ch in text)
 
 
 def _limited(text: str, limit: int | None) -> str:

@@ -81,7 +81,7 @@ class RedactingWriter(io.TextIOBase):
         self._stream = stream
 
     def write(self, text: str) -> int:
-        from sleuth.escape import escape_unsafe
+        from sleuth.codepoints import escape_unsafe
 
         redacted = redact(text)
         coloured = self._coloured()

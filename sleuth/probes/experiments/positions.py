@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -127,6 +128,9 @@ def probe_positions(lab: Lab) -> list[Verdict]:
         return [_positions_from_rotary_call(lab, verdict, called, expected_block)]
     q_post, k_post = rotated[0]
     q_pre, k_pre = unrotated[0]
+    if q_post.dim() == 4 and q_post.shape[0] == 1 != n_rows and q_post.shape[2] == q_len:
+        # Rows attended one at a time (a per-row loop, our trainer's segmented CPU attention): judge each call.
+        return [_positions_per_row_calls(lab, verdict, rotated, unrotated, rotary, expected_block)]
     if q_post.dim() != 4 or q_post.shape[0] != n_rows or q_post.shape[2] != q_len or k_post.shape[2] != s + q_len:
         verdict.not_exercised.append(f"the queries and keys handed to attention (shapes {tuple(q_post.shape)} and "
                                      f"{tuple(k_post.shape)} are not [N, heads, A*B, hd] and [N, heads, S+A*B, hd])")
@@ -180,6 +184,93 @@ def probe_positions(lab: Lab) -> list[Verdict]:
         verdict.not_exercised += [g.replace("cross-document rules", "positions restarting per document")
                                   for g in lab.packing_gap()]
     return [verdict.gated()]
+
+
+def _positions_per_row_calls(lab: Lab, verdict: Verdict, rotated: list, unrotated: list, rotary: Any,
+                             expected: dict) -> Verdict:
+    """Attention called once per row (batch 1, all A*B queries, the row's context keys first, possibly only
+    those some block sees): every call must be some row's queries and keys at position_ids[anchor] + j with its context
+    keys at position_ids, and every row must be seen. Which call is which row is not assumed (layers and rows
+    may be looped in either order): a call that fits no row is the mismatch."""
+    layout, b, n_rows = lab.layout, lab.block_size, lab.rows
+    q_len = layout.num_anchors * b
+    per_row: dict[int, list[int]] = {}
+    for n, i, _a in lab.valid_blocks():
+        per_row.setdefault(n, []).append(i)
+    calls = [(post, pre) for post, pre in zip(rotated, unrotated)
+             if post[0].dim() == 4 and post[0].shape[0] == 1 and post[0].shape[2] == q_len]
+    if not calls:
+        verdict.not_exercised.append("attention calls holding one row's block queries")
+        verdict.reason = "no attention call held one row's block queries"
+        return verdict.gated()
+    if len(calls) % n_rows:
+        verdict.not_exercised.append(f"{len(calls)} per-row attention calls that do not divide into {n_rows} rows")
+        verdict.reason = verdict.not_exercised[-1]
+        return verdict.gated()
+    reach = int(lab.batch.position_ids.max().item()) + b + 8
+    head_dim = calls[0][0][0].shape[-1]
+    with torch.no_grad():
+        cos, sin = rotary(calls[0][0][0].new_zeros(1, reach, head_dim), torch.arange(reach)[None])
+    cos, sin = cos.reshape(reach, -1).float(), sin.reshape(reach, -1).float()
+
+    def read(chosen: list) -> tuple[float, set, list]:
+        worst, conventions, found = 0.0, set(), []
+        for (q_post, k_post), (q_pre, k_pre) in chosen:
+            q_found, q_res, q_conv = _positions_of(q_pre[0], q_post[0], cos, sin)
+            k_found, k_res, k_conv = _positions_of(k_pre[0], k_post[0], cos, sin)
+            conventions |= {q_conv, k_conv}
+            worst = max(worst, q_res.max().item(), k_res.max().item())
+            found.append((q_found, k_found))
+        return worst, conventions, found
+
+    # Only the first layer's calls compare a rotated with its unrotated input (the identity rotary changes what
+    # later layers receive). Which calls those are depends on the loop order: layers outside and rows inside
+    # (the first N calls), or rows outside (every (calls / N)-th). In the true order a correct rotation fits
+    # exactly; a mixed-up order does not, so the first order that fits is the first layer's.
+    per_layer = len(calls) // n_rows
+    orders = [calls[:n_rows], calls[::per_layer]] if per_layer > 1 else [calls]
+    readings = [read(order) for order in orders]
+    worst, conventions, found = next((r for r in readings if r[0] <= POSITION_FIT), readings[0])
+    seen_rows, misfits = set(), []
+    for index, (q_found, k_found) in enumerate(found):
+        context = k_found.shape[0] - q_len
+        fitting = [n for n in per_row
+                   if all(q_found[i * b : (i + 1) * b].tolist() == expected[(n, i)]
+                          and k_found[context + i * b : context + (i + 1) * b].tolist() == expected[(n, i)]
+                          for i in per_row[n])
+                   # the context keys may be a subset (an attention that drops keys no block sees): each must
+                   # still be at one of the row's own positions
+                   and set(k_found[:context].tolist()) <= set(lab.batch.position_ids[n].tolist())]
+        seen_rows |= set(fitting)
+        if not fitting:
+            misfits.append((index, q_found.tolist()))
+    calls = found
+    verdict.measurement = (f"{len(calls)} attention calls of one row each; positions found per query and key by "
+                           f"matching each to its rotation (worst residual {worst:.2g}); rows whose calls fit: "
+                           f"{sorted(seen_rows)}")
+    if worst > POSITION_FIT:
+        verdict.status = "mismatch"
+        verdict.observed = (f"queries / keys are not the rotary embedding's rotation of their unrotated values at "
+                            f"any position (residual {worst:.2g}): the rotation is applied wrongly")
+        verdict.fix = "Apply the rotary embedding as q * cos + rotate_half(q) * sin, the same way to queries and keys."
+    elif any("reversed" in c for c in conventions) or len(conventions) > 1:
+        verdict.status = "mismatch"
+        verdict.observed = f"queries / keys rotated as {', '.join(sorted(conventions))}: not the rotary embedding's rotation"
+        verdict.fix = "Apply the rotary embedding as q * cos + rotate_half(q) * sin, the same way to queries and keys."
+    elif misfits:
+        index, got = misfits[0]
+        verdict.status = "mismatch"
+        verdict.observed = (f"{len(misfits)} of {len(calls)} per-row attention calls are no row's blocks at "
+                            f"position_ids[anchor] + j (call {index}: queries at {got[:2 * b]}...)")
+        verdict.fix = "Rotate block token j (its query and its key) at the anchor's position plus j; keep context keys at theirs."
+    elif seen_rows != set(per_row):
+        verdict.reason = f"rows {sorted(set(per_row) - seen_rows)} were never seen in an attention call"
+    else:
+        verdict.status = "match"
+        verdict.observed = "queries and keys of block token j at anchor + j; context keys at their own positions"
+        verdict.not_exercised += [g.replace("cross-document rules", "positions restarting per document")
+                                  for g in lab.packing_gap()]
+    return verdict.gated()
 
 
 def _describe_wrong_positions(wrong_q: list, wrong_k: list, expected: dict, layout: Layout) -> str:
