@@ -46,6 +46,7 @@ DEFECTS = {
     "mask_is_pad": "slots 1..B-1 hold the pad token (0) instead of the mask token",
     "fc_interleaved": "fc's input interleaves the layers feature by feature (stack, then flatten)",
     "context_detached": "the fused context is detached before the layers (fc never trains)",
+    "shared_context_kv": "every layer takes the context's K/V from layer 0's k/v projections (projected once, reused)",
 }
 DEFAULTS = {"gamma": 4.0, "loss": "ce", "weighting": "decay", "block_size": 6}
 
@@ -86,7 +87,7 @@ class Layer(nn.Module):
         self.up, self.down = nn.Linear(hidden, intermediate, bias=False), nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, hidden_states: Tensor, context: Tensor | None, cos: Tensor, sin: Tensor, mask: Tensor,
-                query_rotation: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                query_rotation: tuple[Tensor, Tensor] | None = None, context_kv_from: Layer | None = None) -> Tensor:
         n, q_len, _ = hidden_states.shape
         q_cos, q_sin = query_rotation or (cos[:, -q_len:], sin[:, -q_len:])  # the block's own positions
         x = self.norm1(hidden_states)
@@ -98,8 +99,13 @@ class Layer(nn.Module):
             return t.view(n, -1, self.heads, self.head_dim).transpose(1, 2)
 
         q = rotate(split(self.q(x)), q_cos, q_sin)
-        k = rotate(split(self.k(keys_in)), cos, sin)
-        out = F.scaled_dot_product_attention(q, k, split(self.v(keys_in)), attn_mask=mask[:, None])
+        if context_kv_from is not None and context is not None:  # the defect: another layer's projection of it
+            k_in = torch.cat([context_kv_from.k(context), self.k(x)], dim=1)
+            v_in = torch.cat([context_kv_from.v(context), self.v(x)], dim=1)
+        else:
+            k_in, v_in = self.k(keys_in), self.v(keys_in)
+        k = rotate(split(k_in), cos, sin)
+        out = F.scaled_dot_product_attention(q, k, split(v_in), attn_mask=mask[:, None])
         hidden_states = hidden_states + self.o(out.transpose(1, 2).reshape(n, q_len, -1))
         return hidden_states + self.down(F.silu(self.up(self.norm2(hidden_states))))
 
@@ -107,9 +113,9 @@ class Layer(nn.Module):
 class Drafter(nn.Module):
     def __init__(self, num_features: int, hidden: int, layers: int, heads: int, head_dim: int,
                  intermediate: int, theta: float, context_first_layer_only: bool, block_size: int,
-                 context_detached: bool = False) -> None:
+                 context_detached: bool = False, shared_context_kv: bool = False) -> None:
         super().__init__()
-        self.block_size, self.context_detached = block_size, context_detached
+        self.block_size, self.context_detached, self.shared_context_kv = block_size, context_detached, shared_context_kv
         self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden)
         self.layers = nn.ModuleList(Layer(hidden, heads, head_dim, intermediate) for _ in range(layers))
@@ -130,7 +136,8 @@ class Drafter(nn.Module):
             query_rotation = self.rotary(block, slots)
         for index, layer in enumerate(self.layers):
             sees = index == 0 or not self.context_first_layer_only
-            block = layer(block, context if sees else None, cos, sin, mask, query_rotation)
+            shared = self.layers[0] if self.shared_context_kv and index > 0 else None
+            block = layer(block, context if sees else None, cos, sin, mask, query_rotation, shared)
         return self.norm(block)
 
 
@@ -190,7 +197,8 @@ class TinyDFlash:
         self.read = [i if "layer_offset" in self.defects else i + 1 for i in read]  # hidden_states indices
         self.drafter = Drafter(len(self.read), target.hidden_size, 2, target.num_heads, target.head_dim,
                                target.intermediate_size, target.rope_theta, "context_first_layer_only" in self.defects,
-                               self.block_size, "context_detached" in self.defects)
+                               self.block_size, "context_detached" in self.defects,
+                               "shared_context_kv" in self.defects)
 
     def parameters(self) -> dict[str, nn.Parameter]:
         found = dict(self.drafter.named_parameters())

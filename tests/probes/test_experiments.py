@@ -55,6 +55,8 @@ DEFECT_CASES = [
     ("mask_is_pad", "block-inputs", "dflash.mask_token_distinct", "is the pad / eos token"),
     ("fc_interleaved", "layers-read", "dflash.fc_input_layers", "interleaves or spreads the layers"),
     ("context_detached", "context-per-layer", "dflash.kv_injection", "does not reach the context projection"),
+    # Found blind (a completed probe-init scaffold): the context still reaches every layer, through layer 0's K/V.
+    ("shared_context_kv", "context-per-layer", "dflash.kv_injection", "changes with layer 0's weights"),
 ]
 # A defect may break a neighbouring rule of the same experiment as well; nothing else may turn.
 ALSO = {"future_context": {"dflash.context_excludes_anchor"}, "anchor_tiling": {"dflash.blocks_isolated"},

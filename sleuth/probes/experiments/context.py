@@ -70,10 +70,14 @@ def probe_kv_injection(lab: Lab) -> list[Verdict]:
         freeze["on"] = True
         everywhere = [(n, k) for n in range(lab.rows) for k in range(lab.layout.seq_len)]
         lab.logits(perturb_positions(lab.batch, everywhere, seed=301))
+        changes = [influence(before[i], outputs[i]) for i in range(len(layers))]
+        # Each layer's own projection of the context: with every layer's input held, another layer's weights
+        # must not move it. A layer that takes its context K/V from layer 0's k_proj/v_proj (projected once,
+        # reused) still changes with the context above, so only this tells it apart.
+        borrowed = _borrowed_parameters(lab, layers, before, outputs)
     finally:
         for handle in handles:
             handle.remove()
-    changes = [influence(before[i], outputs[i]) for i in range(len(layers))]
     verdict.measured = changes
     untrained = _context_path_untrained(lab)
     if untrained:
@@ -84,7 +88,18 @@ def probe_kv_injection(lab: Lab) -> list[Verdict]:
         verdict.fix = "Do not detach the fused context before the layers' k/v projections."
         return [verdict]
     verdict.measurement = "change of each layer's output: " + ", ".join(f"{i}: {c:.2g}" for i, c in enumerate(changes))
-    if any(seen(c) is None for c in changes):
+    if borrowed["seen"]:
+        (owner, user), change = borrowed["seen"][0]
+        verdict.status = "mismatch"
+        verdict.observed = (f"layer {user}'s output changes with layer {owner}'s weights, its own input held "
+                            f"(change {change:.2g}): the layers share a projection of the context instead of each "
+                            "projecting it with its own k_proj/v_proj")
+        verdict.measurement += f"; with layer inputs held, change of a layer by another layer's weights: {change:.2g}"
+        verdict.fix = "Project the fused context with every layer's own k_proj/v_proj and prepend it to that layer's K/V."
+        return [verdict]
+    if borrowed["ambiguous"]:
+        verdict.reason = "a layer's change under another layer's weights is between the thresholds"
+    elif any(seen(c) is None for c in changes):
         verdict.reason = "a layer's change is between the thresholds"
     elif all(seen(c) for c in changes):
         verdict.status, verdict.observed = "match", f"all {len(layers)} layers take the context directly"
@@ -94,6 +109,36 @@ def probe_kv_injection(lab: Lab) -> list[Verdict]:
         verdict.observed = f"context does not reach layers {missing} of {len(layers)} directly"
         verdict.fix = "Project the fused context with every layer's own k_proj/v_proj and prepend it to that layer's K/V."
     return [verdict.gated()]
+
+
+def _borrowed_parameters(lab: Lab, layers: list, before: dict[int, Tensor], outputs: dict[int, Tensor]) -> dict:
+    """With every layer's block-token input held (the hooks above), perturb one layer's weights at a time and
+    measure the other layers' outputs: {"seen": [((owner, user), change), ...], "ambiguous": [...]}."""
+    found: dict[str, list] = {"seen": [], "ambiguous": []}
+    if len(layers) < 2:
+        return found
+    generator = torch.Generator().manual_seed(307)
+    for owner, layer in enumerate(layers):
+        params = [p for p in layer.parameters() if p.is_floating_point()]
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=generator).to(p.dtype) * (p.float().std().nan_to_num(0.0) + 0.05))
+        try:
+            lab.logits()
+        finally:
+            with torch.no_grad():
+                for p, value in zip(params, saved):
+                    p.copy_(value)
+        for user in range(len(layers)):
+            if user == owner:
+                continue
+            change = influence(before[user], outputs[user])
+            if seen(change):
+                found["seen"].append(((owner, user), change))
+            elif seen(change) is None:
+                found["ambiguous"].append(((owner, user), change))
+    return found
 
 
 def _context_path_untrained(lab: Lab) -> str | None:
