@@ -389,6 +389,10 @@ def _fill_box(plan: ProbePlan, box: Box, outcome: ProbeOutcome) -> tuple[dict[st
             located["sys_path"] = [root for root in map(moved, located.get("sys_path") or []) if _inside(root, box.code)]
             for info in (located.get("modules") or {}).values():
                 info["file"] = moved(info.get("file") or "")
+            # `file:line:qualname` of the code that sets requires_grad: the child matches them against the
+            # frames it runs, which are the copy's (was: host paths, so no freeze ever counted as run)
+            located["grad_sites"] = [moved(site.split(":", 1)[0]) + ":" + site.split(":", 1)[1]
+                                     for site in located.get("grad_sites") or [] if ":" in site]
     if plan.run_dir is not None:
         for name in RUN_FILES:
             _copy_run_file(plan.run_dir / name, box.run / name, outcome.notes)

@@ -45,3 +45,13 @@ def test_probes_without_an_adapter_find_what_is_planted(name: str):
     assert {i for i, s in statuses.items() if s == "mismatch"} == planted(case)
     measured = [v for v in outcome.verdicts if v.status in ("match", "mismatch")]
     assert len(measured) >= 7 and all(v.experiment.startswith("located-") for v in measured)
+
+
+def test_the_runs_freezing_code_runs_in_the_box_and_counts():
+    """a06 freezes the drafter's embedding / head copies in a base-class hook: the optimizer experiment runs
+    that hook on the copy in the sandbox, and it counts as run (was: the located sites named the user's files,
+    the frames the box's copy, so every freeze was 'not run' and frozen_embed_head stayed unknown)."""
+    outcome = run_plan(plan_for_code(CORPUS / "a06_hierarchy_hooks", None))
+    assert outcome.error is None
+    verdict = next(v for v in outcome.verdicts if v.invariant == "dflash.frozen_embed_head")
+    assert verdict.status == "match", verdict.reason
