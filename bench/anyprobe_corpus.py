@@ -9,6 +9,8 @@ real CLI in its own process:
 
     PYTHONPATH=. .venv/bin/python bench/anyprobe_corpus.py tests/fixtures/anyprobe [--mode static|probe|both]
                                                           [--json out.json] [--table]
+    PYTHONPATH=. .venv/bin/python bench/anyprobe_corpus.py bench/anyprobe_blind/trainers --mode entry \
+                                                          --entries bench/anyprobe_blind/completed --table
 
 Counted per case and in total, over every invariant the report has (a planted defect the probes do not decide
 is still found or missed by static reading):
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,11 +54,23 @@ def cases_of(corpus: Path) -> list[Path]:
     return sorted(p for p in corpus.iterdir() if (p / "expected.yaml").is_file())
 
 
-def diagnose(case: Path, probe: bool, out: Path) -> dict:
+def diagnose(case: Path, probe: bool, out: Path, entry: Path | None = None) -> dict:
+    """One `sleuth diagnose --code` in its own process. With `entry` (a directory holding a completed
+    `probe_entry.py` and the trainer's resolved `config.json`): the case is copied with the entry beside its
+    files and probed through it (`--probe-entry probe_entry:subject --config config.json`)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "SLEUTH_CACHE_DIR": str(out / "cache")}
+    if entry is not None:
+        copy = out / case.name
+        shutil.copytree(case, copy)
+        shutil.copy(entry / "probe_entry.py", copy / "probe_entry.py")
+        case = copy
     args = [sys.executable, "-m", "sleuth.cli", "diagnose", "--code", str(case), "--offline", "--format", "json",
             "--out", str(out / "report")]
-    if probe:
+    if entry is not None:
+        args += ["--probe", "--probe-entry", "probe_entry:subject", "--probe-python", sys.executable]
+        if (entry / "config.json").is_file():
+            args += ["--config", str(entry / "config.json")]
+    elif probe:
         args.append("--probe")
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=900)
     # exit 2 with a report: probes were asked for and none ran (no piece located); the static findings stand
@@ -96,11 +111,16 @@ def score(report: dict, planted: list[str], probe: bool) -> dict:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("corpus", type=Path)
-    parser.add_argument("--mode", choices=("static", "probe", "both"), default="both")
+    parser.add_argument("--mode", choices=("static", "probe", "both", "entry"), default="both",
+                        help="entry: probe each case through its completed probe-init entry (--entries)")
+    parser.add_argument("--entries", type=Path, default=None,
+                        help="for --mode entry: a directory with <case>/probe_entry.py and <case>/config.json")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--table", action="store_true", help="print a markdown table per case (for BENCHMARKS.md)")
     args = parser.parse_args(argv)
     cases = cases_of(args.corpus)
+    if args.mode == "entry" and args.entries is None:
+        parser.error("--mode entry needs --entries DIR")
     modes = ["static", "probe"] if args.mode == "both" else [args.mode]
     results: dict[str, dict[str, dict]] = {m: {} for m in modes}
     started = time.perf_counter()
@@ -109,12 +129,13 @@ def main(argv: list[str]) -> int:
         for mode in modes:
             with tempfile.TemporaryDirectory(prefix="sleuth-bench-") as tmp:
                 t0 = time.perf_counter()
-                result = score(diagnose(case, mode == "probe", Path(tmp)), planted, mode == "probe")
+                entry = args.entries / case.name if mode == "entry" else None
+                result = score(diagnose(case, mode == "probe", Path(tmp), entry), planted, mode != "static")
                 result["seconds"] = round(time.perf_counter() - t0, 1)
             results[mode][case.name] = result
             print(f"{mode:6} {case.name:34} planted {result['planted']} found {len(result['found'])} silent "
                   f"{result['silent'] or '-'} unknown {result['unknown'] or '-'} false alarms "
-                  f"{result['false_alarms'] or '-'}" + (f" measured {len(result['measured'])}" if mode == "probe" else "")
+                  f"{result['false_alarms'] or '-'}" + (f" measured {len(result['measured'])}" if mode != "static" else "")
                   + (f" ERROR {result['error']}" if "error" in result else "") + f" ({result['seconds']} s)", flush=True)
     print()
     for mode in modes:
