@@ -196,9 +196,9 @@ def probe_positions(lab: Lab) -> list[Verdict]:
 def _positions_per_row_calls(lab: Lab, verdict: Verdict, rotated: list, unrotated: list, rotary: Any,
                              expected: dict) -> Verdict:
     """Attention called once per row (batch 1, all A*B queries, the row's context keys first, possibly only
-    those some block sees): every call must be some row's queries and keys at position_ids[anchor] + j with its context
-    keys at position_ids, and every row must be seen. Which call is which row is not assumed (layers and rows
-    may be looped in either order): a call that fits no row is the mismatch."""
+    those some block sees): every call must be some row's queries and keys at position_ids[anchor] + j with
+    its context keys at that row's positions, and every row must be seen. Which call is which row is not
+    assumed (layers and rows may be looped in either order): a call that fits no row is the mismatch."""
     layout, b, n_rows = lab.layout, lab.block_size, lab.rows
     q_len = layout.num_anchors * b
     per_row: dict[int, list[int]] = {}
