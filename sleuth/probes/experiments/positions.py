@@ -331,9 +331,9 @@ def _positions_from_rotary_call(lab: Lab, verdict: Verdict, called: list[Tensor]
     for n in sorted(per_row):
         if any(fits(row, n) for row in candidates):
             continue
-        # the call-row this batch row would be when calls carry the whole batch, else its nearest in order
-        row = candidates[min(n, len(candidates) - 1)] if called[0].reshape(-1, called[0].shape[-1]).shape[0] == lab.rows \
-            else candidates[min(n * max(1, len(candidates) // lab.rows), len(candidates) - 1)]
+        # shown: the call-row closest to this row's expectation (most blocks at anchor + j)
+        row = max(candidates, key=lambda r: sum(r[-q:][i * b : (i + 1) * b].tolist() == expected[(n, i)]
+                                                 for i, _ in per_row[n]))
         i, a = next(((i, a) for i, a in per_row[n] if row[-q:][i * b : (i + 1) * b].tolist() != expected[(n, i)]),
                     per_row[n][0])
         wrong.append((n, a, row[-q:][i * b : (i + 1) * b].tolist(), expected[(n, i)]))
