@@ -47,12 +47,13 @@ def main() -> None:
     from trainer.target.embedded import build_embedded_tokenizer
     from trainer.target.frozen import FrozenTarget
 
+    scratch = tempfile.TemporaryDirectory(prefix="eval-rollback-")  # every saved target goes with it at exit
     print(f"{'target':<14} {'spec loop cpu s':>16} {'per token ms':>13} {'tau':>6} {'rollback':>13} {'replays':>8}")
     for name in args.targets.split(","):
         if name == "embedded":
             target = FrozenTarget.load("embedded", torch.device("cpu"))
         else:
-            directory = Path(tempfile.mkdtemp()) / name
+            directory = Path(scratch.name) / name
             save_family_target(name, directory, build_embedded_tokenizer(small=True))
             target = FrozenTarget.load(str(directory), torch.device("cpu"))
         torch.manual_seed(0)

@@ -102,23 +102,26 @@ def main() -> None:
     for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         if wanted and model_type not in wanted:
             continue
-        directory = Path(tempfile.mkdtemp()) / model_type
-        signal.alarm(BUILD_SECONDS)
-        try:
-            build(model_type, tokenizer, directory)
-        except BaseException as exc:  # the survey's own shrinking, or a family that needs more (timm ...)
-            line = f"SKIP ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
-        else:
-            signal.alarm(0)
-            started = time.perf_counter()
+        # One directory per family, removed after it: the sweep saves ~300 families of up to 4 GB each, and
+        # keeping them filled the disk of the machine CI ran on next.
+        with tempfile.TemporaryDirectory(prefix="family-sweep-") as scratch:
+            directory = Path(scratch) / model_type
+            signal.alarm(BUILD_SECONDS)
             try:
-                line = through_the_trainer(directory) + f" ({time.perf_counter() - started:.1f} s)"
-            except (TargetError, EvalError) as exc:
-                line = f"REFUSED {exc}"
-            except Exception as exc:
-                line = f"INTERNAL {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-        finally:
-            signal.alarm(0)
+                build(model_type, tokenizer, directory)
+            except BaseException as exc:  # the survey's own shrinking, or a family that needs more (timm ...)
+                line = f"SKIP ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+            else:
+                signal.alarm(0)
+                started = time.perf_counter()
+                try:
+                    line = through_the_trainer(directory) + f" ({time.perf_counter() - started:.1f} s)"
+                except (TargetError, EvalError) as exc:
+                    line = f"REFUSED {exc}"
+                except Exception as exc:
+                    line = f"INTERNAL {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            finally:
+                signal.alarm(0)
         outcomes[line.split()[0]] += 1
         print(f"{model_type}: {line}", flush=True)
     print(dict(outcomes))

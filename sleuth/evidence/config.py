@@ -48,7 +48,11 @@ def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def lookup(config: dict[str, Any] | None, keys: list[str]) -> tuple[str, Any] | None:
-    """The first of `keys` present (top level first, then as the leaf of a nested key)."""
+    """The first of `keys` present (top level first, then as the leaf of a nested key).
+
+    Below the top level a mapping is a group of settings, not a value: speculators' own run.yaml has a
+    `train.loss:` group ({loss_fn: ce}), which is not what `loss: ce` means in a flat config. At the top level
+    a mapping is still taken, so a wrong-typed value there is reported as one."""
     if not config:
         return None
     flat = flatten(config)
@@ -57,7 +61,7 @@ def lookup(config: dict[str, Any] | None, keys: list[str]) -> tuple[str, Any] | 
             return key, config[key]
     for key in keys:
         for dotted, value in flat.items():
-            if dotted.rsplit(".", 1)[-1] == key:
+            if "." in dotted and dotted.rsplit(".", 1)[-1] == key and not isinstance(value, dict):
                 return dotted, value
     return None
 

@@ -122,6 +122,11 @@ def merge_one(finding: Finding, verdict: Verdict) -> Finding:
             update.update(status="unknown", static_agreement=False, confidence=0.0,
                           reason=f"probe {verdict.experiment} measured the code applying the run's configured value, "
                           "against the static reading; whether that value is right is the config's to say")
+        elif finding.status == "unknown":
+            # The static reason ("run with --probe to measure it") is stale once the probe has run: say what it
+            # measured and why that is still not a claim.
+            update["reason"] = (f"probe {verdict.experiment} measured the code applying the run's configured value; "
+                                f"{why}, so the value itself is not claimed")
     elif verdict.status == "mismatch" and has_config and finding.status == "unknown":
         notes.append(f"conflict: the run's config is undecided here; the probe {verdict.experiment} measured {measured}")
         update.update(status="mismatch", observed=measured, static_agreement=False, confidence=PROBE_CONFIDENCE,

@@ -148,7 +148,7 @@ def plan_for_code(code: Path, config: dict[str, Any] | None, config_path: Path |
         for candidate in (code, code / package, code / "src" / package):
             if (candidate / "__init__.py").is_file() and (candidate / marker).is_file() and candidate.name == package:
                 spec = {"subject": kind, "package_dir": str(candidate), "sys_path": [str(candidate.parent)],
-                        "context": {"config": config, **_recipe_files(kind, config, config_path)}}
+                        "context": {"config": config, **_recipe_files(kind, config, config_path, code)}}
                 return ProbePlan(f"{kind} at {candidate}", spec=spec, copy=CodeCopy(candidate.parent, only=package))
     # Any other trainer: its pieces are located statically and called one by one (sleuth/probes/locate.py).
     from sleuth.probes.locate import locate
@@ -161,16 +161,32 @@ def plan_for_code(code: Path, config: dict[str, Any] | None, config_path: Path |
     return plan_for_located(code, located, config)
 
 
-def _recipe_files(kind: str, config: dict[str, Any] | None, config_path: Path | None) -> dict[str, Any]:
+def _recipe_files(kind: str, config: dict[str, Any] | None, config_path: Path | None,
+                  code: Path | None = None) -> dict[str, Any]:
     """What the run's config names beside itself, read here and handed over by value (the child sees only its
-    box): a SpecForge recipe's `model.draft_model_config`, resolved next to the recipe, then as given."""
+    box): a SpecForge recipe's `model.draft_model_config`.
+
+    SpecForge resolves that path against the directory `specforge train` runs in, which is its checkout's root
+    for the recipes it ships (`examples/configs/x.yaml` names `configs/x.json`); sleuth runs elsewhere. So the
+    name is looked for next to the recipe, then in the recipe's ancestors, the checkout that holds `--code`,
+    and the current directory; the first file found is read, and the report says which (`draft_config_from`)."""
     model = (config or {}).get("model") if kind == "specforge" else None
     name = model.get("draft_model_config") if isinstance(model, dict) else None
     if not isinstance(name, str) or not name:
         return {}
     from sleuth.artifacts import optional_json_object
 
-    candidates = ([config_path.resolve().parent / name] if config_path else []) + [Path(name)]
+    if Path(name).is_absolute():
+        candidates = [Path(name)]
+    else:
+        bases: list[Path] = []
+        if config_path is not None:
+            here = config_path.resolve().parent
+            bases += [here, *list(here.parents)[:3]]
+        if code is not None:
+            bases += [code.resolve(), *list(code.resolve().parents)[:2]]
+        bases.append(Path.cwd())
+        candidates = list(dict.fromkeys(base / name for base in bases))
     for candidate in candidates:
         problems: list[str] = []
         data = optional_json_object(candidate, problems)
@@ -178,8 +194,11 @@ def _recipe_files(kind: str, config: dict[str, Any] | None, config_path: Path | 
             return {"draft_config": data, "draft_config_from": str(candidate)}
         if problems:
             return {"draft_config_problem": f"the recipe's model.draft_model_config {problems[0]}"}
+    looked = ", ".join(str(c.parent) for c in candidates[:4]) + (", ..." if len(candidates) > 4 else "")
     return {"draft_config_problem": f"the recipe's model.draft_model_config {name} was not found next to the "
-                                    f"recipe ({config_path or 'its location was not given'})"}
+                                    f"recipe ({config_path or 'its location was not given'}) nor above it, in "
+                                    f"the checkout of --code or here (looked in {looked}); pass the recipe with "
+                                    "that path made absolute"}
 
 
 def plan_for_located(code: Path, located: Any, config: dict[str, Any] | None) -> ProbePlan:

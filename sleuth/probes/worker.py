@@ -45,9 +45,14 @@ def refuse_network() -> None:
     socket.getaddrinfo = refuse  # type: ignore[assignment]
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+def _one_line(exc: BaseException, limit: int = 400) -> str:
+    # All of the message on one line, not its first line: a pydantic ValidationError's first line is only
+    # "1 validation error for Config", and what was wrong is on the next.
+    lines = [" ".join(line.split()) for line in str(exc).strip().splitlines()]
+    text = " ".join(line for line in lines if line and not line.startswith("For further information visit"))
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _within(module: Any, root: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from sleuth.findings import Evidence, Finding, Fix
 from sleuth.probes.agent import choose_plan, expectations_from_playbook
@@ -109,6 +110,38 @@ def test_a_specforge_recipe_hands_its_draft_config_over_by_value(tmp_path: Path)
     assert "gone.json was not found next to the recipe" in missing.spec["context"]["draft_config_problem"]
 
 
+def test_a_shipped_specforge_recipe_finds_its_draft_config_in_the_checkout(tmp_path: Path, monkeypatch):
+    # SpecForge's own layout: examples/configs/x-online.yaml names `configs/x.json`, a path from the checkout's
+    # root (where `specforge train` runs), and sleuth is run from anywhere else.
+    checkout = tmp_path / "SpecForge"
+    package = checkout / "specforge"
+    (package / "modeling" / "draft").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "modeling" / "draft" / "dflash.py").write_text("")
+    (checkout / "configs").mkdir()
+    (checkout / "configs" / "qwen3-8b-dflash.json").write_text('{"block_size": 16}')
+    (checkout / "examples" / "configs").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    recipe = {"model": {"draft_model_config": "configs/qwen3-8b-dflash.json"}}
+    # found above the recipe ...
+    found = plan_for_code(package, recipe, checkout / "examples" / "configs" / "qwen3-8b-dflash-online.yaml")
+    assert found.spec["context"]["draft_config"] == {"block_size": 16}
+    assert found.spec["context"]["draft_config_from"] == str((checkout / "configs" / "qwen3-8b-dflash.json").resolve())
+    # ... and in the checkout that holds --code when the recipe was copied elsewhere
+    copied = plan_for_code(package, recipe, elsewhere / "recipe.yaml")
+    assert copied.spec["context"]["draft_config"] == {"block_size": 16}
+    # an unrelated directory holds nothing: the problem names the places looked in
+    (tmp_path / "other" / "specforge" / "modeling" / "draft").mkdir(parents=True)
+    lonely = tmp_path / "other" / "specforge"
+    (lonely / "__init__.py").write_text("")
+    (lonely / "modeling" / "draft" / "dflash.py").write_text("")
+    missing = plan_for_code(lonely, recipe, elsewhere / "recipe.yaml")
+    problem = missing.spec["context"]["draft_config_problem"]
+    assert "configs/qwen3-8b-dflash.json was not found next to the recipe" in problem and str(elsewhere) in problem
+
+
 @pytest.mark.parametrize(("python", "entry", "message"), [
     ("/nonexistent/python", None, "--probe-python /nonexistent/python does not exist"),
     (None, "no_function", "--probe-entry must be module:function"),
@@ -199,3 +232,45 @@ def test_a_forged_all_match_probe_answer_cannot_clean_the_v5_run():
     after = {f.id for f in merged if f.status == "mismatch"}
     assert before <= after, before - after
     assert not set(changed) & before
+
+
+def test_the_probe_target_holds_a_recipes_checkpoint_keys_by_their_tensor_not_their_role(tmp_path: Path):
+    # SpecForge reads the target's embedding by the recipe's `embedding_key`; a Qwen3.6 target keeps it under
+    # model.language_model. The probe's target is a plain Qwen3, so such a name is added, holding the tensor
+    # its last components name. A key that names another existing tensor is not "fixed": the defect shows.
+    from safetensors.torch import load_file
+
+    from sleuth.probes.adapters.synthetic import write_target_dir
+    from sleuth.probes.target import make_target
+
+    target = make_target(2)
+    keys = ("model.language_model.embed_tokens.weight", "lm_head.weight", "model.language_model.norm.weight")
+    tensors = load_file(str(write_target_dir(target, tmp_path / "t", checkpoint_keys=keys) / "model.safetensors"))
+    assert torch.equal(tensors["model.language_model.embed_tokens.weight"], target.embed_weight)
+    assert torch.equal(tensors["lm_head.weight"], target.lm_head_weight)
+    assert "model.language_model.norm.weight" not in tensors  # neither kind: not invented
+    wrong = load_file(str(write_target_dir(target, tmp_path / "w", checkpoint_keys=("lm_head.weight",))
+                          / "model.safetensors"))
+    assert torch.equal(wrong["lm_head.weight"], target.lm_head_weight)  # an embedding_key of lm_head stays lm_head
+
+
+def test_a_setup_error_keeps_what_was_wrong_not_only_its_first_line():
+    # pydantic's first line is a count ("1 validation error for Config"); the reason is on the next one
+    from pydantic import BaseModel, field_validator
+
+    from sleuth.probes.worker import _one_line
+
+    class Config(BaseModel):
+        mode: str
+
+        @field_validator("mode")
+        @classmethod
+        def online_needs_servers(cls, value: str) -> str:
+            raise ValueError("online training requires deployment.mode=disaggregated")
+
+    with pytest.raises(Exception) as caught:
+        Config(mode="local")
+    line = _one_line(caught.value)
+    assert "\n" not in line and "For further information" not in line
+    assert line.startswith("ValidationError: 1 validation error for Config mode Value error, online training requires")
+    assert len(_one_line(RuntimeError("x" * 5000))) <= len("RuntimeError: ") + 400

@@ -88,3 +88,18 @@ def test_usage_errors_are_one_line_and_exit_2(args, message, tmp_path: Path):
     done = sleuth(*args, cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip().startswith(message) and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_init_on_a_layer_rule_without_parameters_writes_a_todo_naming_it(tmp_path: Path):
+    # bench/anyprobe_blind t06 (written blind): the rule is a method reading its object's options,
+    # `DFlashTrainer.layer_ids(self)`, so there is no argument to hand the target's depth to. Once the rule has
+    # been called (not --no-run), `self` is bound as a namespace of the options it read, and the writer took
+    # the rule's first parameter for the depth: an IndexError, before.
+    code = tmp_path / "t06"
+    shutil.copytree(REPO / "bench" / "anyprobe_blind" / "trainers" / "t06_hooks", code)
+    done = sleuth("init", "--code", str(code), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    layer_line = next(line for line in (code / "probe_entry.py").read_text().splitlines()
+                      if line.startswith("LAYER_IDS = "))
+    assert layer_line.startswith("LAYER_IDS = None  # TODO(sleuth): call your trainer's rule ")
+    assert "DFlashTrainer).layer_ids as the trainer does" in layer_line

@@ -36,6 +36,17 @@ def test_nested_keys_of_other_trainers():
     assert read_config("number", config, ["dflash_decay_gamma"], RunMeta()).value == 7.0
 
 
+def test_a_nested_group_is_not_a_value_but_a_top_level_mapping_is():
+    # speculators' own run.yaml (TrainConfig.dump_yaml) groups its settings: `train.loss` is {loss_fn: ce}.
+    # Taken as the value of the playbook's `loss` key it was an input problem on every speculators run.yaml.
+    grouped = {"train": {"loss": {"loss_fn": "ce"}, "dflash": {"block_size": 16}}}
+    assert lookup(grouped, ["loss", "loss_fn"]) == ("train.loss.loss_fn", "ce")
+    assert read_config("loss_kind", grouped, ["loss", "loss_fn", "loss_kind"], RunMeta()).value == "ce"
+    assert lookup({"train": {"loss": {"loss_implementation": "eager"}}}, ["loss", "loss_fn"]) is None
+    # a flat config's wrong-typed value is still found, so it is reported rather than skipped
+    assert lookup({"loss": {"kind": "ce"}}, ["loss", "loss_fn"]) == ("loss", {"kind": "ce"})
+
+
 def test_layer_ids_need_the_target_depth():
     reading = read_config("target_layer_ids", {"target_layer_ids": [1, 9, 17, 25, 33]}, ["target_layer_ids"], RunMeta())
     assert reading.value is None and "unknown" in reading.detail

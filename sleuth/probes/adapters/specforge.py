@@ -141,8 +141,9 @@ class SpecForgeSubject:
         ids_from = "SpecForge build_target_layer_ids for the target's depth (generated draft config)"
         if self.run_draft and (self.run_draft.get("dflash_config") or {}).get("target_layer_ids"):
             ids = list(self.run_draft["dflash_config"]["target_layer_ids"])
-            configured["target_layer_ids"] = {"value": ids, "source": "run config (the recipe's draft config)"}
-            ids_from = "the recipe's draft config dflash_config.target_layer_ids"
+            where = self.handed.get("draft_config_from") or "the recipe's draft config"
+            configured["target_layer_ids"] = {"value": ids, "source": f"run config (draft config {where})"}
+            ids_from = f"the recipe's draft config dflash_config.target_layer_ids ({where})"
         info = {
             "name": "SpecForge OnlineDFlashModel",
             "protocol": 1,
@@ -202,7 +203,15 @@ class SpecForgeSubject:
         from specforge.training.model_loading import resolve_draft_config
 
         self.target = target
-        write_target_dir(target, self.target_dir)
+        # The recipe's embedding_key / lm_head_key name tensors of its real target (a Qwen3.6 target keeps its
+        # embedding under model.language_model.): the probe's target holds them under those names too, so
+        # SpecForge loads them by the recipe's keys, as the run does.
+        model = self.recipe.get("model") or {}
+        keys = tuple(k for k in (model.get("embedding_key"), model.get("lm_head_key")) if isinstance(k, str) and k)
+        write_target_dir(target, self.target_dir, checkpoint_keys=keys)
+        renamed = [k for k in keys if k not in ("model.embed_tokens.weight", "lm_head.weight")]
+        if renamed:
+            self.notes.append(f"the probe's target checkpoint also holds its tensors under the recipe's keys {renamed}")
         if self.run_draft is not None:
             self._write_draft_config(target)
         cfg = self._specforge_config()

@@ -19,9 +19,17 @@ import torch
 from sleuth.probes.target import PAD_TOKEN
 
 
-def write_target_dir(target: Any, path: Path, num_layers: int | None = None) -> Path:
+def write_target_dir(target: Any, path: Path, num_layers: int | None = None,
+                     checkpoint_keys: tuple[str, ...] = ()) -> Path:
     """save_pretrained of a Qwen3 causal LM carrying the target's embeddings, lm_head and final norm, plus a
-    tokenizer; `num_layers` overrides the depth (a config for another depth, e.g. to call a layer-id rule)."""
+    tokenizer; `num_layers` overrides the depth (a config for another depth, e.g. to call a layer-id rule).
+
+    `checkpoint_keys` are tensor names a run's config reads from its target's checkpoint (SpecForge's
+    `embedding_key`, `lm_head_key`): a real target's layout (`model.language_model.embed_tokens.weight` for a
+    Qwen3.5/3.6 target) is not the probe target's. A name absent from the saved checkpoint is added, holding
+    the tensor its last components name (`embed_tokens.weight` or `lm_head.weight`), so the run's own loading
+    path reads it; a name that exists is left alone (a key naming the wrong tensor stays wrong, and shows),
+    and a name of neither kind is not invented (the run's loader then fails, and the probe says so)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
@@ -37,8 +45,27 @@ def write_target_dir(target: Any, path: Path, num_layers: int | None = None) -> 
         model.lm_head.weight.copy_(target.lm_head_weight)
         model.model.norm.weight.copy_(target.norm_weight)
     model.save_pretrained(path)
+    if checkpoint_keys:
+        _add_checkpoint_keys(path, checkpoint_keys)
     write_tokenizer(path, target.vocab_size)
     return path
+
+
+def _add_checkpoint_keys(path: Path, names: tuple[str, ...]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    by_suffix = {"embed_tokens.weight": tensors.get("model.embed_tokens.weight"),
+                 "lm_head.weight": tensors.get("lm_head.weight", tensors.get("model.embed_tokens.weight"))}
+    added = False
+    for name in names:
+        source = next((t for suffix, t in by_suffix.items() if name.endswith(suffix) and t is not None), None)
+        if name not in tensors and source is not None:
+            tensors[name] = source.clone()
+            added = True
+    if added:
+        save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
