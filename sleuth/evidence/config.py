@@ -7,6 +7,7 @@ Keys may sit at the top level or nested (other trainers' YAML): a key is found b
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,14 +212,65 @@ def _read_number(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading 
     return None
 
 
+# Where trainers say which per-slot weighting they use: ours (`loss_weighting`), speculators
+# (`per_position_loss_weight`), SpecForge (`training.loss_type`).
+WEIGHTING_KEYS = ["loss_weighting", "per_position_loss_weight", "loss_type"]
+
+
+@config_reader("decay_gamma")
+def _read_decay_gamma(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
+    """The decay's gamma, unless the config chose D-PACE: its weights come from the drafter's confidence and
+    no gamma is used (speculators' DFlash default since RFC #979), so a gamma beside it decides nothing."""
+    weighting = lookup(config, WEIGHTING_KEYS)
+    if weighting is not None and isinstance(weighting[1], str) \
+            and weighting[1].strip().lower().replace("-", "").startswith("dpace"):
+        return ConfigReading("D-PACE", weighting[0], weighting[1],
+                             detail="D-PACE weighting: the weights come from the drafter's confidence; gamma is not used")
+    return _read_number(config, keys, meta)
+
+
 @config_reader("loss_kind")
 def _read_loss_kind(config: dict, keys: list[str], meta: RunMeta) -> ConfigReading | None:
     found = lookup(config, keys)
     if found is None or not isinstance(found[1], str):
         return None
     key, value = found
-    canonical = {"ce": "ce", "cross_entropy": "ce", "kl": "kl", "kl_div": "kl", "kld": "kl"}.get(value.lower())
-    return ConfigReading(canonical or f"other:{value}", key, value)
+    kind = loss_kind_of_word(value)
+    if kind is None:
+        # a word no rule knows ("my_loss_v2"): not evidence of a wrong loss, so it decides nothing
+        return ConfigReading(None, key, value, confidence=0.0,
+                             detail=f"the config's loss {value!r} names no loss sleuth can classify")
+    return ConfigReading(kind, key, value)
+
+
+_CE_WORDS = {"ce", "xent", "crossentropy", "cross", "entropy", "nll", "hard", "argmax", "top1"}
+_KL_WORDS = {"kl", "kld", "kldiv", "kullback", "soft", "distill", "distillation", "fkl"}
+_DATA_WORDS = {"data", "label", "labels", "token", "tokens", "gold", "ground", "truth", "dataset"}
+_OTHER_LOSSES = {"mse", "l1", "l2", "huber", "smooth", "cosine", "bce", "rkl", "reverse", "jsd", "js", "tv"}
+
+
+def loss_kind_of_word(word: str) -> str | None:
+    """A config's loss word as the playbook's kind: `ce`, `ce (data tokens)`, `kl`, `other:<word>` for a loss
+    that is neither (mse, reverse KL, JSD ...), or None for a word that names none of these.
+    Trainers spell it many ways (`ce_target_argmax`, `hard_ce`, `kl_soft_target`, `forward_kl`), so the word
+    is read by its parts, not matched whole."""
+    lower = word.strip().lower()
+    exact = {"ce": "ce", "cross_entropy": "ce", "kl": "kl", "kl_div": "kl", "kld": "kl"}.get(lower)
+    if exact:
+        return exact
+    split = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", word.strip()).lower()  # CrossEntropyLoss, KLDivLoss
+    parts = {p for p in re.split(r"[^a-z0-9]+", split) if p}
+    if parts & _OTHER_LOSSES:
+        return f"other:{word}"
+    ce, kl = bool(parts & _CE_WORDS), bool(parts & _KL_WORDS)
+    if ce and kl:
+        # "soft CE" is KL up to a constant; "hard" / "argmax" beside KL words would be ambiguous
+        return "kl" if parts & {"soft"} and not parts & {"hard", "argmax", "top1"} else None
+    if ce:
+        return "ce (data tokens)" if parts & _DATA_WORDS else "ce"
+    if kl:
+        return "kl"
+    return None
 
 
 @config_reader("max_anchors")

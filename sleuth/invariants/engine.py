@@ -346,7 +346,7 @@ def _config_observation(inv: Invariant, run: _Run) -> tuple[Observation | None, 
         location = reading.location or f"{run.config_source}:{reading.key}"
         evidence = Evidence(kind="config", location=location, value=_text(reading.raw))
         # for a number, null is a value (gamma null = no decay); elsewhere None means "does not decide"
-        decides = reading.confidence > 0 and (reading.value is not None or spec.reader == "number")
+        decides = reading.confidence > 0 and (reading.value is not None or spec.reader in ("number", "decay_gamma"))
         if not decides:
             step.outcome = f"{reading.key} = {reading.raw!r}: does not decide this rule ({reading.detail})"
             extra = [reading.detail] if spec.reader in ("target_layer_ids", "target_fidelity") and reading.detail else []
@@ -606,6 +606,8 @@ def _satisfies(inv: Invariant, expected: ExpectedValue, value: object, block_siz
     if _is_number(expected.value) or (expected.value is None and _is_number(value)):
         if value is None:
             return expected.value is None
+        if isinstance(value, str) and value in expected.accept:
+            return True  # a named alternative to the number (D-PACE instead of a gamma)
         if not _is_number(value):
             return None
         for cond in inv.expected.conditional_accept:

@@ -204,12 +204,29 @@ class _Index:
             return [f for f in self.functions if f.node.name == "__init__" and f.owner is not None and f.owner.name in parents]
         return [f for f in self.named(name) if f.outer is None or isinstance(call.func, ast.Name)]
 
+    def _instance_calls(self, call: ast.Call) -> list[_Function]:
+        """What calling an instance of a local class runs: an nn.Module's `forward` (through `__call__`), a
+        class's own `__call__` (`loss, metrics = objective(ids, mask)` with `objective = DFlashObjective(...)`)."""
+        if not isinstance(call.func, (ast.Name, ast.Attribute)) or call_name(call) in self.classes:
+            return []
+        found = self.an.defs_of(call.func)
+        classes = {call_name(d) for d in (found[0] if found else []) if isinstance(d, ast.Call)} & set(self.classes)
+        out: list[_Function] = []
+        for cls in sorted(classes):
+            for ancestor in self._mro(cls):
+                methods = self.methods(ancestor)
+                hit = methods.get("__call__") or (methods.get("forward") if self.is_module_class(cls) else None)
+                if hit is not None:
+                    out.append(hit)
+                    break
+        return out
+
     def _link(self) -> None:
         for call in self.an.by_type.get(ast.Call, []):
             caller = self.enclosing(call)
             if caller is None and not any(self.an.unit(call) is u for u in self.units):
                 continue
-            for target in self._targets(call):
+            for target in self._targets(call) + self._instance_calls(call):
                 self.call_sites[target.node].append((call, caller))
                 if caller is not None:
                     self.callees[caller.node].add(target.node)

@@ -19,6 +19,8 @@ the run binds it (or at its defaults), on inputs with several blocks and documen
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -339,6 +341,21 @@ def dense_mask(result: Any, scene: Scene) -> list[tuple[str, Tensor]]:
         if tensor is None:
             return []
         return [("mask_mod True = attend", tensor.bool())]
+    if isinstance(result, (tuple, list)) or isinstance(result, dict) or dataclasses.is_dataclass(result):
+        # A builder that returns its mask with other things (`allow, q_pos, kv_pos = build(...)`, a dict, a
+        # dataclass): every element is read, and an integer tensor (positions, indices) is not taken for a
+        # mask when a boolean or float element is one.
+        items = (list(result.items()) if isinstance(result, dict)
+                 else [(f.name, getattr(result, f.name)) for f in dataclasses.fields(result)]
+                 if dataclasses.is_dataclass(result) and not isinstance(result, type)
+                 else list(enumerate(result)) if isinstance(result, (tuple, list)) else [])
+        found = [(f"element {key}: {how}", tensor, isinstance(value, Tensor) and not value.dtype.is_floating_point
+                  and value.dtype != torch.bool)
+                 for key, value in items[:16] if not isinstance(value, (tuple, list, dict))
+                 for how, tensor in dense_mask(value, scene)]
+        if any(not integer for *_, integer in found):
+            found = [f for f in found if not f[2]]
+        return [(how, tensor) for how, tensor, _ in found]
     if not isinstance(result, Tensor):
         return []
     x = result.detach()

@@ -55,3 +55,35 @@ def test_the_runs_freezing_code_runs_in_the_box_and_counts():
     assert outcome.error is None
     verdict = next(v for v in outcome.verdicts if v.invariant == "dflash.frozen_embed_head")
     assert verdict.status == "match", verdict.reason
+
+
+BLIND2 = Path(__file__).resolve().parents[2] / "bench" / "anyprobe_blind2" / "trainers"
+
+
+def _blind2_planted(name: str) -> set[str]:
+    manifest = yaml.safe_load((BLIND2 / "MANIFEST.yaml").read_text())["trainers"][name]
+    return {p["invariant"] for p in manifest.get("planted") or []}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "found"), [
+    # bench/anyprobe_blind2: written blind after this round's code, first measured at 2 of 5 found with 8
+    # false alarms (BENCHMARKS.md). What the probes must keep: each planted defect they reached is a
+    # mismatch, none is a match, and a clean trainer gets no mismatch from an experiment.
+    ("json_functional", {"dflash.loss_decay_gamma", "dflash.target_layer_ids"}),
+    ("monolith_objective", {"dflash.context_excludes_anchor"}),  # target_shift is inline in forward: unknown
+    ("sdpa_index_mask", {"dflash.blocks_isolated"}),
+    ("packed_gather", set()),
+    ("disk_cache", set()),
+])
+def test_the_second_blind_corpus_keeps_its_measured_findings(name: str, found: set[str]):
+    outcome = run_plan(plan_for_code(BLIND2 / name, None))
+    assert outcome.error is None, outcome.error
+    statuses = {v.invariant: v.status for v in outcome.verdicts}
+    planted_here = _blind2_planted(name)
+    assert {i for i in planted_here if statuses.get(i) == "mismatch"} == found, statuses
+    assert not {i for i in planted_here if statuses.get(i) == "match"}, statuses  # never a silent match
+    # the tiled block ids of sdpa_index_mask also hide pairs inside a block: the same defect, seen by a
+    # second rule; a clean trainer's experiments find nothing
+    extra = {i for i, s in statuses.items() if s == "mismatch"} - planted_here - {"dflash.block_bidirectional"}
+    assert extra <= {"dflash.loss_decay_gamma"} if planted_here else not extra, extra

@@ -70,3 +70,48 @@ def test_work_on_import_is_left_out_of_the_module(tmp_path: Path):
 def test_inline_computations_say_where_they_are():
     missing = locate(CORPUS / "a02_argparse_script").missing
     assert missing["loss"].startswith("computed inline in main (a02_argparse_script/train_dflash.py:")
+
+
+def test_an_objective_module_called_as_an_instance_reaches_its_forward(tmp_path: Path):
+    # a blind trainer's style: `loss = objective(ids, mask)` on an nn.Module whose forward builds the mask
+    # through helpers. Calling the instance runs forward; before, nothing linked
+    # `objective(...)` to forward, so every piece inside it was "not on the run's path".
+    (tmp_path / "train.py").write_text('''
+import torch
+from torch import nn
+
+
+class Objective(nn.Module):
+    def __init__(self, block_size=4):
+        super().__init__()
+        self.block_size = block_size
+        self.proj = nn.Linear(8, 8)
+
+    @staticmethod
+    def _visible(key_pos, anchor_pos):
+        return key_pos < anchor_pos
+
+    def _mask(self, anchors, seq_len):
+        per_query = anchors.repeat_interleave(self.block_size, dim=1)
+        return self._visible(torch.arange(seq_len)[None, None, :], per_query[:, :, None])
+
+    def forward(self, input_ids, loss_mask):
+        mask = self._mask(loss_mask.nonzero()[:, 1][None, :2], input_ids.shape[1])
+        return self.proj(torch.randn(1, 8)).sum() * mask.float().mean()
+
+
+class Scaled:
+    def __call__(self, loss):
+        return loss * 0.5
+
+
+def main():
+    objective, scale = Objective(), Scaled()
+    optimizer = torch.optim.AdamW(objective.parameters())
+    loss = scale(objective(torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8)))
+    loss.backward()
+    optimizer.step()
+''')
+    located = locate(tmp_path)
+    masks = {p.qualname: p.used_by for p in located.pieces if p.kind == "mask"}
+    assert "Objective._visible <- Objective._mask <- Objective.forward <- main (" in masks.get("Objective._visible", ""), masks

@@ -62,6 +62,21 @@ def test_a_correct_mask_matches_all_three_rules_in_any_polarity_or_form():
             "dflash.block_bidirectional": "match"}
 
 
+def test_a_mask_returned_with_the_positions_is_read_from_its_tuple():
+    # a blind trainer's `allow, q_ix, kv_ix, slot = build_allow(anc, T, B)`: the mask is one element of what
+    # the builder returns, beside integer index tables that are not masks
+    def with_positions(anchors, doc, block, *, cross=False):
+        per_query = anchors.repeat_interleave(block) + torch.arange(block).repeat(anchors.shape[0])
+        return visibility(anchors, doc, block, cross=cross)[None, None], per_query[None], torch.arange(block)
+
+    assert {k: v.status for k, v in judged_mask(with_positions).items()} == {
+        "dflash.context_excludes_anchor": "match", "dflash.blocks_isolated": "match",
+        "dflash.block_bidirectional": "match"}
+    tiled = judged_mask(lambda anchors, doc, block: with_positions(anchors, doc, block, cross=True))
+    assert tiled["dflash.blocks_isolated"].status == "mismatch"
+    assert px.dense_mask({"positions": torch.arange(8)[None]}, px.make_scene(4)) == []  # an index table alone
+
+
 @pytest.mark.parametrize(("defect", "invariant", "observed"), [
     ("leak", "dflash.context_excludes_anchor", "kv <= anchor"),
     ("cross", "dflash.blocks_isolated", "another block's tokens"),

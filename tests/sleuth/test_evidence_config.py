@@ -47,6 +47,35 @@ def test_a_nested_group_is_not_a_value_but_a_top_level_mapping_is():
     assert lookup({"loss": {"kind": "ce"}}, ["loss", "loss_fn"]) == ("loss", {"kind": "ce"})
 
 
+def test_a_dpace_weighting_is_read_before_any_gamma_beside_it():
+    keys = ["loss_decay_gamma", "dflash_decay_gamma", "decay_gamma", "gamma"]
+    for config in ({"loss_weighting": "dpace", "loss_decay_gamma": 7.0},  # ours (recipe-2026)
+                   {"train": {"dflash": {"per_position_loss_weight": "dpace"}}},  # speculators' run.yaml
+                   {"training": {"loss_type": "dpace", "loss_decay_gamma": 7}}):  # SpecForge's recipe
+        reading = read_config("decay_gamma", config, keys, RunMeta())
+        assert reading.value == "D-PACE" and "gamma is not used" in reading.detail, config
+    assert read_config("decay_gamma", {"loss_weighting": "decay", "loss_decay_gamma": 7}, keys, RunMeta()).value == 7.0
+    assert read_config("decay_gamma", {"training": {"loss_type": "dflash", "loss_decay_gamma": None}}, keys,
+                       RunMeta()).value is None  # SpecForge's no decay stays a value, not "absent"
+    assert read_config("decay_gamma", {"block_size": 16}, keys, RunMeta()) is None
+
+
+def test_a_loss_word_is_read_by_its_parts():
+    from sleuth.evidence.config import loss_kind_of_word
+
+    # the spellings of blind trainers' configs (a run_out/config.json beside the code) and of libraries
+    assert {w: loss_kind_of_word(w) for w in ("ce_target_argmax", "hard_ce", "CrossEntropyLoss", "nll_loss")} == \
+        dict.fromkeys(("ce_target_argmax", "hard_ce", "CrossEntropyLoss", "nll_loss"), "ce")
+    assert {w: loss_kind_of_word(w) for w in ("kl_soft_target", "KLDivLoss", "forward_kl", "soft_ce")} == \
+        dict.fromkeys(("kl_soft_target", "KLDivLoss", "forward_kl", "soft_ce"), "kl")
+    assert loss_kind_of_word("ce_data_tokens") == "ce (data tokens)"
+    assert loss_kind_of_word("mse") == "other:mse" and loss_kind_of_word("reverse_kl") == "other:reverse_kl"
+    assert loss_kind_of_word("my_loss_v2") is None and loss_kind_of_word("ce+kl") is None
+    # a word no rule knows decides nothing (it was "other:<word>", a mismatch)
+    reading = read_config("loss_kind", {"loss": "my_loss_v2"}, ["loss"], RunMeta())
+    assert reading.value is None and reading.confidence == 0.0
+
+
 def test_layer_ids_need_the_target_depth():
     reading = read_config("target_layer_ids", {"target_layer_ids": [1, 9, 17, 25, 33]}, ["target_layer_ids"], RunMeta())
     assert reading.value is None and "unknown" in reading.detail

@@ -79,6 +79,20 @@ def test_our_runs_give_exactly_the_planted_mismatches(preset: str, tmp_path: Pat
     assert len(findings) == len(PLAYBOOK_IDS) and {f.id for f in findings} == PLAYBOOK_IDS
 
 
+def test_a_dpace_run_is_not_judged_by_the_gamma_it_does_not_use(tmp_path: Path):
+    # recipe-2026's weighting beside a leftover gamma 7 at block 8: D-PACE uses no gamma, so no mismatch; the
+    # same gamma under the fixed decay is v5's defect.
+    run = make_run(tmp_path, "fixed", with_code=False)
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "loss_weighting": "dpace", "loss_decay_gamma": 7.0}))
+    gamma = next(f for f in diagnose(run) if f.id == "dflash.loss_decay_gamma")
+    assert gamma.status == "match" and gamma.observed == "D-PACE", (gamma.status, gamma.reason)
+    assert "one the rule accepts" in gamma.reason
+    assert any(e.kind == "config" and e.location.endswith("config.json:loss_weighting") for e in gamma.evidence)
+    (run / "config.json").write_text(json.dumps({**config, "loss_weighting": "decay", "loss_decay_gamma": 7.0}))
+    assert next(f for f in diagnose(run) if f.id == "dflash.loss_decay_gamma").status == "mismatch"
+
+
 def test_v5_fixes_are_config_patches_on_our_keys(tmp_path: Path):
     findings = {f.id: f for f in diagnose(make_run(tmp_path, "v5"))}
     assert findings["dflash.fc_input_layers"].fix.config_patch == {"fc_layers": None}

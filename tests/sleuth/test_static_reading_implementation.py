@@ -43,6 +43,22 @@ def test_a_zero_placed_before_the_decay_is_slot_zero_zeroed():
     assert _statuses("zero_before_decay")["dflash.anchor_slot_untrained"][:3] == ("unknown", True, "weight 0")
 
 
+def test_slot_zero_singled_out_in_the_loss_is_not_read_as_trained():
+    # main 6ee2a3d: "decay weights cover slot 0 and nothing zeroes the anchor slot", a false alarm on a blind
+    # trainer that removes slot 0's term after weighting every slot (`is_anchor = slot == 0`)
+    status, _agreement, observed = _statuses("slot_zero_term_removed")["dflash.anchor_slot_untrained"]
+    assert status != "mismatch" and observed != "trained"
+
+
+def test_a_parameter_made_without_grad_where_it_is_bound_is_frozen():
+    # main 6ee2a3d: "the drafter holds the lm_head `self.head` ... and nothing freezes it", a false alarm:
+    # `self.head.weight = nn.Parameter(..., requires_grad=False)` is the freeze
+    status, _agreement, observed = _statuses("head_frozen_where_bound")["dflash.frozen_embed_head"]
+    assert status == "unknown" and observed == "frozen?"  # the head frozen; the embeddings are not in this file
+    readings = analyse_path(CASES / "head_frozen_where_bound").readings["dflash.frozen_embed_head"]
+    assert [r.detail.split(";")[0] for r in readings] == ["the lm_head is frozen"]
+
+
 def test_the_override_that_runs_is_read_not_the_base_hook():
     # main: static agreement with the base class's `* (k > 0)`, which no concrete class runs: silent
     status, agreement, observed = _statuses("hook_override")["dflash.anchor_slot_untrained"]

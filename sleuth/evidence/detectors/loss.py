@@ -649,7 +649,23 @@ def detect_anchor_slot(an: Analyzer) -> list[CodeReading]:
         for n in nodes_of(an, ast.Subscript) if not in_variant_code(an, n)
     )
     readings = [r for r in readings if not (in_variant_file(r.path) or VARIANT_PATTERN.search(r.scope or ""))]
-    if not readings and not sliced_from_one:
+    # "nothing zeroes slot 0" is a claim only when nothing in the loss even singles slot 0 out: a test of the
+    # slot index against 0 (`anchor = k == 0`, then its term subtracted, masked, indexed away) is an exclusion
+    # in a form the readings above may not follow, so the decay alone then decides nothing.
+    # (Only code that runs: not a base hook every subclass overrides, not a helper off the DFlash path.)
+    def _runs(node: ast.AST) -> bool:
+        holder = an.outermost_function(node)
+        return not (an.overridden_everywhere(reading_at(an, "", None, node, 0.0).scope)
+                    or (holder is not None and _used_on_dflash_path(an, holder) is False))
+
+    slot_zero_singled_out = any(
+        _is_slot_index(an, n.left) and _in_loss_context(an, n) and not in_variant_code(an, n)
+        and ((isinstance(n.ops[0], (ast.Eq, ast.NotEq, ast.Gt)) and const_number(n.comparators[0]) == 0)
+             or (isinstance(n.ops[0], (ast.GtE, ast.Lt)) and const_number(n.comparators[0]) == 1))
+        and _runs(n)
+        for n in nodes_of(an, ast.Compare) if len(n.ops) == 1
+    )
+    if not readings and not sliced_from_one and not slot_zero_singled_out:
         for node, numerator, _divisor in _decay_exponentials(an):
             if an.switch_of(node) == VARIANT or in_variant_code(an, node):
                 continue
@@ -1082,6 +1098,12 @@ def _freeze_sites(an: Analyzer) -> list[tuple[ast.AST, str]]:
             if isinstance(target, ast.Attribute) and target.attr == "requires_grad" and isinstance(node.value, ast.Constant) \
                     and node.value.value is False:
                 sites += [(node, o) for o in owners(node, target.value)]
+            # a tensor made frozen where it is bound: `self.head.weight = nn.Parameter(w.clone(), requires_grad=False)`
+            value = node.value
+            if isinstance(value, ast.Call) and any(
+                    k.arg == "requires_grad" and isinstance(k.value, ast.Constant) and k.value.value is False
+                    for k in value.keywords):
+                sites += [(node, o) for o in owners(node, target)]
     return sites
 
 

@@ -1,0 +1,3 @@
+#!/bin/bash
+cd "$(dirname "$0")"
+${PYTHON:-python} train.py --config dflash.json --steps 2 "$@"
