@@ -70,7 +70,8 @@ Optional, read where present (absent ones leave what they would decide `unknown`
 `layer_ids_for(num_target_layers, count=None)` (the subject's layer-id rule for any depth),
 `sample_anchors(batch, num_anchors)` (its training sampler: anchors and valid flags [N, n]),
 `feature_projection()` (fc, the module the concatenated target features enter), `variants()` (the same code
-under other settings, {label: subject}, probed too). describe() may add "configured" ({name: {"value",
+under other settings, {label: subject}, probed too), `path_checks(lab)` (Verdicts on code the run takes that
+the experiments bypass, each joined to the verdict on its invariant). describe() may add "configured" ({name: {"value",
 "source"}}: weighting, gamma, dpace_alpha, loss, target_layer_ids, and where each came from, "run config
 ..." when the run's config set it), "max_rows", "documents_per_row", "layer_types",
 "sliding_causal_within_block", "anchor_exclusions", "layer_ids_source", "mask_token_source"; it is read

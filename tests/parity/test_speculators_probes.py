@@ -56,6 +56,18 @@ DEFECTS: dict[str, tuple[list[tuple[str, str, str]], str, str]] = {
           "decay_mult = torch.ones_like(pos_idx)")],
         "dflash.loss_decay_gamma", "no decay",
     ),
+    # round 3 of the blind catalog (bench/upstream_defects/defects_round3.yaml): silent matches before the
+    # layers' masks were read and a full-attention layer was probed beside causal sliding ones
+    "sliding-causal-strict": (
+        [("models/dflash/attention.py", "            same = same & (kv_idx <= q_idx + total_seq_len)\n",
+          "            same = same & (kv_idx < q_idx + total_seq_len)\n")],
+        "dflash.block_bidirectional", "from their own token",
+    ),
+    "sliding-mask-every-layer": (
+        [("models/dflash/core.py", "                if layer_idx in self.sliding_window_indices\n",
+          "                if self.uses_sliding_window_attn\n")],
+        "dflash.block_bidirectional", "layer 0 (full_attention)",
+    ),
     "lm-head-trainable": (
         [("model.py", "        self.lm_head.weight.requires_grad = False\n", ""),
          ("model.py", "        self.lm_head.weight.requires_grad_(False)\n", "")],

@@ -15,7 +15,10 @@ decides an invariant:
   * the optimizer step: AdamW over the parameters that require grad (SpecForge's BF16Optimizer).
 Replaced, and said so: the anchor sampler during the experiments (the probe's anchors; the sampler itself
 is probed through `sample_anchors`), flex attention by SDPA on CPU, chunked objective evaluation by one
-piece (recomputation would call lm_head again behind the probe's hook; the sum is the same).
+piece (recomputation would call lm_head again behind the probe's hook). That the run's chunked objective
+(`training.objective_chunk_blocks`, checkpointed slices) gives the same loss and gradients as the one piece
+is checked on its own, without hooks (`path_checks`), as is that the layers SpecForge captures for offline
+and server training (`resolve_capture_layers`) are the layers the drafter reads.
 SpecForge's forward takes no document ids or positions (its collator pads one sample per row), so the
 probe runs it on one document per row, and the verdicts that depend on packing say so.
 When no recipe gamma is given, SpecForge's default is no decay: the probe then also sets a gamma of its
@@ -37,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from sleuth.probes.adapters.synthetic import write_target_dir
+from sleuth.probes.verdict import Verdict
 
 DEFAULT_TARGET_LAYERS = 8
 PROBE_GAMMA = 4.0  # set when the run gives none, so SpecForge's decay path runs (its default is no decay)
@@ -52,6 +56,10 @@ VARIANT = ("SpecForge's D-PACE loss (alpha 0.3), a 3-layer drafter (model.draft_
            "mask builder", {"model": {"draft_num_hidden_layers": 3},
                             "training": {"loss_type": "dpace", "dpace_alpha": 0.3, "attention_backend": "sdpa"}})
 TAIL = 5  # positions each stored sample has beyond max_len, so the offline normaliser's truncation runs
+# The chunked objective against the one piece: chunk sizes tried besides the run's own (several chunks on the
+# probe's batch), and the agreement asked for (float32 sums in another order differ at rounding level only).
+CHUNK_SIZES = (1, 2)
+CHUNK_LOSS_RTOL, CHUNK_GRAD_RTOL = 1e-5, 1e-4
 
 
 class SpecForgeSubject:
@@ -223,6 +231,9 @@ class SpecForgeSubject:
                                                tokenizer)
         self.model = parts.model.float()
         self.block_size = int(self.model.block_size)
+        # kept for path_checks: the capture-layer rule is called with what the run's composition root passes
+        self.cfg, self.draft_config, self.providers = cfg, draft_config, providers
+        self.target_config = AutoConfig.from_pretrained(str(self.target_dir))
         # The run's mask builder (flex_attention by default) with SDPA attention: its flex mask_mod is evaluated
         # densely (create_mask, as speculators' SDPA path does), since flex attention needs compilation.
         self.model.attention_backend = self.cfg_training.attention_backend
@@ -329,3 +340,252 @@ class SpecForgeSubject:
         optimizer.zero_grad()
         self.loss(batch, SimpleNamespace(block_embeddings=lambda x: x, draft_logits=lambda x: x)).backward()
         optimizer.step()
+
+    # --- the run's paths the experiments do not take ------------------------------------------------------
+
+    def path_checks(self, lab: Any) -> list[Verdict]:
+        """Verdicts on code the run takes that the experiments bypass: the chunked objective (the experiments
+        run it in one piece) and the capture-layer rule of offline / server training (the experiments select
+        the layers with extract_context_feature over the drafter's own ids)."""
+        return [self._check(self._chunked_objective, lab, "dflash.loss_kind", "objective-chunking"),
+                self._check(self._capture_layers, lab, "dflash.target_layer_ids", "capture-layers"),
+                self._check(self._mask_builders, lab, "dflash.context_excludes_anchor", "mask-builders"),
+                self._check(self._row_end, lab, "dflash.target_shift", "row-end-block")]
+
+    def _row_end(self, lab: Any) -> Verdict:
+        """A block whose slots run past the row's end (an anchor two positions before it: SpecForge's sampler
+        allows it, its next token is supervised): the slots whose label would lie beyond the row have no label,
+        so they must get no gradient. The probe's layout keeps every block inside its row."""
+        b = self.block_size
+        s = int(lab.batch.input_ids.shape[1])
+        anchors = lab.batch.anchors.clone()
+        valid = lab.batch.anchor_valid.clone()
+        row, slot = 0, int(valid[0].sum()) - 1  # the row's last valid anchor, moved to the end
+        anchor = s - 2
+        anchors[row, slot] = anchor
+        batch = lab.batch.replace(anchors=anchors, anchor_valid=valid)
+        common = dict(
+            invariant="dflash.target_shift", experiment="row-end-block",
+            hypothesis="slots whose label position p+j lies beyond the row's end are not trained (no label there)",
+            perturbed=f"row {row}'s last anchor moved to position {anchor} of {s}: slots 2..{b - 1} of its block have "
+                      "no label; the drafter's logits replaced by a leaf, the loss's gradient read per slot",
+            threshold="no gradient (exactly 0) on the slots past the end; some on slot 1",
+        )
+        if b < 3:
+            return Verdict(status="not_applicable", measurement="", reason="a block of < 3 slots cannot run past the end "
+                           "with a supervised next token", **common)
+        leaves: list[Tensor] = []
+
+        def as_leaf(z: Tensor) -> Tensor:
+            leaf = z.detach().clone().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf
+
+        loss = self.loss(batch, SimpleNamespace(block_embeddings=lambda x: x, draft_logits=as_leaf))
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        grad = torch.cat([torch.zeros_like(z) if g is None else g for z, g in zip(leaves, grads)], dim=1)
+        per_slot = grad.reshape(anchors.shape[0], anchors.shape[1], b, -1)[row, slot].abs().amax(-1)  # [B]
+        past = [j for j in range(b) if anchor + j >= s]
+        trained_past = [j for j in past if float(per_slot[j]) > 0]
+        measurement = "largest |d loss / d logit| per slot of that block: " + ", ".join(
+            f"{j}: {float(per_slot[j]):.2g}" for j in range(b))
+        coverage = {"row_end_anchor": anchor, "seq_len": s, "slots_past_the_end": past}
+        if float(per_slot[1]) == 0:
+            return Verdict(status="unknown", measurement=measurement, coverage=coverage,
+                           reason="slot 1 of the block at the row's end gets no gradient either: nothing is read", **common)
+        if trained_past:
+            return Verdict(status="mismatch", measurement=measurement, coverage=coverage,
+                           observed=f"a block at the row's end trains slots {trained_past}, whose label position "
+                                    f"(anchor {anchor} + j) is past the row's last position {s - 1}: they learn a "
+                                    "token clamped or wrapped from elsewhere",
+                           expected="no gradient on slots with p + j >= seq_len",
+                           fix="Mark label positions >= seq_len invalid (label_indices < seq_len) before the loss.",
+                           **common)
+        return Verdict(status="match", measurement=measurement, coverage=coverage,
+                       observed=f"a block at the row's end trains none of its {len(past)} slots past the end", **common)
+
+    def _mask_builders(self, lab: Any) -> Verdict:
+        """The flex mask the run builds (`attention_backend: flex_attention`, SpecForge's recipes) against
+        SpecForge's dense SDPA builder, the one its own tests check against a Python-loop reference, on the
+        probe's anchors and with sliding windows narrower than the probe's contexts: the experiments see the
+        windows of a real recipe (2048) never bind, so a window bound off by one would pass them."""
+        from torch.nn.attention.flex_attention import create_mask
+
+        from specforge.algorithms.common import dflash_family_model as family
+
+        b, s = self.block_size, int(lab.batch.input_ids.shape[1])
+        anchors, keep = lab.batch.anchors.clone(), lab.batch.anchor_valid.clone()
+        run_window = getattr(self.model.draft_model, "sliding_window", None)
+        # Windows where the run has sliding layers, and, with no run config, as the variants do: a defect on the
+        # path other runs take (SpecForge's Qwen3.5/3.6 recipes slide) is the code's.
+        windowed = run_window is not None or not self.has_run_config
+        windows: list[int | None] = [None] + sorted({w for w in (run_window, 3, b + 2) if isinstance(w, int) and w > 0}
+                                                     if windowed else set())
+        common = dict(
+            invariant="dflash.context_excludes_anchor", experiment="mask-builders",
+            hypothesis="the flex mask_mod the run uses allows exactly what SpecForge's SDPA mask builder allows",
+            perturbed="nothing: both builders on the probe's anchors and padded slot, windows "
+                      + ", ".join("none" if w is None else str(w) for w in windows),
+            threshold="every (query, key) pair equal",
+        )
+        if self.cfg_training.attention_backend != "flex_attention":
+            return Verdict(status="not_applicable", measurement="", reason="the run builds the SDPA mask itself", **common)
+        original = family.create_block_mask
+        family.create_block_mask = lambda mod, B, H, Q_LEN, KV_LEN, device: create_mask(mod, B, H, Q_LEN, KV_LEN, device)
+        differences = []
+        try:
+            for window in windows:
+                args = dict(anchor_positions=anchors, block_keep_mask=keep, S=s, block_size=b, device=anchors.device,
+                            sliding_window=window)
+                flex = family.create_dflash_block_mask(**args).bool()
+                dense = family.create_dflash_sdpa_mask(**args).bool().expand_as(flex)
+                if not torch.equal(flex, dense):
+                    diff = flex != dense
+                    context = int(diff[..., :s].sum())
+                    differences.append((window, context, int(diff[..., s:].sum()),
+                                        int((flex & ~dense)[..., :s].sum()), int((~flex & dense)[..., :s].sum())))
+        finally:
+            family.create_block_mask = original
+        measurement = (f"{len(windows)} window setting(s) compared; differing (query, key) pairs: "
+                       + ("; ".join(f"window {w}: {c} context ({extra} more, {fewer} fewer in flex), {d} block"
+                                    for w, c, d, extra, fewer in differences) or "none"))
+        coverage = {"windows": windows, "run_sliding_window": run_window}
+        if differences:
+            w, c, d, extra, fewer = differences[0]
+            # a difference in the block's own keys is the block rule's, one in the context the anchor rule's
+            common["invariant"] = "dflash.context_excludes_anchor" if c else "dflash.blocks_isolated"
+            return Verdict(status="mismatch", measurement=measurement, coverage=coverage,
+                           observed=f"the flex mask the run uses differs from SpecForge's SDPA mask at window "
+                                    f"{'none' if w is None else w}: {c} context pairs ({extra} more visible, {fewer} "
+                                    f"fewer in flex), {d} block pairs",
+                           expected="the two builders equal (SpecForge tests its SDPA mask against a loop reference)",
+                           fix="Make create_dflash_block_mask's mask_mod compute what create_dflash_sdpa_mask computes "
+                               "(the window's lower bound, the anchor bound, the block rule).",
+                           **common)
+        return Verdict(status="match", measurement=measurement, coverage=coverage,
+                       observed="the flex and SDPA builders allow the same pairs" + (
+                           f", windows {windows[1:]} included" if len(windows) > 1 else ""), **common)
+
+    def _check(self, check: Any, lab: Any, invariant: str, name: str) -> Verdict:
+        try:
+            return check(lab)
+        except Exception as exc:  # the check's failure leaves the experiments' verdict as it is
+            text = str(exc).strip().splitlines()
+            return Verdict(invariant=invariant, status="unknown", experiment=name, hypothesis="", perturbed="",
+                           measurement="", threshold="",
+                           reason=f"the check failed: {type(exc).__name__}" + (f": {text[0]}" if text else ""))
+
+    def _objective_and_gradients(self, batch: Any, chunk: int) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss and d loss / d every trainable parameter with objective_chunk_blocks = chunk, no probe
+        hooks (autograd.grad, so no .grad is left behind for the experiments)."""
+        trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        identity = SimpleNamespace(block_embeddings=lambda x: x, draft_logits=lambda x: x)
+        saved = self.model.objective_chunk_blocks
+        self.model.objective_chunk_blocks = chunk
+        try:
+            loss = self.loss(batch, identity)
+            grads = torch.autograd.grad(loss, list(trainable.values()), allow_unused=True)
+        finally:
+            self.model.objective_chunk_blocks = saved
+        return loss.detach().double(), {n: (torch.zeros_like(p) if g is None else g).double()
+                                        for (n, p), g in zip(trainable.items(), grads)}
+
+    def _chunked_objective(self, lab: Any) -> Verdict:
+        # the probe's batch, and the same with every anchor valid: its padded slots carry no weight, so a slice
+        # of them that went missing from the totals (the last one, with the probe's layout) would change nothing
+        batches = {"the probe's batch": lab.batch,
+                   "every anchor valid": lab.batch.replace(anchor_valid=torch.ones_like(lab.batch.anchor_valid))}
+        blocks = int(lab.batch.anchors.shape[1])
+        run_chunk = int(self.cfg_training.objective_chunk_blocks)
+        # several chunks on the probe's batch (1 and 2 blocks), and the run's own size (checkpointed even when
+        # it holds all the probe's blocks); 0 is the one piece the experiments use
+        sizes = sorted({c for c in (*CHUNK_SIZES, run_chunk) if c > 0 and (c < blocks or c == run_chunk)})
+        common = dict(
+            invariant="dflash.loss_kind", experiment="objective-chunking",
+            hypothesis="the chunked objective the run uses (training.objective_chunk_blocks, checkpointed slices "
+                       "of blocks) gives the loss and gradients of the same objective in one piece",
+            perturbed=f"objective_chunk_blocks {', '.join(map(str, sizes))} against 0 (one piece), on the probe's "
+                      f"batch of {blocks} blocks per row and on it with every anchor valid, no probe hooks",
+            threshold=f"loss within {CHUNK_LOSS_RTOL:g} relative; every trainable parameter's gradient within "
+                      f"{CHUNK_GRAD_RTOL:g} of its norm",
+        )
+        if blocks < 2 or not sizes:
+            return Verdict(status="unknown", measurement="", reason=f"the batch has {blocks} block(s) per row: "
+                           "no chunk size splits it", **common)
+        # gradient difference, loss difference, chunk, parameter, batch
+        worst: tuple[float, float, int, str, str] = (0.0, 0.0, 0, "", "")
+        parts = []
+        zero: set[str] = set()
+        for label, batch in batches.items():
+            whole_loss, whole = self._objective_and_gradients(batch, 0)
+            zero |= {n for n, g in whole.items() if g.abs().max().item() == 0.0}
+            for chunk in sizes:
+                loss, grads = self._objective_and_gradients(batch, chunk)
+                loss_rel = abs(loss - whole_loss).item() / max(abs(whole_loss).item(), 1e-30)
+                diffs = {}
+                for name, ref in whole.items():
+                    scale = max(ref.norm().item(), grads[name].norm().item())
+                    diffs[name] = (grads[name] - ref).norm().item() / scale if scale > 0 else 0.0
+                name = max(diffs, key=diffs.get) if diffs else ""
+                parts.append(f"{label}, chunk {chunk}: loss {loss_rel:.2g}, gradient {diffs.get(name, 0.0):.2g} ({name})")
+                if (max(diffs.get(name, 0.0) / CHUNK_GRAD_RTOL, loss_rel / CHUNK_LOSS_RTOL)
+                        > max(worst[0] / CHUNK_GRAD_RTOL, worst[1] / CHUNK_LOSS_RTOL)):
+                    worst = (diffs.get(name, 0.0), loss_rel, chunk, name, label)
+        grad_rel, loss_rel, chunk, name, label = worst
+        measurement = "relative difference from the one piece: " + "; ".join(parts)
+        coverage = {"chunk_sizes": sizes, "run_objective_chunk_blocks": run_chunk, "blocks_per_row": blocks,
+                    "batches": list(batches), "parameters_compared": len(whole),
+                    "parameters_without_gradient": sorted(zero)}
+        if grad_rel > CHUNK_GRAD_RTOL or loss_rel > CHUNK_LOSS_RTOL:
+            what = "gradients" if grad_rel > CHUNK_GRAD_RTOL else "a loss"
+            return Verdict(status="mismatch", measurement=measurement, coverage=coverage,
+                           observed=f"the chunked objective the run uses (objective_chunk_blocks={chunk}; the run's "
+                                    f"is {run_chunk}) gives other {what} than the same objective in one piece: max "
+                                    f"relative difference {grad_rel:.3g} in the gradient of {name}, {loss_rel:.3g} in "
+                                    f"the loss ({label})",
+                           expected="the same loss and gradients whatever the chunk size (chunking only bounds memory)",
+                           fix="Sum every chunk's terms into the totals with their graphs (no detach, no dropped or "
+                               "repeated slice), so each block's gradient reaches the drafter.",
+                           measured={"gradient": grad_rel, "loss": loss_rel, "chunk": chunk}, **common)
+        return Verdict(status="match", measurement=measurement, coverage=coverage,
+                       observed=f"objective_chunk_blocks {sizes} give the loss and gradients of the one piece (max "
+                                f"relative difference {grad_rel:.2g} gradient, {loss_rel:.2g} loss)",
+                       measured={"gradient": grad_rel, "loss": loss_rel}, **common)
+
+    def _capture_layers(self, _lab: Any) -> Verdict:
+        from specforge.training.model_loading import draft_config_dict
+
+        reads = [int(i) for i in self.model.draft_model.target_layer_ids]
+        rule = self.providers.resolve_capture_layers
+        text_config = getattr(self.target_config, "text_config", self.target_config)
+        # The two callers of the rule, with the arguments each passes: offline capture resolves it over the draft
+        # config object and the target config (application/composition.py), the server-capture contract over the
+        # draft config's dict and the target's text config (training/capture_contract.py).
+        captured = {
+            "offline capture (application/composition.py)": [int(i) for i in rule(self.cfg, self.draft_config, self.target_config)],
+            "server capture contract (training/capture_contract.py)":
+                [int(i) for i in rule(self.cfg, draft_config_dict(self.cfg, provider=self.providers.draft_config),
+                                      text_config)],
+        }
+        common = dict(
+            invariant="dflash.target_layer_ids", experiment="capture-layers",
+            hypothesis="the target layers SpecForge captures for offline / server training (resolve_capture_layers) "
+                       "are the layers the drafter is built to read (draft_model.target_layer_ids)",
+            perturbed="nothing: SpecForge's capture-layer rule called as its offline capture and server-capture "
+                      "contract call it, on the probe's draft config",
+            measurement="; ".join(f"{where}: {ids}" for where, ids in captured.items()) + f"; the drafter reads {reads}",
+            threshold="the same layer ids, in the same order",
+            coverage={"capture_layers": captured, "drafter_target_layer_ids": reads},
+        )
+        wrong = {where: ids for where, ids in captured.items() if ids != reads}
+        if wrong:
+            return Verdict(status="mismatch",
+                           observed="; ".join(f"{where} captures target layers {ids}" for where, ids in wrong.items())
+                           + f", but the drafter is built to read {reads} (draft_model.target_layer_ids): offline and "
+                             "server-trained drafters learn from other layers than the ones they are served with",
+                           expected=f"capture layers {reads}",
+                           fix="Capture exactly the draft config's dflash_config.target_layer_ids (the ids the drafter "
+                               "reads, in its own convention), with no offset.",
+                           **common)
+        return Verdict(status="match", observed=f"offline capture and the server-capture contract capture {reads}, "
+                                                "the layers the drafter reads", **common)

@@ -39,8 +39,9 @@ _DEFAULT_WHERE = "speculators default (train/config/schema.py TrainConfig for --
 
 
 # Without a run config, the probes also take speculators' other paths: fixed-exponential weighting (with the
-# default gamma), the KL loss, a full-attention layer and non-causal sliding layers (the defaults are D-PACE, CE,
-# sliding layers only, causal within the block).
+# default gamma), the KL loss, a full-attention layer beside non-causal sliding layers, and one beside causal
+# sliding layers (the defaults are D-PACE, CE, sliding layers only, causal within the block): which mask a
+# layer is given only shows where the two kinds of layer differ in what they let through.
 # Settings other than the defaults, so a value that never reaches the code shows (gamma 7, alpha 0.3, explicit
 # layer ids).
 VARIANTS = {
@@ -49,7 +50,8 @@ VARIANTS = {
         "draft": {"full_attention_indices": [0], "sliding_window_non_causal": True, "target_layer_ids": [1, 3, 6]},
         "loss": {"loss_fn": "kl_div"},
         "dflash": {"per_position_loss_weight": "fixed-exp-decay", "dflash_decay_gamma": 7.0}}},
-    "speculators' D-PACE with alpha 0.3": {"train": {"dflash": {"dpace_alpha": 0.3}}},
+    "speculators' D-PACE with alpha 0.3 and a full-attention layer beside causal sliding layers": {"train": {
+        "draft": {"full_attention_indices": [0]}, "dflash": {"dpace_alpha": 0.3}}},
 }
 
 

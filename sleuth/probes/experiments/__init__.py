@@ -47,6 +47,12 @@ def run_experiments(lab: Lab, decides: dict[str, tuple[str, ...]],
     absent = {} if absent is None else absent
     verdicts: list[Verdict] = []
     seconds: dict[str, float] = {}
+    # First, while the weights are the built ones (the optimizer step comes last): the subject's own checks of
+    # the paths its run takes that the experiments bypass (`path_checks(lab)`, optional).
+    start = time.perf_counter()
+    checks = _path_checks(lab)
+    if checks is not None:
+        seconds["path-checks"] = round(time.perf_counter() - start, 3)
     for name, experiment in EXPERIMENTS.items():
         start = time.perf_counter()
         lacking = [absent[m] for m in PROBE_NEEDS.get(name, ()) if m in absent]
@@ -68,7 +74,44 @@ def run_experiments(lab: Lab, decides: dict[str, tuple[str, ...]],
         for verdict in found:
             verdict.seconds = seconds[name]
         verdicts += found
-    return verdicts, seconds
+    return _merge_path_checks(verdicts, checks or []), seconds
+
+
+def _path_checks(lab: Lab) -> list[Verdict] | None:
+    """The subject's `path_checks(lab)`: verdicts on code its run takes that the experiments cannot drive
+    (SpecForge's chunked objective, its capture-layer rule), or None when it offers none."""
+    found = getattr(lab.subject, "path_checks", None)
+    if not callable(found):
+        return None
+    try:
+        return list(found(lab) or [])
+    except NotImplementedError:
+        return None
+    except Exception as exc:  # a check that cannot run leaves the experiments' verdicts as they are
+        return [Verdict(invariant="", status="unknown", experiment="path-checks", hypothesis="", perturbed="",
+                        measurement="", threshold="", reason=f"the path checks failed: {type(exc).__name__}: {exc}")]
+
+
+def _merge_path_checks(verdicts: list[Verdict], checks: list[Verdict]) -> list[Verdict]:
+    """Each path check joins the verdict on its invariant, as a variant does: its mismatch is the verdict's
+    (a defect on the path the run takes); otherwise its result goes into the coverage of every verdict of that
+    experiment."""
+    by_invariant = {v.invariant: v for v in verdicts}
+    for check in checks:
+        main = by_invariant.get(check.invariant)
+        if main is None:
+            continue
+        said = check.status + (f" ({check.observed or check.reason})" if check.observed or check.reason else "")
+        for verdict in verdicts:
+            if verdict.experiment == main.experiment:
+                verdict.coverage = dict(verdict.coverage)  # one experiment's verdicts may share a coverage dict
+                verdict.coverage.setdefault("path_checks", {})[check.experiment] = said
+        if check.status == "mismatch" and main.status != "mismatch":
+            main.status, main.reason, main.observed = "mismatch", "", check.observed
+            main.measurement = f"{main.measurement}; {check.experiment}: {check.measurement}"
+            main.expected, main.fix, main.config_bound = check.expected, check.fix, []
+            main.coverage[check.experiment] = check.coverage
+    return verdicts
 
 
 def _raised_at(exc: BaseException) -> str:

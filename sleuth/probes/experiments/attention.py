@@ -230,6 +230,88 @@ def _within_layer_changes(lab: Lab, layers: list[Any], tokens: list[int], seed: 
     return changes
 
 
+def _captured_masks(lab: Lab, layers: list[Any]) -> dict[int, list[Tensor]]:
+    """The `attention_mask` each draft layer is called with in one forward, per call (a subject that runs its
+    rows one at a time calls each layer once per row), when it is a tensor."""
+    found: dict[int, list[Tensor]] = {}
+
+    def pre(index: int):
+        def hook(_module, _args, kwargs):
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, Tensor):
+                found.setdefault(index, []).append(mask.detach().clone())
+        return hook
+
+    handles = [layer.register_forward_pre_hook(pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        lab.logits()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def _in_block_masks(lab: Lab, layers: list[Any], expect: list[str],
+                    blocks: list[tuple[int, int, int]]) -> tuple[list[str], str]:
+    """Each layer's mask inside every valid block against the configured rule: every slot sees every slot of
+    its block (bidirectional), or itself and the earlier ones (causal). Read only where every layer's mask is
+    a [.., Q, S + Q] tensor (context keys, then the block's) whose polarity the context part settles."""
+    b, s = lab.block_size, lab.layout.seq_len
+    q = lab.layout.num_anchors * b
+    try:
+        captured = _captured_masks(lab, layers)
+    except Exception:  # the forward itself is judged elsewhere; the masks are only an extra observable
+        return [], ""
+    if len(captured) != len(layers) or any(len(v) not in (1, lab.rows) for v in captured.values()):
+        return [], ""
+    problems: list[str] = []
+    for layer, mode in enumerate(expect):
+        calls = captured[layer]
+        per_row = []
+        for n in range(lab.rows):
+            m = calls[n] if len(calls) == lab.rows else calls[0]
+            m = m if m.dtype == torch.bool else (m > -1e3) if m.is_floating_point() else m != 0
+            if len(calls) != lab.rows and m.dim() >= 3 and m.shape[0] == lab.rows:
+                m = m[n]  # one call for the whole batch: this row's mask
+            while m.dim() > 2:
+                m = m[0]  # heads (or a batch of one) share the mask
+            if tuple(m.shape) != (q, s + q):
+                return [], ""
+            per_row.append(m)
+        # polarity from the context part: the positions before an anchor in its document are what it sees
+        before = [bool(per_row[n][i * b, k]) for n, i, a in blocks
+                  for k in range(*(lab.layout.rows[n].document_of(a) or (0, 0))) if k < a]
+        if not before:
+            return [], ""
+        attend = sum(before) / len(before)
+        if 0.2 < attend < 0.8:
+            return [], ""
+        hidden_self, peek, blind = 0, 0, 0
+        for n, i, _a in blocks:
+            part = per_row[n][i * b:(i + 1) * b, s + i * b:s + (i + 1) * b]
+            part = part if attend >= 0.8 else ~part
+            for j in range(b):
+                for k in range(b):
+                    want = True if mode == "bidirectional" else k <= j
+                    got = bool(part[j, k])
+                    if got == want:
+                        continue
+                    if j == k:
+                        hidden_self += 1
+                    elif got:
+                        peek += 1
+                    else:
+                        blind += 1
+        if hidden_self:
+            problems.append(f"layer {layer} ({expect[layer]}): its mask hides {hidden_self} slots from their own token")
+        if peek:
+            problems.append(f"layer {layer} ({expect[layer]} by configuration): its mask lets {peek} (slot, later slot) "
+                            "pairs through")
+        if blind:
+            problems.append(f"layer {layer} ({expect[layer]}): its mask hides {blind} (slot, slot) pairs of a block")
+    return problems, f"every layer's attention mask read inside {len(blocks)} blocks"
+
+
 def _bidirectional(lab: Lab, blocks: list[tuple[int, int, int]], coverage: dict[str, Any]) -> Verdict:
     """Layer by layer: which slots of a block see which (full attention: all; causal sliding-window layers,
     where the subject's configuration makes them so: the earlier ones only)."""
@@ -290,6 +372,13 @@ def _bidirectional(lab: Lab, blocks: list[tuple[int, int, int]], coverage: dict[
             what = "causal within the block (earlier slots do not see later ones)" if mode == "bidirectional" and \
                 later == len(blind) else f"{len(blind)} (block, slot) pairs do not see a slot of their block"
             problems.append(f"layer {layer} ({types[layer]}): {what}")
+    # The masks themselves, where the layers are handed readable ones: a slot hidden from its own token (a
+    # strict `<` in a causal rule) is invisible to the perturbations above, since a slot's own input reaches
+    # its output through the residual whatever the mask says.
+    mask_problems, mask_note = _in_block_masks(lab, layers, expect, blocks)
+    problems += mask_problems
+    if mask_note:
+        bidi.coverage = {**bidi.coverage, "masks_read": mask_note}
     bidi.measurement = (f"per layer, smallest change of an earlier slot when slot {last} moves: "
                         + ", ".join(f"{i}: {float(c.min()):.2g}" for i, c in enumerate(late))
                         + f"; of a later slot when slot {first} moves: "

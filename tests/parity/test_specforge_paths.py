@@ -1,0 +1,145 @@
+"""sleuth's probes on the SpecForge paths its experiments bypass: the chunked objective and the capture layers.
+
+The experiments run SpecForge's objective in one piece (objective_chunk_blocks=0: recomputation would call
+lm_head again behind the probe's hook) and select the target layers with extract_context_feature over the
+drafter's own ids. The run takes other code: its objective in checkpointed chunks of 128 blocks by default,
+and for offline / server training the layers resolve_dflash_capture_layers says to capture. A defect there
+(round 3's r3-sf-chunk-grad-first-slice-only, r3-sf-capture-layers-plus-one) was reported `match`. The
+adapter's path_checks now compare the chunked objective with the one piece (loss and every trainable
+parameter's gradient) and the capture layers with the layers the drafter reads: unmodified SpecForge, under
+its defaults and under the recipes, must give no mismatch, and each planted class must give one.
+
+Runs in the speculators environment (`make parity`), where SpecForge is installed beside speculators.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from speculators_guard import require_speculators
+
+require_speculators()
+
+from sleuth.probes.runner import plan_for_code, run_plan  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "specforge"
+RECIPES = {
+    "tiny-gamma7": FIXTURES / "recipe-sf-tiny-gamma7.yaml",
+    "qwen36": FIXTURES / "checkout-qwen36" / "examples" / "configs" / "qwen36-dflash-online.yaml",
+}
+
+# Planted with exact find / replace (the round-3 catalog's edits, and variants of the same classes).
+CHUNK_DETACHED = ("core/chunking.py",
+                  "        totals = tuple(left + right for left, right in zip(totals, chunk_terms))\n",
+                  "        totals = tuple(left + right.detach() for left, right in zip(totals, chunk_terms))\n")
+CHUNK_LAST_DROPPED = ("core/chunking.py",  # the loss changes too: the last slice never reaches the totals
+                      "        width = min(effective_chunk_size, length - start)\n",
+                      "        width = min(effective_chunk_size, length - start)\n"
+                      "        if start and start + width >= length:\n"
+                      "            break\n")
+CAPTURE_PLUS_ONE = ("algorithms/model_providers.py",
+                    '    layers = list(method_config.get("target_layer_ids", []))\n',
+                    '    layers = [int(i) + 1 for i in method_config.get("target_layer_ids", [])]\n')
+CAPTURE_REVERSED = ("algorithms/model_providers.py",
+                    '    layers = list(method_config.get("target_layer_ids", []))\n',
+                    '    layers = sorted(method_config.get("target_layer_ids", []), reverse=True)\n')
+
+
+def _specforge() -> Path:
+    spec = importlib.util.find_spec("specforge")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("specforge is not installed here (the reference venv: bench/setup_speculators_env.sh)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _planted(tmp_path: Path, edit: tuple[str, str, str]) -> Path:
+    copy = tmp_path / "specforge"
+    shutil.copytree(_specforge(), copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    file, find, replace = edit
+    text = (copy / file).read_text()
+    assert text.count(find) == 1, f"{find!r} is not in {file} exactly once"
+    (copy / file).write_text(text.replace(find, replace))
+    return copy
+
+
+def _verdicts(code: Path, recipe: Path | None = None) -> dict:
+    config = yaml.safe_load(recipe.read_text()) if recipe else None
+    outcome = run_plan(plan_for_code(code, config, recipe), python=sys.executable, timeout_s=600)
+    assert outcome.error is None, outcome.error
+    return {v.invariant: v for v in outcome.verdicts}
+
+
+@pytest.mark.parametrize("recipe", [None, *RECIPES], ids=["defaults", *RECIPES])
+def test_unmodified_specforge_paths_agree(recipe, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    found = _verdicts(_specforge(), RECIPES.get(recipe))
+    assert {k: v.observed for k, v in found.items() if v.status == "mismatch"} == {}
+    # the checks ran and agreed, and say so in the coverage of the verdicts they join
+    chunking = found["dflash.loss_kind"].coverage["path_checks"]["objective-chunking"]
+    assert chunking.startswith("match"), chunking
+    capture = found["dflash.target_layer_ids"].coverage["path_checks"]["capture-layers"]
+    assert capture.startswith("match"), capture
+    row_end = found["dflash.target_shift"].coverage["path_checks"]["row-end-block"]
+    assert row_end.startswith("match"), row_end
+
+
+@pytest.mark.parametrize("edit", [CHUNK_DETACHED, CHUNK_LAST_DROPPED], ids=["detached", "last-dropped"])
+def test_a_defect_in_the_chunked_objective_is_a_loss_kind_mismatch(edit, tmp_path: Path):
+    found = _verdicts(_planted(tmp_path, edit))
+    verdict = found["dflash.loss_kind"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason, verdict.coverage.get("path_checks"))
+    assert "chunked objective the run uses (objective_chunk_blocks=" in verdict.observed, verdict.observed
+    assert "than the same objective in one piece" in verdict.observed, verdict.observed
+
+
+@pytest.mark.parametrize("edit", [CAPTURE_PLUS_ONE, CAPTURE_REVERSED], ids=["plus-one", "reversed"])
+def test_capture_layers_other_than_the_drafter_reads_are_a_layer_ids_mismatch(edit, tmp_path: Path):
+    # the 3-layer recipe drafter, so a reordering is visible as well as an offset
+    found = _verdicts(_planted(tmp_path, edit), RECIPES["qwen36"])
+    verdict = found["dflash.target_layer_ids"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason, verdict.coverage.get("path_checks"))
+    assert "captures target layers" in verdict.observed and "the drafter is built to read" in verdict.observed, \
+        verdict.observed
+
+
+# the flex mask_mod's window bound one wider than the SDPA builder's (round 3: a silent match, since the
+# experiments' contexts never reach a recipe's 2048-token window)
+FLEX_WINDOW_WIDER = ("algorithms/common/dflash_family_model.py",
+                     "            context_lower_bound = anchor_pos + q_block_offset - (sliding_window - 1)\n",
+                     "            context_lower_bound = anchor_pos + q_block_offset - sliding_window\n")
+
+
+@pytest.mark.parametrize("recipe", [None, "qwen36"], ids=["defaults", "qwen36"])
+def test_a_flex_mask_that_differs_from_the_sdpa_builder_is_a_mismatch(recipe, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    found = _verdicts(_planted(tmp_path, FLEX_WINDOW_WIDER), RECIPES.get(recipe))
+    verdict = found["dflash.context_excludes_anchor"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason, verdict.coverage.get("path_checks"))
+    assert "the flex mask the run uses differs from SpecForge's SDPA mask at window 3" in verdict.observed
+
+
+def test_a_recipes_sliding_windows_are_compared_between_the_builders(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    found = _verdicts(_specforge(), RECIPES["qwen36"])
+    said = found["dflash.context_excludes_anchor"].coverage["path_checks"]["mask-builders"]
+    assert said.startswith("match") and "windows [" in said, said  # the recipe's windows were compared
+
+
+# the label bound made inclusive (round 3: a silent match, since no probe block ran past its row's end)
+LABEL_BOUND_INCLUSIVE = ("algorithms/common/dflash_family_model.py",
+                         "        label_indices = anchor_positions.unsqueeze(-1) + label_offsets\n"
+                         "        valid_label_mask = label_indices < seq_len\n        safe_label_indices",
+                         "        label_indices = anchor_positions.unsqueeze(-1) + label_offsets\n"
+                         "        valid_label_mask = label_indices <= seq_len\n        safe_label_indices")
+
+
+def test_a_block_past_the_rows_end_that_trains_there_is_a_shift_mismatch(tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, LABEL_BOUND_INCLUSIVE))["dflash.target_shift"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason, verdict.coverage.get("path_checks"))
+    assert "a block at the row's end trains slots [2]" in verdict.observed, verdict.observed
