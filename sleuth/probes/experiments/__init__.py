@@ -100,6 +100,9 @@ def _merge_path_checks(verdicts: list[Verdict], checks: list[Verdict]) -> list[V
     for check in checks:
         main = by_invariant.get(check.invariant)
         if main is None:
+            if check.status == "mismatch" and check.invariant:  # no experiment spoke to it: the check alone does
+                verdicts.append(check)
+                by_invariant[check.invariant] = check
             continue
         said = check.status + (f" ({check.observed or check.reason})" if check.observed or check.reason else "")
         for verdict in verdicts:
