@@ -204,9 +204,10 @@ class _Index:
             return [f for f in self.functions if f.node.name == "__init__" and f.owner is not None and f.owner.name in parents]
         return [f for f in self.named(name) if f.outer is None or isinstance(call.func, ast.Name)]
 
-    def _instance_calls(self, call: ast.Call) -> list[_Function]:
-        """What calling an instance of a local class runs: an nn.Module's `forward` (through `__call__`), a
-        class's own `__call__` (`loss, metrics = objective(ids, mask)` with `objective = DFlashObjective(...)`)."""
+    def module_forwards(self, call: ast.Call) -> list[_Function]:
+        """What calling an instance of a local class runs: an nn.Module's `forward` (through `__call__`, an
+        inherited one too), a class's own `__call__` (`self.drafter(x)`, `model(x)` with `model = Drafter(...)`,
+        `loss, metrics = objective(ids, mask)` with `objective = DFlashObjective(...)`)."""
         if not isinstance(call.func, (ast.Name, ast.Attribute)) or call_name(call) in self.classes:
             return []
         found = self.an.defs_of(call.func)
@@ -226,7 +227,7 @@ class _Index:
             caller = self.enclosing(call)
             if caller is None and not any(self.an.unit(call) is u for u in self.units):
                 continue
-            for target in self._targets(call) + self._instance_calls(call):
+            for target in self._targets(call) + self.module_forwards(call):
                 self.call_sites[target.node].append((call, caller))
                 if caller is not None:
                     self.callees[caller.node].add(target.node)
@@ -325,13 +326,6 @@ class _Index:
             found += [f for f in self.functions if f.owner is not None and f.owner.name in family
                       and f.node.name != "__init__" and f not in found]
         return found
-
-    def module_forwards(self, call: ast.Call) -> list[_Function]:
-        """The forward of a local nn.Module class when `call` calls an instance of it (`self.drafter(x)`,
-        `model(x)` with `model = Drafter(...)`)."""
-        found = self.an.defs_of(call.func) if isinstance(call.func, (ast.Name, ast.Attribute)) else None
-        classes = {call_name(d) for d in (found[0] if found else []) if isinstance(d, ast.Call)} & set(self.classes)
-        return [f for cls in classes for f in [self.methods(cls).get("forward")] if f is not None]
 
     def link_registries(self, settings: _Settings) -> None:
         """`LOSSES[cfg.loss]` with `@register("ce")` functions (or a `{"ce": fn}` literal): the function under
@@ -744,9 +738,11 @@ def _value_sinks(index: _Index, node: ast.AST, caller: _Function, depth: int) ->
             return roles | _value_sinks(index, parent, caller, depth + 1)
         if name in {"gather", "index_select", "take_along_dim"}:
             return roles | {"index"}
-        for target in index._targets(parent) + index.module_forwards(parent):
+        forwards = index.module_forwards(parent)
+        for target in index._targets(parent) + forwards:
             params = [a.arg for a in target.node.args.posonlyargs + target.node.args.args]
-            if params and params[0] in {"self", "cls"} and isinstance(parent.func, ast.Attribute):
+            # a method called on its object, or an instance called (`model(x)` runs forward(self, x))
+            if params and params[0] in {"self", "cls"} and (isinstance(parent.func, ast.Attribute) or target in forwards):
                 params = params[1:]
             if node in parent.args and parent.args.index(node) < len(params):
                 roles |= _roles_of(params[parent.args.index(node)])

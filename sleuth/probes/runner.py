@@ -168,24 +168,32 @@ def _recipe_files(kind: str, config: dict[str, Any] | None, config_path: Path | 
 
     SpecForge resolves that path against the directory `specforge train` runs in, which is its checkout's root
     for the recipes it ships (`examples/configs/x.yaml` names `configs/x.json`); sleuth runs elsewhere. So the
-    name is looked for next to the recipe, then in the recipe's ancestors, the checkout that holds `--code`,
-    and the current directory; the first file found is read, and the report says which (`draft_config_from`)."""
+    name is looked for next to the recipe, then (never in the home directory or above it) in the recipe's
+    ancestors, the checkout that holds `--code`, and the current directory; the first file found is read, and
+    the report says which (`draft_config_from`).
+    What is read goes to code sleuth is asked to run, whose sandbox keeps the user's files from it, so the name
+    must be a `.json` file outside hidden directories and without `..`: a recipe from elsewhere naming
+    `.docker/config.json` or `../../.aws/x.json` must not hand that file to the child."""
     model = (config or {}).get("model") if kind == "specforge" else None
     name = model.get("draft_model_config") if isinstance(model, dict) else None
     if not isinstance(name, str) or not name:
         return {}
     from sleuth.artifacts import optional_json_object
 
-    if Path(name).is_absolute():
-        candidates = [Path(name)]
+    given = Path(name)
+    if given.suffix != ".json" or any(part == ".." or (part.startswith(".") and part != ".") for part in given.parts):
+        return {"draft_config_problem": f"the recipe's model.draft_model_config {name!r} is not read: sleuth reads a "
+                                        "draft config only as a .json file outside hidden directories, without '..'"}
+    if given.is_absolute():
+        candidates = [given]
     else:
-        bases: list[Path] = []
-        if config_path is not None:
-            here = config_path.resolve().parent
-            bases += [here, *list(here.parents)[:3]]
-        if code is not None:
-            bases += [code.resolve(), *list(code.resolve().parents)[:2]]
-        bases.append(Path.cwd())
+        home = Path.home().resolve()
+        above_home = {home, *home.parents}  # a checkout lives below them, the user's own files in them
+        here = config_path.resolve().parent if config_path is not None else None
+        bases = ([here] if here else []) + [base for base in (
+            *(list(here.parents)[:3] if here else []),
+            *([code.resolve().parent, *list(code.resolve().parent.parents)[:1]] if code is not None else []),
+            Path.cwd().resolve()) if base not in above_home]
         candidates = list(dict.fromkeys(base / name for base in bases))
     for candidate in candidates:
         problems: list[str] = []

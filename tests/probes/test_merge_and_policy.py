@@ -274,3 +274,37 @@ def test_a_setup_error_keeps_what_was_wrong_not_only_its_first_line():
     assert "\n" not in line and "For further information" not in line
     assert line.startswith("ValidationError: 1 validation error for Config mode Value error, online training requires")
     assert len(_one_line(RuntimeError("x" * 5000))) <= len("RuntimeError: ") + 400
+
+
+@pytest.mark.parametrize("name", ["../../.aws/credentials.json", ".docker/config.json", "configs/x.yaml",
+                                  "configs/../../secret.json"])
+def test_a_recipe_cannot_hand_the_probe_a_file_the_sandbox_keeps_from_it(name: str, tmp_path: Path):
+    # the draft config is read by sleuth and handed to the code it runs: a recipe from elsewhere must not
+    # name the user's hidden or out-of-tree files (their content would reach the untrusted child by value)
+    package = tmp_path / "specforge"
+    (package / "modeling" / "draft").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "modeling" / "draft" / "dflash.py").write_text("")
+    for secret in (tmp_path / ".docker" / "config.json", tmp_path / "secret.json"):
+        secret.parent.mkdir(parents=True, exist_ok=True)
+        secret.write_text('{"auths": "token"}')
+    recipe = tmp_path / "recipes" / "r.yaml"
+    recipe.parent.mkdir()
+    context = plan_for_code(package, {"model": {"draft_model_config": name}}, recipe).spec["context"]
+    assert "draft_config" not in context
+    assert "is not read: sleuth reads a draft config only as a .json file" in context["draft_config_problem"]
+
+
+def test_the_draft_config_is_never_looked_for_in_the_home_directory(tmp_path: Path, monkeypatch):
+    home = tmp_path / "home"
+    (home / "configs").mkdir(parents=True)
+    (home / "configs" / "draft.json").write_text('{"block_size": 16}')  # a user's own file, not the recipe's
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(home)
+    package = home / "proj" / "specforge"
+    (package / "modeling" / "draft").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "modeling" / "draft" / "dflash.py").write_text("")
+    context = plan_for_code(package, {"model": {"draft_model_config": "configs/draft.json"}},
+                            home / "proj" / "r.yaml").spec["context"]
+    assert "draft_config" not in context and "was not found" in context["draft_config_problem"]

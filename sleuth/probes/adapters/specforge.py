@@ -62,6 +62,22 @@ CHUNK_SIZES = (1, 2)
 CHUNK_LOSS_RTOL, CHUNK_GRAD_RTOL = 1e-5, 1e-4
 
 
+@contextlib.contextmanager
+def _flex_masks_dense() -> Iterator[None]:
+    """SpecForge's flex mask builder, its mask_mod evaluated on every (query, key) pair instead of compiled into
+    a BlockMask (flex attention needs compilation; the dense mask is what SDPA takes on CPU)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from specforge.algorithms.common import dflash_family_model as family
+
+    original = family.create_block_mask
+    family.create_block_mask = lambda mod, B, H, Q_LEN, KV_LEN, device: create_mask(mod, B, H, Q_LEN, KV_LEN, device)
+    try:
+        yield
+    finally:
+        family.create_block_mask = original
+
+
 class SpecForgeSubject:
     def __init__(self, package_dir: str, context: dict[str, Any], origin: str | None = None) -> None:
         import specforge
@@ -272,16 +288,10 @@ class SpecForgeSubject:
 
         handles = [self.model.embed_tokens.register_forward_hook(lambda _m, _a, out: hooks.block_embeddings(out)),
                    self.model.lm_head.register_forward_hook(on_logits)]
-        from torch.nn.attention.flex_attention import create_mask
-
-        from specforge.algorithms.common import dflash_family_model as family
-
-        original = family.create_block_mask
-        family.create_block_mask = lambda mod, B, H, Q_LEN, KV_LEN, device: create_mask(mod, B, H, Q_LEN, KV_LEN, device)
         try:
-            yield drafted
+            with _flex_masks_dense():
+                yield drafted
         finally:
-            family.create_block_mask = original
             del self.model._sample_anchor_positions
             for handle in handles:
                 handle.remove()
@@ -409,8 +419,6 @@ class SpecForgeSubject:
         SpecForge's dense SDPA builder, the one its own tests check against a Python-loop reference, on the
         probe's anchors and with sliding windows narrower than the probe's contexts: the experiments see the
         windows of a real recipe (2048) never bind, so a window bound off by one would pass them."""
-        from torch.nn.attention.flex_attention import create_mask
-
         from specforge.algorithms.common import dflash_family_model as family
 
         b, s = self.block_size, int(lab.batch.input_ids.shape[1])
@@ -430,10 +438,8 @@ class SpecForgeSubject:
         )
         if self.cfg_training.attention_backend != "flex_attention":
             return Verdict(status="not_applicable", measurement="", reason="the run builds the SDPA mask itself", **common)
-        original = family.create_block_mask
-        family.create_block_mask = lambda mod, B, H, Q_LEN, KV_LEN, device: create_mask(mod, B, H, Q_LEN, KV_LEN, device)
         differences = []
-        try:
+        with _flex_masks_dense():
             for window in windows:
                 args = dict(anchor_positions=anchors, block_keep_mask=keep, S=s, block_size=b, device=anchors.device,
                             sliding_window=window)
@@ -444,8 +450,6 @@ class SpecForgeSubject:
                     context = int(diff[..., :s].sum())
                     differences.append((window, context, int(diff[..., s:].sum()),
                                         int((flex & ~dense)[..., :s].sum()), int((~flex & dense)[..., :s].sum())))
-        finally:
-            family.create_block_mask = original
         measurement = (f"{len(windows)} window setting(s) compared; differing (query, key) pairs: "
                        + ("; ".join(f"window {w}: {c} context ({extra} more, {fewer} fewer in flex), {d} block"
                                     for w, c, d, extra, fewer in differences) or "none"))
