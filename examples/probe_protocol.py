@@ -47,6 +47,9 @@ DEFECTS = {
     "fc_interleaved": "fc's input interleaves the layers feature by feature (stack, then flatten)",
     "context_detached": "the fused context is detached before the layers (fc never trains)",
     "shared_context_kv": "every layer takes the context's K/V from layer 0's k/v projections (projected once, reused)",
+    "no_hidden_norm": "fc's output enters the layers unnormalised (no hidden_norm)",
+    "output_hidden_norm": "the drafter's output is normalised with hidden_norm, its final norm left unused",
+    "loss_over_weights": "the weighted loss divided by the sum of the weights, not by the trained slots' count",
 }
 DEFAULTS = {"gamma": 4.0, "loss": "ce", "weighting": "decay", "block_size": 6}
 
@@ -113,8 +116,10 @@ class Layer(nn.Module):
 class Drafter(nn.Module):
     def __init__(self, num_features: int, hidden: int, layers: int, heads: int, head_dim: int,
                  intermediate: int, theta: float, context_first_layer_only: bool, block_size: int,
-                 context_detached: bool = False, shared_context_kv: bool = False) -> None:
+                 context_detached: bool = False, shared_context_kv: bool = False, no_hidden_norm: bool = False,
+                 output_hidden_norm: bool = False) -> None:
         super().__init__()
+        self.no_hidden_norm, self.output_hidden_norm = no_hidden_norm, output_hidden_norm
         self.block_size, self.context_detached, self.shared_context_kv = block_size, context_detached, shared_context_kv
         self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden)
@@ -125,7 +130,7 @@ class Drafter(nn.Module):
 
     def forward(self, block: Tensor, features: Tensor, position_ids: Tensor, mask: Tensor,
                 slot_positions: bool = False) -> Tensor:
-        context = self.hidden_norm(self.fc(features))  # [N, S, H]
+        context = self.fc(features) if self.no_hidden_norm else self.hidden_norm(self.fc(features))  # [N, S, H]
         if self.context_detached:
             context = context.detach()
         cos, sin = self.rotary(block, position_ids)
@@ -138,7 +143,7 @@ class Drafter(nn.Module):
             sees = index == 0 or not self.context_first_layer_only
             shared = self.layers[0] if self.shared_context_kv and index > 0 else None
             block = layer(block, context if sees else None, cos, sin, mask, query_rotation, shared)
-        return self.norm(block)
+        return self.hidden_norm(block) if self.output_hidden_norm else self.norm(block)
 
 
 def reference_layer_ids(num_layers: int, k: int) -> list[int]:
@@ -183,6 +188,7 @@ class TinyDFlash:
         return {"name": "probe_protocol example", "protocol": 1, "block_size": self.block_size,
                 "num_target_layers": self.num_target_layers, "layer_ids": self.layer_ids,
                 "layer_id_convention": "zlab", "configured": configured, "anchor_exclusions": ["last B positions"],
+                "loss_reduction": "token_mean",  # loss(): the weighted sum over the number of trained slots
                 "layer_ids_source": "reference_layer_ids (this file's rule) for the target's depth",
                 "notes": sorted(self.defects)}
 
@@ -198,7 +204,8 @@ class TinyDFlash:
         self.drafter = Drafter(len(self.read), target.hidden_size, 2, target.num_heads, target.head_dim,
                                target.intermediate_size, target.rope_theta, "context_first_layer_only" in self.defects,
                                self.block_size, "context_detached" in self.defects,
-                               "shared_context_kv" in self.defects)
+                               "shared_context_kv" in self.defects, "no_hidden_norm" in self.defects,
+                               "output_hidden_norm" in self.defects)
 
     def parameters(self) -> dict[str, nn.Parameter]:
         found = dict(self.drafter.named_parameters())
@@ -295,6 +302,8 @@ class TinyDFlash:
             gamma = 4.0 if "gamma_ignored" in self.defects else self.gamma
             decay = torch.ones(b) if gamma is None else torch.exp(-(slot - 1).clamp(min=0) / gamma)
             weights = decay * mask
+        if "loss_over_weights" in self.defects:
+            return (weights * per_slot).sum() / weights.sum().clamp_min(1e-12)
         return (weights * per_slot).sum() / (weights > 0).sum().clamp_min(1)
 
     def sample_anchors(self, batch: Any, num_anchors: int) -> tuple[Tensor, Tensor]:

@@ -68,7 +68,8 @@ def _summary(result: dict[str, Any]) -> str:
     recall = "n/a" if t["recall"] is None else f"{t['recall']:.0%}"
     lines.append(f"total: {t['defects']} defects, recall {recall} ({t['detected']} detected), silent false matches "
                  f"{t['silent_false_match']}, unknown {t['unknown']}, detected elsewhere {t['detected_elsewhere']}, "
-                 f"same as unmodified {t['same_as_unmodified']}, errors {t['error']}, false alarms {t['false_alarms']}; wall {result['wall_s']} s "
+                 f"same as unmodified {t['same_as_unmodified']}, errors {t['error']}, false alarms {t['false_alarms']}; "
+                 f"flagged anywhere (some new mismatch) {t['flagged_anywhere']} of {t['defects']}; wall {result['wall_s']} s "
                  f"with {result['jobs']} workers, sleuth CPU {result['sleuth_cpu_s']} s")
     if result.get("probes"):
         lines.append(f"probes: --probe-python {result['probes']['python'] or '(sleuth own)'}; configs "

@@ -537,7 +537,9 @@ def _evaluate(inv: Invariant, run: _Run) -> Finding:
                 reasons.append(config_notes[-1] if own else f"the run's config has none of {inv.observed.config.keys}")
             if run.code is None and inv.observed.code:
                 reasons.append("no source code was given")
-            reason = "; ".join(reasons) or "no evidence for this rule in the inputs"
+            probe_only = inv.observed.code is None and inv.observed.config is None and inv.observed.checkpoint is None
+            reason = "; ".join(reasons) or ("only the probes decide this rule (run with --probe: the trainer's own "
+                                            "code is run)" if probe_only else "no evidence for this rule in the inputs")
             step.outcome = f"unknown: {reason}"
             return _finding(inv, "unknown", expected, None, [], 0.0, reason, notes, run, block_evidence)
 

@@ -31,7 +31,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from sleuth.escape import is_unsafe
 from sleuth.probes.pieces import HELPER_KINDS, PIECE_KINDS
 from sleuth.probes.protocol import PROTOCOL_METHODS
-from sleuth.probes.verdict import PROBE_STATUSES, PROBED_INVARIANTS, Verdict
+from sleuth.probes.verdict import ANSWER_INVARIANTS, PROBE_STATUSES, Verdict
 from sleuth.redact import redact
 
 MAX_DEPTH = 32
@@ -81,7 +81,7 @@ def _identifier(value: str) -> str:
 
 
 Identifier = Annotated[str, Field(max_length=200), AfterValidator(_identifier)]
-Invariant = Literal[PROBED_INVARIANTS]  # type: ignore[valid-type]
+Invariant = Literal[ANSWER_INVARIANTS]  # type: ignore[valid-type]
 Literal_ = str | int | float | bool | None
 
 
@@ -153,7 +153,7 @@ class ProbeAnswer(_Strict):
         for number, verdict in enumerate(verdicts):
             if verdict.status not in PROBE_STATUSES:
                 raise ValueError(f"verdict {number}: status {verdict.status!r} is not one of {', '.join(PROBE_STATUSES)}")
-            if verdict.invariant not in PROBED_INVARIANTS:
+            if verdict.invariant not in ANSWER_INVARIANTS:
                 raise ValueError(f"verdict {number}: {verdict.invariant!r} is not an invariant the probes decide")
             if isinstance(verdict.seconds, float) and not math.isfinite(verdict.seconds):
                 raise ValueError(f"verdict {number}: seconds is not a finite number")

@@ -26,14 +26,14 @@ Every method is optional. A subject may implement only some methods (a trainer w
 Call order, all on the one object the entry returned, in one process:
   1. `describe()` once;
   2. `build(target)` exactly once, before anything else uses the drafter;
-  3. `parameters()` once to give every drafter weight a visible random value (it is called again by the
-     optimizer step); values may be `nn.Parameter`s or plain tensors, and sleuth writes into them in
+  3. `parameters()` once to give every drafter weight a visible random value (it is called again by
+     fc-norm and the optimizer step); values may be `nn.Parameter`s or plain tensors, and sleuth writes into them in
      place, so they must be the tensors the drafter computes with, not copies;
   4. `draft_logits(batch, hooks)` twice on the same batch (the answers must be equal: a forward that is
      not deterministic, e.g. dropout left on, cannot be probed), then many times with perturbed batches
      and hooks, one experiment after another: layers-read, attention, context-per-layer (with
-     `draft_layers()`), rotary-positions (with `rotary()`), then loss-gradient (`loss(batch, hooks)` a
-     few times);
+     `draft_layers()`), rotary-positions (with `rotary()`), fc-norm (`feature_projection()`, and
+     `parameters()` with one `loss()`), then loss-gradient (`loss(batch, hooks)` a few times);
   5. `train_step(batch)` exactly once, last (it changes the weights).
   Nothing is called concurrently; no method is called after `train_step`.
 
@@ -74,7 +74,7 @@ under other settings, {label: subject}, probed too), `path_checks(lab)` (Verdict
 the experiments bypass, each joined to the verdict on its invariant). describe() may add "configured" ({name: {"value",
 "source"}}: weighting, gamma, dpace_alpha, loss, target_layer_ids, and where each came from, "run config
 ..." when the run's config set it), "max_rows", "documents_per_row", "layer_types",
-"sliding_causal_within_block", "anchor_exclusions", "layer_ids_source", "mask_token_source"; it is read
+"sliding_causal_within_block", "loss_reduction", "anchor_exclusions", "layer_ids_source", "mask_token_source"; it is read
 again after build().
 
 This module imports no torch at load time, so sleuth's own process can read it without the heavy stack.
@@ -118,6 +118,11 @@ DESCRIBE_FIELDS: dict[str, tuple[bool, str]] = {
                           "config set one (a verdict on it then only says the code follows the config)"),
     "max_rows": (False, "the most rows per batch the subject takes (1 for a single-row forward)"),
     "layer_types": (False, "each draft layer's attention type (\"full_attention\", \"sliding_attention\")"),
+    "loss_reduction": (False, "how the code promises to divide the weighted sum of the slot losses: "
+                              "\"weighted_mean\" (by the weights' sum), \"row_weighted_mean\", \"token_mean\" (by "
+                              "the number of trained slots), \"row_token_mean\" (per row, rows averaged), "
+                              "\"batch_mean\" (by the rows), \"sum\"; the loss-gradient probe reads the normaliser "
+                              "from the gradient's absolute size; absent: it is reported, not judged"),
     "sliding_causal_within_block": (False, "true where the sliding-window layers are causal within a block by "
                                            "the subject's configuration"),
     "anchor_exclusions": (False, "the positions the subject's sampler documents it never draws (\"last B "
@@ -135,6 +140,7 @@ PROBE_NEEDS: dict[str, tuple[str, ...]] = {
     "attention": ("describe", "build", "draft_logits"),
     "context-per-layer": ("describe", "build", "draft_logits", "draft_layers"),
     "rotary-positions": ("describe", "build", "draft_logits", "rotary"),
+    "fc-norm": ("describe", "build", "draft_logits"),  # feature_projection() and loss() where offered
     "block-inputs": ("describe", "build", "draft_logits"),
     "loss-gradient": ("describe", "build", "loss"),
     "anchor-sampling": ("describe",),  # its sampler (sample_anchors) is optional; padded anchors come from the loss

@@ -81,6 +81,7 @@ DECIDES: dict[str, tuple[str, ...]] = {
     "attention": ("dflash.context_excludes_anchor", "dflash.blocks_isolated", "dflash.block_bidirectional"),
     "context-per-layer": ("dflash.kv_injection",),
     "rotary-positions": ("dflash.block_position_ids",),
+    "fc-norm": ("dflash.fc_norm",),
     "block-inputs": ("dflash.mask_token_distinct",),
     "loss-gradient": ("dflash.target_logits_source", "dflash.target_shift", "dflash.loss_kind",
                       "dflash.anchor_slot_untrained", "dflash.loss_decay_gamma"),
@@ -88,3 +89,8 @@ DECIDES: dict[str, tuple[str, ...]] = {
     "optimizer-step": ("dflash.frozen_embed_head",),
 }
 PROBED_INVARIANTS: tuple[str, ...] = tuple(i for ids in DECIDES.values() for i in ids)
+# Invariants only a subject's path_checks speak to (no experiment decides them): the saved config a run exports,
+# and how its optimizer steps (learning rates, clipping, schedule). A path check's verdict on one of them is kept
+# only when it is a mismatch (sleuth.probes.experiments): a match on a part is not a claim on the whole.
+PATH_CHECK_INVARIANTS: tuple[str, ...] = ("dflash.export_contract", "dflash.optimizer_schedule")
+ANSWER_INVARIANTS: tuple[str, ...] = PROBED_INVARIANTS + PATH_CHECK_INVARIANTS

@@ -87,6 +87,13 @@ def test_unmodified_specforge_paths_agree(recipe, tmp_path: Path, monkeypatch):
     assert capture.startswith("match"), capture
     row_end = found["dflash.target_shift"].coverage["path_checks"]["row-end-block"]
     assert row_end.startswith("match"), row_end
+    positions = found["dflash.block_position_ids"].coverage["path_checks"]["row-end-positions"]
+    assert positions.startswith("match"), positions
+    accumulation = found["dflash.loss_kind"].coverage["path_checks"]["gradient-accumulation"]
+    assert accumulation.startswith("match"), accumulation
+    assert found["dflash.fc_norm"].status == "match", found["dflash.fc_norm"]
+    saved = found["dflash.mask_token_distinct"].coverage["path_checks"]["saved-mask-token"]
+    assert saved.startswith("match"), saved
 
 
 @pytest.mark.parametrize("edit", [CHUNK_DETACHED, CHUNK_LAST_DROPPED], ids=["detached", "last-dropped"])
@@ -143,3 +150,118 @@ def test_a_block_past_the_rows_end_that_trains_there_is_a_shift_mismatch(tmp_pat
     verdict = _verdicts(_planted(tmp_path, LABEL_BOUND_INCLUSIVE))["dflash.target_shift"]
     assert verdict.status == "mismatch", (verdict.status, verdict.reason, verdict.coverage.get("path_checks"))
     assert "a block at the row's end trains slots [2]" in verdict.observed, verdict.observed
+
+
+# Round 3's last silent match: the optimizer boundary normalised by the last micro-batch's denominator (only with
+# accumulation_steps > 1; no experiment runs SpecForge's trainer loop), and a variant: the per-micro-batch
+# division by accumulation_steps dropped (every accumulated gradient twice the objective's).
+ACCUM_LAST_DENOMINATOR = ("training/controller.py",
+                          '            self._normalize_gradients(self._ratio_totals["loss"][1])\n',
+                          "            self._normalize_gradients(denominator)\n")
+ACCUM_NOT_DIVIDED = ("training/controller.py",
+                     "        loss = loss / self.accumulation_steps\n",
+                     "        loss = loss\n")
+
+
+@pytest.mark.parametrize("edit", [ACCUM_LAST_DENOMINATOR, ACCUM_NOT_DIVIDED], ids=["last-denominator", "not-divided"])
+def test_gradient_accumulation_other_than_the_pooled_objective_is_a_loss_kind_mismatch(edit, tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, edit))["dflash.loss_kind"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason, verdict.coverage.get("path_checks"))
+    assert "with gradient accumulation the trainer steps with other gradients" in verdict.observed, verdict.observed
+
+
+# draft positions clamped at the row's end like the label indices (round 3: unknown; the layout keeps blocks
+# inside their rows, so only the row-end block shows it)
+POSITIONS_CLAMPED = ("algorithms/common/dflash_family_model.py",
+                     "        draft_position_ids = self._create_position_ids(anchor_positions)\n",
+                     "        draft_position_ids = self._create_position_ids(anchor_positions).clamp(max=seq_len - 1)\n")
+
+
+def test_positions_clamped_at_the_rows_end_are_a_position_mismatch(tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, POSITIONS_CLAMPED))["dflash.block_position_ids"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason, verdict.coverage.get("path_checks"))
+    assert "not anchor + j" in verdict.observed, verdict.observed
+
+
+# the decayed loss divided by the token count instead of the sum of its weights (round 3: unknown; the fitted
+# weight ratios do not move under a uniform scale): SpecForge promises a weighted mean (describe's
+# loss_reduction), so the weights' sum is checked
+DENOMINATOR_COUNT = ("algorithms/common/dflash_family_model.py",
+                     "            loss_den = loss_weights.sum()\n",
+                     "            loss_den = weight_mask.sum()\n")
+
+
+@pytest.mark.parametrize("recipe", [None, "tiny-gamma7"], ids=["defaults", "tiny-gamma7"])
+def test_a_weighted_loss_over_a_count_is_a_gamma_mismatch(recipe, tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    verdict = _verdicts(_planted(tmp_path, DENOMINATOR_COUNT), RECIPES.get(recipe))["dflash.loss_decay_gamma"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason)
+    assert "the code promises (weighted_mean:" in verdict.observed and "(token_mean)" in verdict.observed, \
+        verdict.observed
+
+
+# Round 4's classes (defects_round4.yaml), our own variants: the D-PACE loss over the supervised tokens instead of
+# the rows SpecForge divides it by, and a saved draft config that keeps a pinned mask id training does not use.
+DPACE_OVER_TOKENS = ("algorithms/common/dflash_family_model.py",
+                     '            loss_den if self.loss_type == "dflash" else loss_num.new_tensor(float(bsz))\n',
+                     '            loss_den if self.loss_type == "dflash" else accuracy_denom.detach().clamp_min(1)\n')
+MASK_ID_KEPT = ("algorithms/model_providers.py",
+                '    method_config["mask_token_id"] = mask_token_id\n',
+                '    method_config["mask_token_id"] = method_config.get("mask_token_id", mask_token_id)\n')
+
+
+def test_a_dpace_loss_divided_otherwise_than_by_the_rows_is_a_mismatch(tmp_path: Path):
+    # SpecForge's D-PACE path is its variant without a recipe: the variant's mismatch is the finding's
+    verdict = _verdicts(_planted(tmp_path, DPACE_OVER_TOKENS))["dflash.loss_decay_gamma"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason)
+    assert "the code promises (batch_mean:" in verdict.observed, verdict.observed
+
+
+def test_a_saved_mask_id_other_than_the_trained_one_is_a_mask_token_mismatch(tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, MASK_ID_KEPT))["dflash.mask_token_distinct"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason, verdict.coverage.get("path_checks"))
+    assert "the saved draft config's mask_token_id is" in verdict.observed, verdict.observed
+
+
+# Round 5's optimizer classes (defects_round5.yaml), our own variants: the clip norm summed as absolute values
+# (an L1 norm), and the float32 masters copied back into only the matrices (the norms' weights never updated).
+CLIP_NORM_L1 = ("optimizer.py",
+                "        grads = [p.grad.detach() for p in self.model_params if p.grad is not None]\n"
+                "        if grads:\n            total_norm_sq = torch.stack(\n"
+                "                [grad.float().square().sum() for grad in grads]\n",
+                "        grads = [p.grad.detach() for p in self.model_params if p.grad is not None]\n"
+                "        if grads:\n            total_norm_sq = torch.stack(\n"
+                "                [grad.float().abs().sum() for grad in grads]\n")
+MASTERS_MATRICES_ONLY = ("optimizer.py",
+                         "                p.data.copy_(mp.data.to(device=p.device, dtype=p.dtype))\n",
+                         "                if mp.dim() > 1:\n"
+                         "                    p.data.copy_(mp.data.to(device=p.device, dtype=p.dtype))\n")
+
+
+@pytest.mark.parametrize(("edit", "observed"), [(CLIP_NORM_L1, "is scaled by"),
+                                                (MASTERS_MATRICES_ONLY, "are not its updated float32 masters")],
+                         ids=["clip-l1", "masters-matrices-only"])
+def test_an_optimizer_that_steps_otherwise_than_configured_is_an_optimizer_mismatch(edit, observed, tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, edit))["dflash.optimizer_schedule"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason)
+    assert observed in verdict.observed, verdict.observed
+
+
+def test_the_optimizer_is_checked_in_the_runs_dtype(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    found = _verdicts(_specforge(), RECIPES["qwen36"])["dflash.optimizer_schedule"]
+    assert found.status == "match", (found.status, found.reason, found.observed)
+    assert "parameters in bfloat16" in found.measurement and "one step:" in found.measurement, found.measurement
+
+
+# the saved optimizer state's masters re-read from the model's half-precision parameters (our variant of round
+# 5's: rounded to float16 where the run trains in bfloat16)
+MASTERS_SAVED_ROUNDED = ("optimizer.py",
+                         '            "fp32_params": [t.detach().cpu() for t in self.fp32_params],\n',
+                         '            "fp32_params": [t.detach().cpu().half().float() for t in self.fp32_params],\n')
+
+
+def test_an_optimizer_state_that_does_not_resume_is_an_optimizer_mismatch(tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, MASTERS_SAVED_ROUNDED))["dflash.optimizer_schedule"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason)
+    assert "an optimizer resumed from its saved state is not the saved one" in verdict.observed, verdict.observed

@@ -34,10 +34,12 @@ def test_the_protocol_example_is_probed_and_the_probe_decides(tmp_path: Path):
     assert source["evidence"][0]["kind"] == "probe"
     assert "lm_head(norm(hidden_states[6]))" in source["evidence"][0]["value"]
     # Every probe-able invariant carries probe evidence, and the run's steps are in the trace.
+    from sleuth.probes.verdict import PROBED_INVARIANTS
+
     probed = [f for f in report["findings"] if any(e["kind"] == "probe" for e in f["evidence"])]
-    assert len(probed) == 15
+    assert len(probed) == len(PROBED_INVARIANTS) == 16
     steps = [s["step"] for s in report["trace"]]
-    assert "run-probes" in steps and "apply-probes" in steps and steps.count("probe") == 15
+    assert "run-probes" in steps and "apply-probes" in steps and steps.count("probe") == 16
     mismatched = sorted(f["id"] for f in report["findings"] if f["status"] == "mismatch")
     assert mismatched == ["dflash.target_logits_source"]
     assert "## Findings" in (tmp_path / "out" / "report.md").read_text()

@@ -57,6 +57,11 @@ DEFECT_CASES = [
     ("context_detached", "context-per-layer", "dflash.kv_injection", "does not reach the context projection"),
     # Found blind (a completed probe-init scaffold): the context still reaches every layer, through layer 0's K/V.
     ("shared_context_kv", "context-per-layer", "dflash.kv_injection", "changes with layer 0's weights"),
+    # Round 3 (blind, upstream): the output normalised with fc's norm; the scale test alone cannot see it.
+    ("no_hidden_norm", "fc-norm", "dflash.fc_norm", "no norm follows fc"),
+    ("output_hidden_norm", "fc-norm", "dflash.fc_norm", "norm.weight gets no gradient from the loss"),
+    # Round 4 (blind, upstream): a loss normalised otherwise than the code promises (describe's loss_reduction).
+    ("loss_over_weights", "loss-gradient", "dflash.loss_decay_gamma", "normalised as the code promises (token_mean"),
 ]
 # A defect may break a neighbouring rule of the same experiment as well; nothing else may turn.
 ALSO = {"future_context": {"dflash.context_excludes_anchor"}, "anchor_tiling": {"dflash.blocks_isolated"},
@@ -143,7 +148,19 @@ def test_dpace_weighting_is_recognised_not_read_as_a_wrong_gamma():
     assert gamma.status == "match", gamma
     assert "D-PACE" in gamma.observed and gamma.measured["alpha"] == pytest.approx(0.5)
     assert gamma.measured["drift"] > 1e-3
+    # the normaliser is read at D-PACE's own scale too: the example's promised token mean
+    assert "token_mean" in gamma.coverage["loss_reduction"].split("read:")[1], gamma.coverage["loss_reduction"]
     assert found["dflash.anchor_slot_untrained"].status == "match"
+
+
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_a_loss_divided_otherwise_than_promised_is_a_gamma_mismatch(weighting):
+    correct = verdicts(example_subject(weighting=weighting), "loss-gradient")["dflash.loss_decay_gamma"]
+    assert correct.status == "match" and "(token_mean" in correct.coverage["loss_reduction"]
+    broken = verdicts(example_subject(weighting=weighting, defects=["loss_over_weights"]),
+                      "loss-gradient")["dflash.loss_decay_gamma"]
+    assert broken.status == "mismatch", broken
+    assert "weighted_mean" in broken.observed and "token_mean" in broken.observed
 
 
 def test_soft_targets_are_read_as_kl():

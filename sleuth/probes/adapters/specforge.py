@@ -60,6 +60,7 @@ TAIL = 5  # positions each stored sample has beyond max_len, so the offline norm
 # probe's batch), and the agreement asked for (float32 sums in another order differ at rounding level only).
 CHUNK_SIZES = (1, 2)
 CHUNK_LOSS_RTOL, CHUNK_GRAD_RTOL = 1e-5, 1e-4
+SCHEDULE_STEPS = 400  # steps the optimizer's schedule is built for and read over (warmup 6 at the default ratio)
 
 
 @contextlib.contextmanager
@@ -175,6 +176,10 @@ class SpecForgeSubject:
             "num_target_layers": self.num_target_layers,
             "layer_id_convention": "zlab",
             "documents_per_row": 1,
+            # loss_type dflash: dflash_family_model.py returns loss_terms (sum of weighted NLL, sum of the weights),
+            # its trainer normalises the gradients by the denominators' total, and SpecForge's tests check the loss
+            # against a naive weighted mean (gamma None and 7). Its D-PACE loss divides by the batch size instead.
+            "loss_reduction": {"dflash": "weighted_mean", "dpace": "batch_mean"}.get(training.loss_type),
             "configured": configured,
             "anchor_exclusions": ["next token unsupervised"],  # dflash_family_model.py _sample_anchor_positions
             "anchor_sampler_source": "SpecForge OnlineDFlashModel._sample_anchor_positions",
@@ -355,12 +360,319 @@ class SpecForgeSubject:
 
     def path_checks(self, lab: Any) -> list[Verdict]:
         """Verdicts on code the run takes that the experiments bypass: the chunked objective (the experiments
-        run it in one piece) and the capture-layer rule of offline / server training (the experiments select
-        the layers with extract_context_feature over the drafter's own ids)."""
+        run it in one piece), the capture-layer rule of offline / server training (the experiments select the
+        layers with extract_context_feature over the drafter's own ids), the flex mask builder, a block at the
+        row's end (its labels and positions) and the trainer's gradient accumulation across micro-batches."""
         return [self._check(self._chunked_objective, lab, "dflash.loss_kind", "objective-chunking"),
                 self._check(self._capture_layers, lab, "dflash.target_layer_ids", "capture-layers"),
                 self._check(self._mask_builders, lab, "dflash.context_excludes_anchor", "mask-builders"),
-                self._check(self._row_end, lab, "dflash.target_shift", "row-end-block")]
+                self._check(self._row_end, lab, "dflash.target_shift", "row-end-block"),
+                self._check(self._row_end_positions_verdict, lab, "dflash.block_position_ids", "row-end-positions"),
+                self._check(self._accumulation, lab, "dflash.loss_kind", "gradient-accumulation"),
+                self._check(self._saved_mask_token, lab, "dflash.mask_token_distinct", "saved-mask-token"),
+                self._check(self._optimizer_steps, lab, "dflash.optimizer_schedule", "optimizer-steps")]
+
+    def _optimizer_steps(self, _lab: Any) -> Verdict:
+        """SpecForge's optimizer as its assembly builds it from the run's config (training/assembly.py
+        `_optimizer_factory`: BF16Optimizer over a copy of the drafter in the run's dtype, with its scheduler), over
+        the recipe's total steps (or SCHEDULE_STEPS where it sets none): the configured rate, the clip coefficient
+        for a gradient below and one above max_grad_norm, one step (the model's parameters must be the updated
+        float32 masters), its saved state loaded into a fresh optimizer (the same masters, moments and schedule
+        position), and the schedule (warmup to the peak; cosine down to its minimum at the last step, half the
+        peak midway after warmup)."""
+        import math
+        import warnings
+
+        from specforge.training.assembly import _optimizer_factory
+
+        t = self.cfg.training
+        peak, limit, kind = float(t.learning_rate), float(t.max_grad_norm), str(t.lr_scheduler)
+        steps = int(_optimizer_factory(self.cfg).total_steps or SCHEDULE_STEPS)  # the recipe's horizon where it sets one
+
+        # The run's parameter dtype (the recipe's model.torch_dtype, SpecForge's default bfloat16; the experiments
+        # run in float32): BF16Optimizer keeps float32 masters of parameters in that dtype.
+        from specforge.config.schema import ModelConfig
+
+        dtype_name = str((self.recipe.get("model") or {}).get("torch_dtype")
+                         or ModelConfig.model_fields["torch_dtype"].default)
+        run_dtype = getattr(torch, dtype_name)
+        drafter = copy.deepcopy(self.model.draft_model).to(run_dtype)
+
+        def build() -> Any:
+            factory = _optimizer_factory(self.cfg)
+            if factory.total_steps is None:
+                factory.configure_total_steps(steps)
+            return factory(drafter)
+
+        problems, parts = [], []
+        optimizer = build()
+        base = [float(x) for x in optimizer.scheduler.base_lrs]
+        parts.append(f"base rates {base}; parameters in {dtype_name}")
+        if any(abs(b - peak) > 1e-12 * peak for b in base):
+            problems.append(f"the optimizer's base rate is {base}, not training.learning_rate {peak:g}")
+        params = [p for p in optimizer.model_params]
+        g = torch.Generator().manual_seed(5)
+        raw = [torch.randn(p.shape, generator=g) for p in params]
+        norm = math.sqrt(sum(float(r.square().sum()) for r in raw))
+        for factor in (10.0, 0.1):  # the unclipped one last: it is the gradient the step below takes
+            for p, r in zip(params, raw):
+                p.grad = (r * (factor * limit / norm)).to(p.dtype)
+            # the coefficient the gradients as stored call for, summed in float64
+            stored = math.sqrt(sum(float(p.grad.double().square().sum()) for p in params))
+            want = min(1.0, limit / (stored + 1e-6))
+            _total, coefficient = optimizer._grad_norm_and_clip_coefficient()
+            parts.append(f"clip coefficient at {factor:g} x max_grad_norm: {float(coefficient):.6g} (wanted {want:.6g})")
+            if abs(float(coefficient) - want) > 1e-4 * want:
+                problems.append(f"a gradient at {factor:g} x max_grad_norm ({limit:g}) is scaled by "
+                                f"{float(coefficient):.6g}, not {want:.6g} (min(1, max_grad_norm / its norm))")
+        # One step with the unclipped gradient: the model's parameters must be the updated float32 masters. The
+        # step's rate is raised to 0.1 for it, so every update is larger than the run dtype's rounding (a bf16
+        # weight near 1 does not move for an update of 1e-4: a master left uncopied would not show).
+        for group in optimizer.optimizer.param_groups:
+            group["lr"] = 0.1
+        before = [p.detach().clone() for p in params]
+        optimizer.step()
+        moved = sum(int(not torch.equal(p.detach(), b)) for p, b in zip(params, before))
+        behind = [i for i, (p, mp) in enumerate(zip(params, optimizer.fp32_params))
+                  if not torch.equal(p.detach(), mp.detach().to(p.dtype))]
+        parts.append(f"one step: {moved} of {len(params)} parameter tensors moved; {len(behind)} differ from their masters")
+        if behind or not moved:
+            problems.append(f"after a step the model's parameters are not its updated float32 masters ({len(behind)} of "
+                            f"{len(params)} differ, {moved} moved): the model trains one update behind what the "
+                            "optimizer computed")
+        # Its checkpoint state, loaded into a fresh optimizer (what a resumed run does): the same masters, moments
+        # and schedule position.
+        import specforge.optimizer as optimizer_module
+
+        resumed = build()
+        announce = optimizer_module.print_on_rank0  # it asks torch.distributed for the rank: a message, muted here
+        optimizer_module.print_on_rank0 = lambda *_args, **_kwargs: None
+        try:
+            resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        finally:
+            optimizer_module.print_on_rank0 = announce
+        lost = [i for i, (a, r) in enumerate(zip(optimizer.fp32_params, resumed.fp32_params)) if not torch.equal(a, r)]
+        moments = [k for k, v in optimizer.optimizer.state_dict()["state"].items()
+                   for name, t in v.items() if isinstance(t, torch.Tensor)
+                   and not torch.equal(t, resumed.optimizer.state_dict()["state"][k][name])]
+        position = (optimizer.scheduler.last_epoch, resumed.scheduler.last_epoch)
+        parts.append(f"resumed from its state: {len(lost)} masters and {len(moments)} moments differ, schedule at "
+                     f"{position[1]} (saved {position[0]})")
+        if lost or moments or position[0] != position[1]:
+            problems.append(f"an optimizer resumed from its saved state is not the saved one: {len(lost)} of "
+                            f"{len(params)} float32 masters, {len(moments)} moment tensors differ, schedule at "
+                            f"{position[1]} for {position[0]}")
+        optimizer = build()
+        warmup = int(float(t.warmup_ratio) * steps)
+        rates = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the scheduler stepped without optimizer steps: only its rates are read
+            for _ in range(steps):
+                optimizer.scheduler.step()
+                rates.append(float(optimizer.optimizer.param_groups[0]["lr"]))
+        at = lambda step: rates[step - 1]  # noqa: E731 - the rate after `step` scheduler steps
+        parts.append(f"schedule ({kind}, {steps} steps, warmup {warmup}): rate after warmup {at(max(warmup, 1)):.4g}, "
+                     f"midway {at(warmup + (steps - warmup) // 2):.4g}, at the last step {at(steps):.4g}")
+        # 1e-3: SpecForge's hand-over from warmup to the cosine overshoots the peak by ~2e-5 for one step
+        if abs(max(rates) - peak) > 1e-3 * peak:
+            problems.append(f"the schedule peaks at {max(rates):.4g}, not at the configured {peak:g}")
+        if kind == "cosine":
+            if at(steps) > 1e-6 * peak:
+                problems.append(f"the cosine schedule ends at {at(steps):.4g} ({at(steps) / peak:.2%} of "
+                                "the peak), not at its minimum 0: its period is not the steps after warmup")
+            middle = at(warmup + (steps - warmup) // 2)
+            if abs(middle - peak / 2) > 0.02 * peak:
+                problems.append(f"the cosine schedule is at {middle:.4g} midway after warmup, not half the peak")
+        common = dict(invariant="dflash.optimizer_schedule", experiment="optimizer-steps",
+                      hypothesis="SpecForge's optimizer trains at training.learning_rate, clips only a gradient above "
+                                 "max_grad_norm (to that norm) and follows its schedule to the end",
+                      perturbed=f"the optimizer built from the run's config for {steps} steps over a copy of the "
+                                f"drafter in the run's {dtype_name}; gradients at 10 and 0.1 x max_grad_norm, one "
+                                "step at rate 0.1, its state loaded into a fresh optimizer; its scheduler stepped through",
+                      measurement="; ".join(parts), threshold="base rate within 1e-12, peak within 1e-3, the cosine's "
+                      "end below 1e-6 of the peak and its middle within 2 % of half of it, clip coefficients within 1e-4",
+                      coverage={"lr_scheduler": kind, "learning_rate": peak, "max_grad_norm": limit,
+                                "warmup_steps": warmup})
+        if problems:
+            return Verdict(status="mismatch", observed="; ".join(problems),
+                           expected="the configured rate, min(1, max_grad_norm / norm), warmup then the schedule to "
+                                    "its minimum at the last step",
+                           fix="Clip with min(1, max_norm / norm) from a float32 sum of squares; copy the masters into "
+                               "the model after the optimizer's step; save the float32 masters themselves; run the "
+                               "cosine over total_steps - warmup_steps.",
+                           **common)
+        return Verdict(status="match", observed="rate, clipping, a step, a resumed state and the schedule as configured",
+                       **common)
+
+    def _saved_mask_token(self, _lab: Any) -> Verdict:
+        """The mask id the saved draft config gives serving against the id training fills the blocks with, where
+        the two sources of it disagree: a draft config that pins one id (a published drafter's) and a recipe that
+        sets another (model.mask_token_id). SpecForge's resolution prefers the recipe's; whichever it trains with
+        is the one the checkpoint must carry."""
+        import json
+
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(self.target_dir))
+        pinned = int(self.model.mask_token_id)
+        explicit = next(i for i in range(1, int(self.target.vocab_size)) if i != pinned
+                        and i not in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id))
+        cfg = self.cfg.model_copy(deep=True)
+        cfg.model.mask_token_id = explicit
+        draft_config = copy.deepcopy(self.draft_config)
+        dflash = dict(getattr(draft_config, "dflash_config", None) or {})
+        dflash["mask_token_id"] = pinned
+        draft_config.dflash_config = dflash
+        draft = self.providers.build_draft(cfg, draft_config).float()
+        parts = self.providers.build_training_model(cfg, draft, draft_config, self.target_config, tokenizer)
+        trained = int(parts.model.mask_token_id)
+        saved_dir = self.scratch / "saved-draft"
+        draft.save_pretrained(str(saved_dir))
+        saved = (json.loads((saved_dir / "config.json").read_text()).get("dflash_config") or {}).get("mask_token_id")
+        common = dict(invariant="dflash.mask_token_distinct", experiment="saved-mask-token",
+                      hypothesis="the saved draft config carries the mask token training fills the blocks with",
+                      perturbed=f"a draft config pinning mask id {pinned} and a recipe setting model.mask_token_id "
+                                f"{explicit}; the drafter built and saved by SpecForge, its config.json read",
+                      measurement=f"training fills the blocks with {trained}; the saved config says {saved}",
+                      threshold="equal ids", coverage={"pinned": pinned, "explicit": explicit})
+        if saved != trained:
+            return Verdict(status="mismatch",
+                           observed=f"the saved draft config's mask_token_id is {saved}, but training fills the blocks "
+                                    f"with {trained}: serving fills them with a token the drafter never trained on",
+                           expected=f"mask_token_id {trained}",
+                           fix="Write the mask id training uses into the draft config (overwrite it, do not keep an "
+                               "older one).", **common)
+        return Verdict(status="match", observed=f"the saved config carries the trained mask id {trained}", **common)
+
+    def _row_end_positions_verdict(self, lab: Any) -> Verdict:
+        """The positions of the row-end block's slots (read during `_row_end`): anchor + j for every slot, also
+        past the row's end. Serving always drafts a block past the end of what is known, at anchor + j; a slot
+        clamped or wrapped there trains its neighbours on keys at positions they never see served. The
+        experiments' layout keeps every block inside its row, so this is the only place it is exercised."""
+        given, row, slot, anchor, start = getattr(self, "_row_end_positions", ([], 0, 0, 0, 0))
+        b = self.block_size
+        expected = [start + j for j in range(b)]
+        common = dict(
+            invariant="dflash.block_position_ids", experiment="row-end-positions",
+            hypothesis="the slots of a block at the row's end sit at position anchor + j, past the end too",
+            perturbed=f"row {row}'s last anchor moved to position {anchor} (its block runs past the row's end); the "
+                      "position ids given to the drafter's rotary embedding read",
+            threshold="exact position ids",
+            coverage={"row_end_anchor": anchor, "block_size": b},
+        )
+        q = int(lab.batch.anchors.shape[1]) * b
+        rows = [ids.reshape(-1, ids.shape[-1])[min(row, ids.reshape(-1, ids.shape[-1]).shape[0] - 1)]
+                for ids in given if ids.shape[-1] >= q]
+        if not rows:
+            return Verdict(status="unknown", measurement="", reason="the rotary embedding was not called with the "
+                           "block's position ids", **common)
+        got = rows[0][-q:][slot * b:(slot + 1) * b].tolist()
+        measurement = f"the block at {anchor}: position ids {got}"
+        if got != expected:
+            return Verdict(status="mismatch", measurement=measurement,
+                           observed=f"the block anchored at {anchor} (past the row's end at {lab.batch.input_ids.shape[1]}"
+                                    f") gets positions {got}, not anchor + j = {expected}: its trailing slots are "
+                                    "clamped or wrapped, while serving drafts them at anchor + j",
+                           expected=f"{expected}", fix="Give block slot j the position anchor + j, with no clamp at "
+                           "the row's end (only the label indices are clamped).", **common)
+        return Verdict(status="match", measurement=measurement,
+                       observed="a block past the row's end keeps positions anchor + j", **common)
+
+    def _accumulation(self, lab: Any) -> Verdict:
+        """SpecForge's optimizer boundary (training/controller.py TrainerCore over its DFlash strategy, with the
+        FSDP backend's backward and gradient scaling), two micro-batches with different token counts at
+        accumulation_steps 2, against the gradient of the objective it promises: the pooled weighted mean
+        (sum of the micro-batches' loss numerators over the sum of their denominators, its loss_terms), or the
+        mean of the micro-batch losses where the model returns no loss_terms. The experiments run one forward,
+        so the arithmetic across micro-batches is only exercised here."""
+        from specforge.runtime.contracts import TrainBatch
+        from specforge.training.backend import FSDPTrainingBackend
+        from specforge.training.controller import TrainerCore
+        from specforge.training.strategies.base import DFlashTrainStrategy
+
+        common = dict(
+            invariant="dflash.loss_kind", experiment="gradient-accumulation",
+            hypothesis="at accumulation_steps 2, the gradient SpecForge's trainer steps with is the gradient of the "
+                       "objective over both micro-batches (their loss numerators over their pooled denominator)",
+            perturbed="two micro-batches (the probe's batch; the same with the second half of every row "
+                      "unsupervised) through SpecForge's TrainerCore, DFlash strategy and FSDP backend arithmetic "
+                      "(single process), the optimizer step replaced by reading the gradients",
+            threshold=f"every trainable parameter's gradient within {CHUNK_GRAD_RTOL:g} of its norm",
+        )
+        half = lab.batch.loss_mask.clone()
+        half[:, half.shape[1] // 2:] = 0
+        micro = [lab.batch, lab.batch.replace(loss_mask=half)]
+        trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        identity = SimpleNamespace(block_embeddings=lambda x: x, draft_logits=lambda x: x)
+        self.model.train()
+
+        # the promised objective, from the model's own terms
+        terms, losses = [], []
+        for batch in micro:
+            fed = self._through_data_path(batch)
+            with self._wired(batch, identity):
+                loss, _acc, metrics = self.model(input_ids=fed["input_ids"], hidden_states=fed["hidden_states"],
+                                                 loss_mask=fed["loss_mask"])
+            losses.append(loss)
+            terms.append(metrics.get("loss_terms"))
+        if all(t is not None for t in terms):
+            objective = sum(t[0].reshape(()) for t in terms) / sum(t[1].detach().reshape(()) for t in terms)
+            promised = "the pooled weighted mean sum(numerators) / sum(denominators)"
+            dens = [float(t[1]) for t in terms]
+        else:
+            objective, promised, dens = sum(losses) / len(losses), "the mean of the micro-batch losses", []
+        reference = torch.autograd.grad(objective, list(trainable.values()), allow_unused=True)
+
+        # the trainer's boundary
+        backend = FSDPTrainingBackend(SimpleNamespace(fsdp_process_group=None))
+        backend.module, backend._wrapped = self.model, False
+        stepped: dict[str, Tensor] = {}
+
+        def read_gradients() -> None:
+            stepped.update({n: (torch.zeros_like(p) if p.grad is None else p.grad.detach().clone())
+                            for n, p in trainable.items()})
+
+        backend.step = read_gradients  # type: ignore[method-assign]
+        core = TrainerCore(DFlashTrainStrategy(self.model), backend, accumulation_steps=2)
+        saved = {n: p.grad for n, p in trainable.items()}
+        try:
+            for p in trainable.values():
+                p.grad = None
+            for i, batch in enumerate(micro):
+                fed = self._through_data_path(batch)
+                with self._wired(batch, identity):
+                    core.train_step(TrainBatch(sample_ids=[f"probe-{i}"], strategy="dflash", tensors=fed))
+        finally:
+            for n, p in trainable.items():
+                p.grad = saved[n]
+        measurement_base = (f"denominators {', '.join(f'{d:g}' for d in dens)}; " if dens else "")
+        if not stepped:
+            return Verdict(status="unknown", measurement=measurement_base, reason="the trainer did not reach its "
+                           "optimizer boundary after accumulation_steps micro-batches", **common)
+        diffs = {}
+        for (name, ref) in zip(trainable, reference):
+            ref = torch.zeros_like(stepped[name]) if ref is None else ref.detach()
+            scale = max(ref.norm().item(), stepped[name].norm().item())
+            diffs[name] = (stepped[name] - ref).norm().item() / scale if scale > 0 else 0.0
+        worst = max(diffs, key=diffs.get)
+        ratio = (sum(stepped[n].norm().item() for n in trainable) /
+                 max(sum((torch.zeros(()) if r is None else r.norm()).item() for r in reference), 1e-30))
+        measurement = (measurement_base + f"largest relative gradient difference {diffs[worst]:.3g} ({worst}); "
+                       f"gradient norm ratio trainer / {promised}: {ratio:.4g}")
+        coverage = {"accumulation_steps": 2, "micro_batch_denominators": dens, "promised": promised,
+                    "run_accumulation_steps": getattr(self.cfg_training, "accumulation_steps", None)}
+        if diffs[worst] > CHUNK_GRAD_RTOL:
+            return Verdict(status="mismatch", measurement=measurement, coverage=coverage,
+                           observed=f"with gradient accumulation the trainer steps with other gradients than those of "
+                                    f"{promised}: {ratio:.4g} x their norm, max relative difference {diffs[worst]:.3g} "
+                                    f"({worst}); the effective loss scale depends on which micro-batch came last",
+                           expected=f"the gradient of {promised}",
+                           fix="Normalise the accumulated gradients once, by the total of every micro-batch's loss "
+                               "denominator (world size x accumulation steps / total), not by one micro-batch's.",
+                           measured={"gradient": diffs[worst], "norm_ratio": ratio}, **common)
+        return Verdict(status="match", measurement=measurement, coverage=coverage,
+                       observed=f"accumulating two micro-batches gives the gradient of {promised}",
+                       measured={"gradient": diffs[worst], "norm_ratio": ratio}, **common)
 
     def _row_end(self, lab: Any) -> Verdict:
         """A block whose slots run past the row's end (an anchor two positions before it: SpecForge's sampler
@@ -391,7 +703,19 @@ class SpecForgeSubject:
             leaves.append(leaf)
             return leaf
 
-        loss = self.loss(batch, SimpleNamespace(block_embeddings=lambda x: x, draft_logits=as_leaf))
+        given: list[Tensor] = []
+
+        def record(_module: nn.Module, args: Any, kwargs: Any) -> None:
+            ids = args[1] if len(args) > 1 else kwargs.get("position_ids")
+            if isinstance(ids, Tensor):
+                given.append(ids.detach().clone())
+
+        handle = self.model.draft_model.rotary_emb.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            loss = self.loss(batch, SimpleNamespace(block_embeddings=lambda x: x, draft_logits=as_leaf))
+        finally:
+            handle.remove()
+        self._row_end_positions = (given, row, slot, anchor, int(batch.position_ids[row, anchor]))
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         grad = torch.cat([torch.zeros_like(z) if g is None else g for z, g in zip(leaves, grads)], dim=1)
         per_slot = grad.reshape(anchors.shape[0], anchors.shape[1], b, -1)[row, slot].abs().amax(-1)  # [B]

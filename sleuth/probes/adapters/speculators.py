@@ -16,6 +16,8 @@ Replaced, and said so: the anchor sampler during the experiments (by the probe's
 itself is probed through `sample_anchors`, the forward's own call site), and flex attention by SDPA on
 CPU (the same mask_mod evaluated densely). Layer *extraction* is not speculators' code: its hidden states
 arrive selected by vLLM (id i = hidden_states[i]), so the adapter selects them and only the id rule is probed.
+Checked on their own (`path_checks`): the collated row against the packed row (a document cut at the row's end
+included), the config.json `save_pretrained` writes, and each optimizer's learning rate.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from sleuth.probes.adapters.synthetic import write_target_dir
+from sleuth.probes.verdict import Verdict
 
 DEFAULT_TARGET_LAYERS = 8
+CUT_TAIL = 5  # positions the row's last document is stored beyond the row (the collator cuts them)
 # Keys of the run config whose value decides an invariant, by speculators' flat name.
 _DEFAULT_WHERE = "speculators default (train/config/schema.py TrainConfig for --speculator-type dflash)"
 
@@ -91,12 +95,19 @@ class SpeculatorsSubject:
 
     def describe(self) -> dict[str, Any]:
         kwargs, flat = self.call_kwargs, self.flat
-        weighting = {"dpace": "dpace", "fixed-exp-decay": "fixed-exp"}.get(kwargs["per_position_loss_weight"],
-                                                                       kwargs["per_position_loss_weight"])
+
+        # The values as the config resolved them (TrainConfig), not as get_trainer_kwargs read them back: the
+        # experiments compare what the loss applies with what the run asked for, so an expectation taken from
+        # the code that consumes the config would agree with a key it misreads.
+        def asked(dest: str, read: Any) -> Any:
+            return flat[dest] if flat.get(dest) is not None else read
+
+        chosen = asked("per_position_loss_weight", kwargs["per_position_loss_weight"])
+        weighting = {"dpace": "dpace", "fixed-exp-decay": "fixed-exp"}.get(chosen, chosen)
         configured: dict[str, dict[str, Any]] = {
             "weighting": {"value": weighting, "source": self._source("per_position_loss_weight")},
-            "gamma": {"value": kwargs["gamma"], "source": self._source("dflash_decay_gamma")},
-            "dpace_alpha": {"value": kwargs["dpace_alpha"], "source": self._source("dpace_alpha")},
+            "gamma": {"value": asked("dflash_decay_gamma", kwargs["gamma"]), "source": self._source("dflash_decay_gamma")},
+            "dpace_alpha": {"value": asked("dpace_alpha", kwargs["dpace_alpha"]), "source": self._source("dpace_alpha")},
             "loss": {"value": flat["loss_fn"], "source": self._source("loss_fn")},
             "block_size": {"value": self.block_size, "source": self._source("block_size")},
         }
@@ -109,6 +120,8 @@ class SpeculatorsSubject:
             "num_target_layers": self.num_target_layers,
             "layer_id_convention": "external",
             "max_rows": 1,  # its forward takes one packed row of documents
+            # losses/utils.py loss_function: each row's weighted sum over loss_mask.sum(dim=1), the rows averaged
+            "loss_reduction": "row_token_mean",
             "configured": configured,
             "anchor_exclusions": ["last B positions"],  # models/dflash/utils.py select_anchors
             "anchor_sampler_source": "speculators select_anchors, called where _build_attention_mask calls it",
@@ -128,6 +141,8 @@ class SpeculatorsSubject:
             # DFLASH.md dflash.block_bidirectional: [S] sliding-window layers are causal within the block
             # unless sliding_window_non_causal (off by default for DFlash)
             info["sliding_causal_within_block"] = not self.model.sliding_window_non_causal
+            configured["sliding_window_non_causal"] = {"value": bool(self.model.sliding_window_non_causal),
+                                                       "source": self._source("sliding_window_non_causal")}
         return info
 
     def build(self, target: Any) -> None:
@@ -206,7 +221,8 @@ class SpeculatorsSubject:
         """The row as speculators' training gets it: each document stored as vLLM hands it over (the selected
         layers, id i = hidden_states[i], then the final layer before its norm: [seq, k+1, H]), read by its
         dataset (`ArrowDataset._get_raw_data`, `BaseDataset.__getitem__`) and packed by its `CollateFn`
-        (document ids, positions restarting per document)."""
+        (document ids, positions restarting per document; the row's last document stored longer than the row, so
+        the collator's cut of a document at the row's end is on the path)."""
         from speculators.train.data import ArrowDataset, CollateFn
 
         stack = torch.stack([batch.hidden_states[i][0] for i in self.layer_ids] + [batch.last_hidden[0]], dim=1)
@@ -218,9 +234,19 @@ class SpeculatorsSubject:
                     spans.append((start, p))
                 start = p
         stored = [{"hidden_states": stack[a:b], "token_ids": batch.input_ids[0, a:b]} for a, b in spans]
+        data = [{"input_ids": batch.input_ids[0, a:b], "loss_mask": batch.loss_mask[0, a:b]} for a, b in spans]
+        if spans and spans[-1][1] == docs.numel():
+            # The row's last document is stored CUT_TAIL positions longer than the row, as a long conversation is:
+            # the collator truncates it at max_len, so its path for a document cut at the row's end runs.
+            g = torch.Generator().manual_seed(13)
+            stored[-1] = {"hidden_states": torch.cat([stored[-1]["hidden_states"],
+                                                      torch.randn(CUT_TAIL, *stack.shape[1:], generator=g).to(stack.dtype)]),
+                          "token_ids": torch.cat([stored[-1]["token_ids"], torch.randint(1, 60, (CUT_TAIL,), generator=g)])}
+            data[-1] = {"input_ids": stored[-1]["token_ids"],
+                        "loss_mask": torch.cat([data[-1]["loss_mask"], torch.ones(CUT_TAIL, dtype=batch.loss_mask.dtype)])}
         dataset = ArrowDataset.__new__(ArrowDataset)  # the reading, without the files it would read from
         dataset.transfer = SimpleNamespace(get_cached=lambda index: stored[index])
-        dataset.data = [{"input_ids": batch.input_ids[0, a:b], "loss_mask": batch.loss_mask[0, a:b]} for a, b in spans]
+        dataset.data = data
         dataset._map_to_file_idx = lambda index: index
         dataset.on_missing = "raise"
         collate = CollateFn(max_len=batch.input_ids.shape[1], hidden_size=stack.shape[-1],
@@ -261,6 +287,263 @@ class SpeculatorsSubject:
             fed["loss_mask"], num_anchors, fed["document_ids"], batch.loss_mask.device)
         return anchors.reshape(1, -1), valid.reshape(1, -1)
 
+    def path_checks(self, lab: Any) -> list[Verdict]:
+        """What speculators' data path hands the model (its dataset and CollateFn, with the row's last document cut
+        at the row's end) against the packed row the experiments mean: the experiments read the model's behaviour
+        on the collated row, so a collator that changed the documents would change what they compare against."""
+        return [_guarded(self._collated_row, lab, "dflash.context_excludes_anchor", "collated-row"),
+                _guarded(self._window_width, lab, "dflash.context_excludes_anchor", "window-width"),
+                _guarded(lambda _lab: self._check_saved_config(), lab, "dflash.export_contract", "saved-config"),
+                _guarded(lambda _lab: self._check_optimizer_rates(), lab, "dflash.optimizer_schedule", "optimizer-rates")]
+
+    def _window_width(self, lab: Any) -> Verdict:
+        """speculators' sliding-window mask (the model's own `_create_attention_mask`, causal within the block as
+        its default) at windows narrower than the probe's contexts (3 and B + 2: the experiments' windows, 2048 by
+        default, never bind): the context keys each slot of each block sees, against the two window conventions
+        the upstream trainers use, one for every slot: speculators' W positions before the anchor
+        (kv >= anchor - W), or SpecForge's and transformers' window ending at the slot's own position
+        (kv >= anchor + j - (W - 1)). A rule that is neither (one position narrower or wider) is a defect; which one
+        a server applies is `sliding_window_served`'s question."""
+        fed = self._through_data_path(lab.batch)
+        docs = fed["document_ids"]
+        s, b = int(docs.shape[1]), self.block_size
+        keep = lab.batch.anchor_valid[0]
+        anchors = lab.batch.anchors[0][keep]
+        windows = sorted({3, b + 2})
+        common = dict(invariant="dflash.context_excludes_anchor", experiment="window-width",
+                      hypothesis="a sliding-window layer's block sees the context positions of its document inside "
+                                 "the window, by one of the upstream conventions for every slot",
+                      perturbed=f"speculators' mask at sliding windows {windows} (causal within the block) on the "
+                                f"probe's {int(anchors.numel())} anchors and packed documents",
+                      threshold="every (slot, context key) pair as one convention says",
+                      coverage={"windows": windows})
+        wrong: list[str] = []
+        conventions_seen: set[str] = set()
+        for window in windows:
+            mask = type(self.model)._create_attention_mask(self.model, docs, s, anchors, docs.device,
+                                                           sliding_window=window, sliding_window_non_causal=False)
+            dense = mask if isinstance(mask, Tensor) else mask.to_dense() if hasattr(mask, "to_dense") else None
+            if dense is None:
+                return Verdict(status="unknown", measurement="", reason=f"the mask is a {type(mask).__name__}, not "
+                               "readable as (query, key) pairs", **common)
+            dense = dense.bool().reshape(-1, dense.shape[-2], dense.shape[-1])[0]
+            fits = {"speculators (W before the anchor)": True, "transformers (window ends at the slot)": True}
+            first_wrong = None
+            for i, a in enumerate(anchors.tolist()):
+                doc = int(docs[0, a])
+                in_doc = docs[0] == doc
+                for j in range(b):
+                    got = dense[i * b + j, :s]
+                    positions = torch.arange(s)
+                    before = in_doc & (positions < a)
+                    wants = {"speculators (W before the anchor)": before & (positions >= a - window),
+                             "transformers (window ends at the slot)": before & (positions >= a + j - (window - 1))}
+                    for name, want in wants.items():
+                        if fits[name] and not torch.equal(got, want):
+                            fits[name] = False
+                            first_wrong = first_wrong or (a, j, int(got.sum()), {n: int(w.sum()) for n, w in wants.items()})
+            chosen = [name for name, ok in fits.items() if ok]
+            conventions_seen |= set(chosen)
+            if not chosen:
+                a, j, count, counts = first_wrong
+                wrong.append(f"window {window}: slot {j} of the block at {a} sees {count} context positions, where "
+                             + " or ".join(f"{n} gives {c}" for n, c in counts.items()))
+        measurement = "; ".join(wrong) if wrong else f"windows {windows}: every slot as {', '.join(sorted(conventions_seen))}"
+        if wrong:
+            return Verdict(status="mismatch", measurement=measurement,
+                           observed="the sliding-window mask follows no window convention: " + "; ".join(wrong),
+                           expected="kv >= anchor - W (speculators) or kv >= anchor + j - (W - 1) (transformers)",
+                           fix="Bound the window as speculators' reference does: kv_base_pos >= q_anchor - sliding_window.",
+                           **common)
+        return Verdict(status="match", measurement=measurement,
+                       observed=f"the sliding-window mask follows {', '.join(sorted(conventions_seen))} at windows {windows}",
+                       **common)
+
+    def _check_saved_config(self) -> Verdict:
+        """The config.json speculators saves with the drafter (`save_pretrained`, what vLLM's loader reads): the
+        number of tokens it tells serving to draft per step (slot 0 is the anchor, drafted only with
+        sample_from_anchor), the block size and the mask token the drafter was trained with."""
+        import json
+
+        common = dict(invariant="dflash.export_contract", experiment="saved-config",
+                      hypothesis="the saved config serves the drafter as it was trained: speculative_tokens = B - 1 "
+                                 "(B with sample_from_anchor), its block size, its mask token",
+                      perturbed="nothing: the built drafter saved with save_pretrained, its config.json read",
+                      threshold="equal values")
+        try:
+            saved = self.scratch / "saved"
+            self.model.save_pretrained(str(saved))
+            config = json.loads((saved / "config.json").read_text())
+        except Exception as exc:  # noqa: BLE001 - a drafter that cannot be saved here says nothing about the export
+            return Verdict(status="unknown", measurement="", reason=f"the drafter could not be saved: "
+                           f"{type(exc).__name__}", **common)
+        methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        drafted = methods[0].get("speculative_tokens")
+        anchor_drafted = bool(config.get("sample_from_anchor"))
+        want = {"speculative_tokens": self.block_size if anchor_drafted else self.block_size - 1,
+                "block_size": self.block_size, "mask_token_id": int(self.model.mask_token_id)}
+        got = {"speculative_tokens": drafted, "block_size": config.get("block_size"),
+               "mask_token_id": config.get("mask_token_id")}
+        wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
+        measurement = ", ".join(f"{k} {got[k]}" for k in got) + f" (sample_from_anchor {anchor_drafted})"
+        if wrong:
+            return Verdict(status="mismatch", measurement=measurement,
+                           observed="the saved config.json serves the drafter otherwise than it trained: " + "; ".join(
+                               f"{k} {g} (trained: {w})" for k, (g, w) in wrong.items())
+                           + ("; serving drafts one token per step more than the block's B - 1 trained slots"
+                              if "speculative_tokens" in wrong else ""),
+                           expected=", ".join(f"{k} {v}" for k, v in want.items()),
+                           fix="Save speculative_tokens = block_size - 1 for DFlash (slot 0 is the anchor), and the "
+                               "block size and mask token the drafter trained with.", **common)
+        return Verdict(status="match", measurement=measurement, observed="the saved config serves the drafter as trained",
+                       not_exercised=["the checkpoint's weight names and shapes (sleuth's export checks read those from "
+                                      "a run's checkpoint)"], **common)
+
+    def _check_optimizer_rates(self) -> Verdict:
+        """speculators' build_optimizers, as its trainer calls it, over the run's optimizer settings, and with a
+        Muon rate of its own (10 x lr, the best-practices recipe's ratio) where the run's Muon rate is the default
+        (unset: lr): each optimizer's groups must carry their configured rate."""
+        from speculators.train.optimizers import build_optimizers
+
+        keys = ("optimizer", "lr", "weight_decay", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
+                "muon_adjust_lr_fn")
+        base = {k: self.flat.get(k) for k in keys}
+        settings = [("the run's settings", base)]
+        if base.get("optimizer") == "muon" and base.get("muon_lr") in (None, base.get("lr")):
+            settings.append(("muon_lr 10 x lr (probe choice)", {**base, "muon_lr": 10 * float(base["lr"])}))
+        common = dict(invariant="dflash.optimizer_schedule", experiment="optimizer-rates",
+                      hypothesis="each optimizer the trainer builds trains its parameters at the configured rate "
+                                 "(Muon: muon_lr, AdamW: lr)",
+                      perturbed="; ".join(label for label, _ in settings),
+                      threshold="equal rates")
+        wrong, seen = [], []
+        for label, config in settings:
+            for optimizer in build_optimizers(self.model, SimpleNamespace(**config)):
+                kind = type(optimizer).__name__
+                want = float(config["muon_lr"] if kind == "Muon" else config["lr"])
+                for group in optimizer.param_groups:
+                    seen.append(f"{label}: {kind} lr {group['lr']:g}")
+                    if abs(float(group["lr"]) - want) > 1e-12 * max(want, 1e-30):
+                        wrong.append(f"{kind} at lr {group['lr']:g} where {label} give {want:g}")
+        measurement = "; ".join(dict.fromkeys(seen))
+        if wrong:
+            return Verdict(status="mismatch", measurement=measurement,
+                           observed="an optimizer trains at another rate than configured: " + "; ".join(wrong),
+                           expected="Muon at muon_lr, AdamW at lr", fix="Build each optimizer with its own "
+                           "configured learning rate (Muon: muon_lr).", **common)
+        schedule_problems, schedule_measured = self._check_schedule_and_resume()
+        measurement += "; " + schedule_measured
+        if schedule_problems:
+            return Verdict(status="mismatch", measurement=measurement, observed="; ".join(schedule_problems),
+                           expected="warmup = ratio x the resolved total steps, the schedule from 0 up to the peak and "
+                                    "down to 0 at the last step, resume from the highest epoch",
+                           fix="Resolve warmup over the scheduler's total steps (max_steps where set); resume from the "
+                               "numerically highest epoch directory.", **common)
+        return Verdict(status="match", measurement=measurement,
+                       observed="every optimizer at its configured rate; schedule and resume epoch as configured",
+                       not_exercised=["gradient clipping and the order of backward, clip, optimizer and scheduler steps "
+                                      "(speculators' Trainer.train_epoch, which places its batches on a GPU rank)"],
+                       **common)
+
+    def _check_schedule_and_resume(self) -> tuple[list[str], str]:
+        """speculators' own schedule resolution and schedulers (train/trainer.py `_resolve_scheduler_steps`,
+        `Trainer.setup_optimizer`) under the documented rules (warmup = ratio x total steps, total = max_steps where
+        set, else epochs x batches; explicit warmup steps win), with a max_steps and a ratio of the probe's; and the
+        epoch its checkpointer resumes from (`_get_previous_epoch`) among directories 0..11."""
+        import tempfile as _tempfile
+
+        from speculators.train import checkpointer as checkpointing
+        from speculators.train.trainer import Trainer, _resolve_scheduler_steps
+
+        problems, parts = [], []
+        batches = 50
+        cases = [  # (what the probe sets, want (warmup, total))
+            ({"num_epochs": 3, "max_steps": 100, "scheduler_warmup_ratio": 0.1}, (10, 100)),
+            ({"num_epochs": 2, "max_steps": None, "scheduler_warmup_ratio": 0.1}, (10, 100)),
+            ({"num_epochs": 2, "max_steps": None, "scheduler_warmup_steps": 7}, (7, 100)),
+            ({"num_epochs": 2, "max_steps": None}, (1, 100)),
+        ]
+        base = {"scheduler_total_steps": None, "scheduler_warmup_steps": None, "scheduler_warmup_ratio": None}
+        for given, want in cases:
+            got = tuple(_resolve_scheduler_steps(SimpleNamespace(**{**base, **given}), batches))
+            if got != want:
+                problems.append(f"with {given} and {batches} batches per epoch the schedule resolves to (warmup, "
+                                f"total) {got}, not {want}")
+        parts.append(f"{len(cases)} schedule resolutions")
+        keys = ("optimizer", "lr", "weight_decay", "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_steps",
+                "muon_adjust_lr_fn", "scheduler_type", "scheduler_num_cosine_cycles")
+        for kind in dict.fromkeys([str(self.flat.get("scheduler_type") or "linear"), "cosine"]):
+            if kind == "none":
+                continue
+            config = SimpleNamespace(**{**{k: self.flat.get(k) for k in keys}, **base, "scheduler_type": kind,
+                                        "num_epochs": 2, "max_steps": None, "scheduler_warmup_ratio": 0.1})
+            trainer = SimpleNamespace(model=self.model, config=config, resume_from_checkpoint=False,
+                                      checkpointer=None, train_loader=range(batches))
+            Trainer.setup_optimizer(trainer)
+            for optimizer, scheduler in zip(trainer.optimizers, trainer.schedulers):
+                peak = float(scheduler.base_lrs[0])
+                rates = [float(optimizer.param_groups[0]["lr"])]
+                with __import__("warnings").catch_warnings():
+                    __import__("warnings").simplefilter("ignore")
+                    for _ in range(2 * batches):
+                        scheduler.step()
+                        rates.append(float(optimizer.param_groups[0]["lr"]))
+                name = type(optimizer).__name__
+                parts.append(f"{kind} {name}: start {rates[0]:.3g}, after warmup {rates[10]:.3g}, end {rates[-1]:.3g}")
+                if rates[0] != 0.0 or abs(rates[10] - peak) > 1e-9 * peak or rates[-1] > 1e-9 * peak:
+                    problems.append(f"the {kind} schedule of {name} runs {rates[0]:.3g} -> {rates[10]:.3g} (after the "
+                                    f"10 warmup steps) -> {rates[-1]:.3g} (last step), not 0 -> {peak:g} -> 0")
+        with _tempfile.TemporaryDirectory(prefix="sleuth-epochs-") as where:
+            for epoch in range(12):
+                (Path(where) / str(epoch)).mkdir()
+            holder = SimpleNamespace(path=Path(where))
+            resumed = checkpointing.BaseCheckpointer._get_previous_epoch(holder)
+        parts.append(f"resumes from epoch {resumed} of 0..11")
+        if resumed != 11:
+            problems.append(f"with epoch directories 0..11 the checkpointer resumes from epoch {resumed}, not 11")
+        return problems, "; ".join(parts)
+
+    def _collated_row(self, lab: Any) -> Verdict:
+        batch = lab.batch
+        fed = self._through_data_path(batch)
+        valid = batch.doc_ids[0] >= 0
+        compared = {
+            "document_ids": (fed["document_ids"][0], batch.doc_ids[0], "dflash.context_excludes_anchor"),
+            "position_ids": (fed["position_ids"][0], batch.position_ids[0], "dflash.block_position_ids"),
+            "loss_mask": (fed["loss_mask"][0], batch.loss_mask[0], "dflash.target_shift"),
+            "input_ids": (fed["input_ids"][0], batch.input_ids[0], "dflash.target_shift"),
+        }
+        wrong = {}
+        for name, (got, want, _invariant) in compared.items():
+            differ = (got.long() != want.long()) & valid
+            if differ.any():
+                wrong[name] = [int(i) for i in differ.nonzero().flatten()]
+        last = [d for d in batch.doc_ids[0].unique().tolist() if d >= 0][-1]
+        common = dict(
+            experiment="collated-row",
+            hypothesis="speculators' dataset and CollateFn hand the model the packed row's documents as they are: "
+                       "document ids, positions restarting per document, loss mask and tokens; a document cut at the "
+                       "row's end keeps its id for the part that fits",
+            perturbed=f"the row's last document (id {last}) stored {CUT_TAIL} positions longer than the row, so the "
+                      "collator cuts it",
+            threshold="every valid position equal",
+            coverage={"cut_document": last, "cut_positions": CUT_TAIL, "fields": list(compared)},
+        )
+        if not wrong:
+            return Verdict(invariant="dflash.context_excludes_anchor", status="match",
+                           measurement=f"{int(valid.sum())} positions compared, none differ",
+                           observed="the collated row is the packed row, the cut document included", **common)
+        name, where = next(iter(wrong.items()))
+        got, want, invariant = compared[name]
+        return Verdict(invariant=invariant, status="mismatch",
+                       measurement="; ".join(f"{n}: {len(w)} positions differ (first at {w[0]})" for n, w in wrong.items()),
+                       observed=f"speculators' collator changes the row's {name} at {len(where)} positions (first at "
+                                f"{where[0]}: {int(got[where[0]])} where the packed row has {int(want[where[0]])}); "
+                                "the blocks anchored there train on another context than the documents' own",
+                       expected=f"the packed row's {name}",
+                       fix="Keep each packed document's id, positions and mask in the collated row, including the "
+                           "part of a document cut at the row's end.", **common)
+
     def train_step(self, batch: Any) -> None:
         from speculators.train.optimizers import build_optimizers
 
@@ -273,6 +556,17 @@ class SpeculatorsSubject:
         self.loss(batch, identity).backward()
         for optimizer in optimizers:
             optimizer.step()
+
+
+def _guarded(check: Any, lab: Any, invariant: str, name: str) -> Verdict:
+    """One path check; its failure is an `unknown` of its own, and leaves the others and the experiments as they are."""
+    try:
+        return check(lab)
+    except Exception as exc:  # noqa: BLE001
+        text = str(exc).strip().splitlines()
+        return Verdict(invariant=invariant, status="unknown", experiment=name, hypothesis="", perturbed="",
+                       measurement="", threshold="",
+                       reason=f"the check failed: {type(exc).__name__}" + (f": {text[0]}" if text else ""))
 
 
 def _resolve_train_config(config: dict[str, Any], verifier: Path, scratch: Path) -> tuple[dict[str, Any], dict[str, str]]:

@@ -12,7 +12,7 @@ Masked attention contributes exactly nothing, so "does not see" is a change at r
 (<= NO_EFFECT) and "sees" is a change far above it (>= EFFECT); anything between is reported unknown.
 
 Layout: lab.py (the Lab, thresholds, influence), one module per experiment family (layers, attention,
-context, positions, inputs, loss, sampling, optimizer), and here the registry and the runs over a subject
+context, positions, norms, inputs, loss, sampling, optimizer), and here the registry and the runs over a subject
 and its variants.
 """
 
@@ -29,10 +29,11 @@ from sleuth.probes.experiments.inputs import probe_block_inputs
 from sleuth.probes.experiments.lab import EFFECT, NO_EFFECT, Lab, influence, randomize_drafter, seen
 from sleuth.probes.experiments.layers import probe_layers_read, reference_layer_ids
 from sleuth.probes.experiments.loss import probe_loss
+from sleuth.probes.experiments.norms import probe_fc_norm
 from sleuth.probes.experiments.optimizer import probe_frozen
 from sleuth.probes.experiments.positions import probe_positions
 from sleuth.probes.experiments.sampling import probe_anchor_sampling
-from sleuth.probes.verdict import Expectations, Verdict
+from sleuth.probes.verdict import PATH_CHECK_INVARIANTS, Expectations, Verdict
 
 
 def run_experiments(lab: Lab, decides: dict[str, tuple[str, ...]],
@@ -100,8 +101,10 @@ def _merge_path_checks(verdicts: list[Verdict], checks: list[Verdict]) -> list[V
     for check in checks:
         main = by_invariant.get(check.invariant)
         if main is None:
-            if check.status == "mismatch" and check.invariant:  # no experiment spoke to it: the check alone does
-                verdicts.append(check)
+            # No experiment spoke to it (an invariant only path checks decide, or a failed experiment's): the
+            # check alone does, a `match` only as far as its own coverage reaches (its not_exercised gates it).
+            if check.invariant and (check.status == "mismatch" or check.invariant in PATH_CHECK_INVARIANTS):
+                verdicts.append(check.gated())
                 by_invariant[check.invariant] = check
             continue
         said = check.status + (f" ({check.observed or check.reason})" if check.observed or check.reason else "")
@@ -177,6 +180,7 @@ EXPERIMENTS: dict[str, Callable[[Lab], list[Verdict]]] = {
     "attention": probe_attention,
     "context-per-layer": probe_kv_injection,
     "rotary-positions": probe_positions,
+    "fc-norm": probe_fc_norm,
     "block-inputs": probe_block_inputs,  # before loss-gradient: it leaves slot 0's tokens in lab.facts
     "loss-gradient": probe_loss,  # before anchor-sampling: it leaves whether padded anchors are trained
     "anchor-sampling": probe_anchor_sampling,

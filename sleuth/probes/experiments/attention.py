@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sleuth.probes.experiments.lab import EFFECT, Lab, NO_EFFECT, influence, seen
+from sleuth.probes.experiments.lab import EFFECT, NO_EFFECT, Lab, from_run_config, influence, seen
 from sleuth.probes.protocol import NotProvided
 from sleuth.probes.target import perturb_positions
 from sleuth.probes.verdict import Verdict
@@ -326,6 +326,13 @@ def _bidirectional(lab: Lab, blocks: list[tuple[int, int, int]], coverage: dict[
         missing = "the subject exposes no draft layers"
     types = list(lab.info.get("layer_types") or ["full_attention"] * len(layers))
     causal_sliding = bool(lab.info.get("sliding_causal_within_block"))
+    # Non-causal sliding layers are a run's choice (speculators' sliding_window_non_causal): where the trainer's
+    # own default made them so, the expectation is the reference's (DFLASH.md: causal within the block unless
+    # set), as for any default value.
+    non_causal, non_causal_source = lab.configured_value("sliding_window_non_causal")
+    by_default = (non_causal is True and bool(non_causal_source) and not from_run_config(non_causal_source)
+                  and "probe choice" not in str(non_causal_source) and "sliding_attention" in types)
+    causal_sliding = causal_sliding or by_default
     expect = ["causal" if t == "sliding_attention" and causal_sliding else "bidirectional" for t in types]
     bidi = Verdict(
         invariant="dflash.block_bidirectional", experiment="within-block",
@@ -383,10 +390,15 @@ def _bidirectional(lab: Lab, blocks: list[tuple[int, int, int]], coverage: dict[
                         + ", ".join(f"{i}: {float(c.min()):.2g}" for i, c in enumerate(late))
                         + f"; of a later slot when slot {first} moves: "
                         + ", ".join(f"{i}: {float(c.max()):.2g}" for i, c in enumerate(early)))
+    if problems and by_default:
+        problems.insert(0, f"the sliding-window layers are non-causal within the block by the trainer's default "
+                           f"(sliding_window_non_causal, {non_causal_source}), where DFlash's sliding layers are causal "
+                           "within the block unless a run sets it")
     if problems:
         bidi.status, bidi.observed = "mismatch", "; ".join(problems)
         bidi.fix = ("Full-attention layers: every slot attends to every slot of its own block (non-causal); "
-                    "causal sliding-window layers: the earlier slots only.")
+                    "causal sliding-window layers: the earlier slots only" + (
+                        " (make sliding_window_non_causal default to off for DFlash)." if by_default else "."))
     elif ambiguous:
         bidi.reason = "a change is between the thresholds"
     else:

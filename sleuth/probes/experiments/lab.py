@@ -22,6 +22,7 @@ GAMMA_RTOL = 0.01  # a fitted gamma within 1 % of an accepted value matches it
 EXP_FIT = 0.01  # largest residual of log-weights allowed for "exp(-(k-1)/gamma)"
 DATA_DEPENDENT = 1e-3  # relative change of the slot weights between two confidence levels
 WEIGHT_FIT = 0.01  # largest relative error of a weighting model (D-PACE, a gamma) against the measured weights
+REDUCTION_RTOL = 1e-4  # |sum of the slot weights - 1| allowed for a promised weighted mean (float32 sums)
 GRADIENT_FORM = 1e-3  # residual of grad = w * (softmax(z) - q) allowed for CE and forward KL
 POSITION_FIT = 1e-3  # relative residual of a query / key against its rotation at the position found
 SAMPLER_DRAWS = 24  # draws of the subject's anchor sampler

@@ -16,6 +16,7 @@ from sleuth.probes.experiments.lab import (
     GRADIENT_FORM,
     Lab,
     ONE_HOT,
+    REDUCTION_RTOL,
     SOFT_TV,
     WEIGHT_FIT,
     from_run_config,
@@ -228,6 +229,7 @@ def _loss_pass(lab: Lab) -> list[Verdict]:
     # The weights: where they are zero, and how they fall along the block.
     slot0 = _slot0_verdict(lab, trained, w_hat, measurement, common)
     gamma = _gamma_verdict(lab, grad, grad2, p2, q_model, (should | optional) & trained, common)
+    _check_reduction(lab, gamma, gamma.measured or {}, w_hat, judged, one_hot)
     if self_labels or form >= GRADIENT_FORM:
         gamma.status, gamma.observed, gamma.fix = "unknown", "", ""
         gamma.reason = "the slot weights cannot be read: the loss is not CE or KL against a fixed target (see loss_kind)"
@@ -238,6 +240,89 @@ def _loss_pass(lab: Lab) -> list[Verdict]:
         kind_verdict.observed = f"the configured D-PACE loss is not what is trained: {gamma.observed}"
         kind_verdict.fix = gamma.fix
     return [vv.gated() for vv in (source, shift, kind_verdict, slot0, gamma)]
+
+
+# How a loss can divide its weighted sum: name -> (what it is, normaliser per row from (rows N, trained slots per row
+# c_n, their total C, the applied weights' sum per row M_n, their total M)). Per-row reductions average the rows.
+REDUCTIONS: dict[str, tuple[str, Any]] = {
+    "weighted_mean": ("sum w_i l_i / sum w_i over the batch", lambda n, c, ct, m, mt: mt),
+    "row_weighted_mean": ("each row's sum w_i l_i / sum w_i, averaged over rows", lambda n, c, ct, m, mt: m * n),
+    "token_mean": ("sum w_i l_i / the number of trained slots in the batch", lambda n, c, ct, m, mt: ct),
+    "row_token_mean": ("each row's sum w_i l_i / its number of trained slots, averaged over rows",
+                       lambda n, c, ct, m, mt: c * n),
+    "batch_mean": ("sum w_i l_i / the number of rows", lambda n, c, ct, m, mt: n),
+    "sum": ("sum w_i l_i, not normalised", lambda n, c, ct, m, mt: 1.0),
+}
+
+
+def _absolute_weights(lab: Lab, measured: dict[str, Any], judged: Tensor) -> Tensor | None:
+    """The weights the measured weighting applies, at their own scale (slot 1 of a fixed decay is 1; D-PACE's
+    suffix sums as speculators' dpace_loss_decay computes them, at the uniform draft's confidence 1/V)."""
+    b, mode = lab.block_size, measured.get("mode")
+    slots = torch.arange(b, dtype=torch.float64).expand(judged.shape)
+    if mode == "fixed-exp":
+        return torch.exp(-(slots - 1).clamp(min=0) / float(measured["gamma"])) * judged
+    if mode == "none":
+        return judged.double()
+    if mode == "dpace":
+        confidence = torch.full(judged.shape, 1.0 / lab.target.vocab_size, dtype=torch.float64)
+        return dpace_weights(confidence, judged.double(), float(measured["alpha"]))
+    return None
+
+
+def _identify_reduction(lab: Lab, measured: dict[str, Any], w_hat: Tensor, judged: Tensor) -> tuple[list[str], str]:
+    """Which normaliser divides the weighted sum: the applied weight over the read one (w_i / w_hat_i) is the
+    normaliser, one constant per row; the reductions it equals (several can coincide, e.g. on one row), and what
+    was read."""
+    model = _absolute_weights(lab, measured, judged)
+    if model is None:
+        return [], "the weighting has no known absolute scale"
+    rows = [n for n in range(judged.shape[0]) if judged[n].any()]
+    if not rows:
+        return [], "no trained slot"
+    n_rows = judged.shape[0]
+    counts = {n: float(judged[n].sum()) for n in range(n_rows)}
+    sums = {n: float(model[n].sum()) for n in range(n_rows)}
+    read = {}
+    for n in rows:
+        ratio = (model[n][judged[n]] / w_hat[n][judged[n]].clamp_min(1e-300))
+        if (ratio.max() - ratio.min()).item() > REDUCTION_RTOL * ratio.mean().item() * 10:
+            return [], f"the applied weights over the read ones differ within row {n} (not one normaliser)"
+        read[n] = ratio.mean().item()
+    found = [name for name, (_what, norm) in REDUCTIONS.items()
+             if all(abs(read[n] - norm(n_rows, counts[n], sum(counts.values()), sums[n], sum(sums.values())))
+                    <= 1e-3 * max(abs(read[n]), 1e-30) for n in rows)]
+    text = "normaliser " + ", ".join(f"row {n}: {read[n]:.6g}" for n in rows) + (
+        f" ({' = '.join(found)})" if found else " (none of " + ", ".join(REDUCTIONS) + ")")
+    return found, text
+
+
+def _check_reduction(lab: Lab, gamma: Verdict, measured: dict[str, Any], w_hat: Tensor, judged: Tensor,
+                     one_hot: bool) -> None:
+    """The absolute size of the slot weights against the reduction the subject promises (describe()
+    ["loss_reduction"], one of REDUCTIONS): a weighting with the right shape but another normaliser (a token count
+    where the weights' sum is promised, the weights' sum where the count is, no division by the rows) moves every
+    gradient by a batch-dependent factor, which the fitted weight ratios cannot see."""
+    promised = lab.info.get("loss_reduction")
+    if not one_hot or not judged.any():
+        return  # soft targets make the read weights approximate (within V*min(q)): not judged
+    total = w_hat[judged].sum().item()
+    found, text = _identify_reduction(lab, measured, w_hat, judged)
+    gamma.coverage["loss_reduction"] = (f"promised {promised or 'nothing'}; read: {text}; the slot weights sum to "
+                                        f"{total:.6g} over {int(judged.sum())} trained slots")
+    if promised not in REDUCTIONS or gamma.status == "mismatch":
+        return
+    if promised == "weighted_mean" and not found:
+        found = ["weighted_mean"] if abs(total - 1.0) <= REDUCTION_RTOL else []  # needs no weighting model
+        if found or not math.isfinite(total):
+            return
+        text = f"the slot weights sum to {total:.4g} over the {int(judged.sum())} trained slots, not 1"
+    elif not found or promised in found:
+        return  # a normaliser that matches no reduction (no weighting model fits it) is not judged
+    gamma.status, gamma.reason, gamma.config_bound = "mismatch", "", []
+    gamma.observed = (f"the loss is not normalised as the code promises ({promised}: {REDUCTIONS[promised][0]}): "
+                      f"{text}" + (f"; {gamma.observed}" if gamma.observed else ""))
+    gamma.fix = f"Divide the weighted sum of the slot losses as promised: {REDUCTIONS[promised][0]}."
 
 
 def _form_residual(grad: Tensor, p: Tensor, q: Tensor, mask: Tensor) -> float:
