@@ -94,3 +94,17 @@ PROBED_INVARIANTS: tuple[str, ...] = tuple(i for ids in DECIDES.values() for i i
 # only when it is a mismatch (sleuth.probes.experiments): a match on a part is not a claim on the whole.
 PATH_CHECK_INVARIANTS: tuple[str, ...] = ("dflash.export_contract", "dflash.optimizer_schedule")
 ANSWER_INVARIANTS: tuple[str, ...] = PROBED_INVARIANTS + PATH_CHECK_INVARIANTS
+
+
+def guarded(check: Any, lab: Any, invariants: str | tuple[str, ...], name: str) -> list[Verdict]:
+    """One of a subject's path checks (`path_checks(lab)`): its verdict(s), or, where it raises, an `unknown` per
+    invariant it speaks to, with the error; the other checks and the experiments' verdicts stand either way."""
+    try:
+        found = check(lab)
+    except Exception as exc:  # noqa: BLE001 - a check's failure is reported, never fatal
+        text = str(exc).strip().splitlines()
+        reason = f"the check failed: {type(exc).__name__}" + (f": {text[0]}" if text else "")
+        return [Verdict(invariant=invariant, status="unknown", experiment=name, hypothesis="", perturbed="",
+                        measurement="", threshold="", reason=reason)
+                for invariant in ((invariants,) if isinstance(invariants, str) else invariants)]
+    return list(found) if isinstance(found, (list, tuple)) else [found]

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from sleuth.probes.adapters.synthetic import write_target_dir
-from sleuth.probes.verdict import Verdict
+from sleuth.probes.verdict import Verdict, guarded
 
 DEFAULT_TARGET_LAYERS = 8
 PROBE_GAMMA = 4.0  # set when the run gives none, so SpecForge's decay path runs (its default is no decay)
@@ -363,14 +363,14 @@ class SpecForgeSubject:
         run it in one piece), the capture-layer rule of offline / server training (the experiments select the
         layers with extract_context_feature over the drafter's own ids), the flex mask builder, a block at the
         row's end (its labels and positions) and the trainer's gradient accumulation across micro-batches."""
-        return [self._check(self._chunked_objective, lab, "dflash.loss_kind", "objective-chunking"),
-                self._check(self._capture_layers, lab, "dflash.target_layer_ids", "capture-layers"),
-                self._check(self._mask_builders, lab, "dflash.context_excludes_anchor", "mask-builders"),
-                self._check(self._row_end, lab, "dflash.target_shift", "row-end-block"),
-                self._check(self._row_end_positions_verdict, lab, "dflash.block_position_ids", "row-end-positions"),
-                self._check(self._accumulation, lab, "dflash.loss_kind", "gradient-accumulation"),
-                self._check(self._saved_mask_token, lab, "dflash.mask_token_distinct", "saved-mask-token"),
-                self._check(self._optimizer_steps, lab, "dflash.optimizer_schedule", "optimizer-steps")]
+        checks = [(self._chunked_objective, "dflash.loss_kind", "objective-chunking"),
+                  (self._capture_layers, "dflash.target_layer_ids", "capture-layers"),
+                  (self._mask_builders, "dflash.context_excludes_anchor", "mask-builders"),
+                  (self._row_end, ("dflash.target_shift", "dflash.block_position_ids"), "row-end-block"),
+                  (self._accumulation, "dflash.loss_kind", "gradient-accumulation"),
+                  (self._saved_mask_token, "dflash.mask_token_distinct", "saved-mask-token"),
+                  (self._optimizer_steps, "dflash.optimizer_schedule", "optimizer-steps")]
+        return [verdict for check, invariants, name in checks for verdict in guarded(check, lab, invariants, name)]
 
     def _optimizer_steps(self, _lab: Any) -> Verdict:
         """SpecForge's optimizer as its assembly builds it from the run's config (training/assembly.py
@@ -544,12 +544,13 @@ class SpecForgeSubject:
                                "older one).", **common)
         return Verdict(status="match", observed=f"the saved config carries the trained mask id {trained}", **common)
 
-    def _row_end_positions_verdict(self, lab: Any) -> Verdict:
-        """The positions of the row-end block's slots (read during `_row_end`): anchor + j for every slot, also
+    def _row_end_positions(self, lab: Any, given: list[Tensor], row: int, slot: int, anchor: int,
+                           start: int) -> Verdict:
+        """The positions of the row-end block's slots (`given`: the ids its rotary embedding was called with in
+        `_row_end`'s forward; `start`: the anchor's position): anchor + j for every slot, also
         past the row's end. Serving always drafts a block past the end of what is known, at anchor + j; a slot
         clamped or wrapped there trains its neighbours on keys at positions they never see served. The
         experiments' layout keeps every block inside its row, so this is the only place it is exercised."""
-        given, row, slot, anchor, start = getattr(self, "_row_end_positions", ([], 0, 0, 0, 0))
         b = self.block_size
         expected = [start + j for j in range(b)]
         common = dict(
@@ -674,7 +675,7 @@ class SpecForgeSubject:
                        observed=f"accumulating two micro-batches gives the gradient of {promised}",
                        measured={"gradient": diffs[worst], "norm_ratio": ratio}, **common)
 
-    def _row_end(self, lab: Any) -> Verdict:
+    def _row_end(self, lab: Any) -> list[Verdict]:
         """A block whose slots run past the row's end (an anchor two positions before it: SpecForge's sampler
         allows it, its next token is supervised): the slots whose label would lie beyond the row have no label,
         so they must get no gradient. The probe's layout keeps every block inside its row."""
@@ -694,8 +695,8 @@ class SpecForgeSubject:
             threshold="no gradient (exactly 0) on the slots past the end; some on slot 1",
         )
         if b < 3:
-            return Verdict(status="not_applicable", measurement="", reason="a block of < 3 slots cannot run past the end "
-                           "with a supervised next token", **common)
+            return [Verdict(status="not_applicable", measurement="", reason="a block of < 3 slots cannot run past the "
+                            "end with a supervised next token", **common)]
         leaves: list[Tensor] = []
 
         def as_leaf(z: Tensor) -> Tensor:
@@ -715,7 +716,7 @@ class SpecForgeSubject:
             loss = self.loss(batch, SimpleNamespace(block_embeddings=lambda x: x, draft_logits=as_leaf))
         finally:
             handle.remove()
-        self._row_end_positions = (given, row, slot, anchor, int(batch.position_ids[row, anchor]))
+        positions = self._row_end_positions(lab, given, row, slot, anchor, int(batch.position_ids[row, anchor]))
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
         grad = torch.cat([torch.zeros_like(z) if g is None else g for z, g in zip(leaves, grads)], dim=1)
         per_slot = grad.reshape(anchors.shape[0], anchors.shape[1], b, -1)[row, slot].abs().amax(-1)  # [B]
@@ -725,18 +726,20 @@ class SpecForgeSubject:
             f"{j}: {float(per_slot[j]):.2g}" for j in range(b))
         coverage = {"row_end_anchor": anchor, "seq_len": s, "slots_past_the_end": past}
         if float(per_slot[1]) == 0:
-            return Verdict(status="unknown", measurement=measurement, coverage=coverage,
-                           reason="slot 1 of the block at the row's end gets no gradient either: nothing is read", **common)
+            return [Verdict(status="unknown", measurement=measurement, coverage=coverage,
+                            reason="slot 1 of the block at the row's end gets no gradient either: nothing is read",
+                            **common), positions]
         if trained_past:
-            return Verdict(status="mismatch", measurement=measurement, coverage=coverage,
-                           observed=f"a block at the row's end trains slots {trained_past}, whose label position "
-                                    f"(anchor {anchor} + j) is past the row's last position {s - 1}: they learn a "
-                                    "token clamped or wrapped from elsewhere",
-                           expected="no gradient on slots with p + j >= seq_len",
-                           fix="Mark label positions >= seq_len invalid (label_indices < seq_len) before the loss.",
-                           **common)
-        return Verdict(status="match", measurement=measurement, coverage=coverage,
-                       observed=f"a block at the row's end trains none of its {len(past)} slots past the end", **common)
+            return [Verdict(status="mismatch", measurement=measurement, coverage=coverage,
+                            observed=f"a block at the row's end trains slots {trained_past}, whose label position "
+                                     f"(anchor {anchor} + j) is past the row's last position {s - 1}: they learn a "
+                                     "token clamped or wrapped from elsewhere",
+                            expected="no gradient on slots with p + j >= seq_len",
+                            fix="Mark label positions >= seq_len invalid (label_indices < seq_len) before the loss.",
+                            **common), positions]
+        return [Verdict(status="match", measurement=measurement, coverage=coverage,
+                        observed=f"a block at the row's end trains none of its {len(past)} slots past the end",
+                        **common), positions]
 
     def _mask_builders(self, lab: Any) -> Verdict:
         """The flex mask the run builds (`attention_backend: flex_attention`, SpecForge's recipes) against
@@ -793,15 +796,6 @@ class SpecForgeSubject:
         return Verdict(status="match", measurement=measurement, coverage=coverage,
                        observed="the flex and SDPA builders allow the same pairs" + (
                            f", windows {windows[1:]} included" if len(windows) > 1 else ""), **common)
-
-    def _check(self, check: Any, lab: Any, invariant: str, name: str) -> Verdict:
-        try:
-            return check(lab)
-        except Exception as exc:  # the check's failure leaves the experiments' verdict as it is
-            text = str(exc).strip().splitlines()
-            return Verdict(invariant=invariant, status="unknown", experiment=name, hypothesis="", perturbed="",
-                           measurement="", threshold="",
-                           reason=f"the check failed: {type(exc).__name__}" + (f": {text[0]}" if text else ""))
 
     def _objective_and_gradients(self, batch: Any, chunk: int) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss and d loss / d every trainable parameter with objective_chunk_blocks = chunk, no probe

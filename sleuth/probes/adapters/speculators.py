@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from sleuth.probes.adapters.synthetic import write_target_dir
-from sleuth.probes.verdict import Verdict
+from sleuth.probes.verdict import Verdict, guarded
 
 DEFAULT_TARGET_LAYERS = 8
 CUT_TAIL = 5  # positions the row's last document is stored beyond the row (the collator cuts them)
@@ -291,10 +291,11 @@ class SpeculatorsSubject:
         """What speculators' data path hands the model (its dataset and CollateFn, with the row's last document cut
         at the row's end) against the packed row the experiments mean: the experiments read the model's behaviour
         on the collated row, so a collator that changed the documents would change what they compare against."""
-        return [_guarded(self._collated_row, lab, "dflash.context_excludes_anchor", "collated-row"),
-                _guarded(self._window_width, lab, "dflash.context_excludes_anchor", "window-width"),
-                _guarded(lambda _lab: self._check_saved_config(), lab, "dflash.export_contract", "saved-config"),
-                _guarded(lambda _lab: self._check_optimizer_rates(), lab, "dflash.optimizer_schedule", "optimizer-rates")]
+        checks = [(self._collated_row, "dflash.context_excludes_anchor", "collated-row"),
+                  (self._window_width, "dflash.context_excludes_anchor", "window-width"),
+                  (lambda _lab: self._check_saved_config(), "dflash.export_contract", "saved-config"),
+                  (lambda _lab: self._check_optimizer_rates(), "dflash.optimizer_schedule", "optimizer-rates")]
+        return [verdict for check, invariant, name in checks for verdict in guarded(check, lab, invariant, name)]
 
     def _window_width(self, lab: Any) -> Verdict:
         """speculators' sliding-window mask (the model's own `_create_attention_mask`, causal within the block as
@@ -450,7 +451,7 @@ class SpeculatorsSubject:
         `Trainer.setup_optimizer`) under the documented rules (warmup = ratio x total steps, total = max_steps where
         set, else epochs x batches; explicit warmup steps win), with a max_steps and a ratio of the probe's; and the
         epoch its checkpointer resumes from (`_get_previous_epoch`) among directories 0..11."""
-        import tempfile as _tempfile
+        import warnings
 
         from speculators.train import checkpointer as checkpointing
         from speculators.train.trainer import Trainer, _resolve_scheduler_steps
@@ -483,8 +484,8 @@ class SpeculatorsSubject:
             for optimizer, scheduler in zip(trainer.optimizers, trainer.schedulers):
                 peak = float(scheduler.base_lrs[0])
                 rates = [float(optimizer.param_groups[0]["lr"])]
-                with __import__("warnings").catch_warnings():
-                    __import__("warnings").simplefilter("ignore")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # schedulers stepped without optimizer steps: only rates read
                     for _ in range(2 * batches):
                         scheduler.step()
                         rates.append(float(optimizer.param_groups[0]["lr"]))
@@ -493,7 +494,7 @@ class SpeculatorsSubject:
                 if rates[0] != 0.0 or abs(rates[10] - peak) > 1e-9 * peak or rates[-1] > 1e-9 * peak:
                     problems.append(f"the {kind} schedule of {name} runs {rates[0]:.3g} -> {rates[10]:.3g} (after the "
                                     f"10 warmup steps) -> {rates[-1]:.3g} (last step), not 0 -> {peak:g} -> 0")
-        with _tempfile.TemporaryDirectory(prefix="sleuth-epochs-") as where:
+        with tempfile.TemporaryDirectory(prefix="sleuth-epochs-") as where:
             for epoch in range(12):
                 (Path(where) / str(epoch)).mkdir()
             holder = SimpleNamespace(path=Path(where))
@@ -556,17 +557,6 @@ class SpeculatorsSubject:
         self.loss(batch, identity).backward()
         for optimizer in optimizers:
             optimizer.step()
-
-
-def _guarded(check: Any, lab: Any, invariant: str, name: str) -> Verdict:
-    """One path check; its failure is an `unknown` of its own, and leaves the others and the experiments as they are."""
-    try:
-        return check(lab)
-    except Exception as exc:  # noqa: BLE001
-        text = str(exc).strip().splitlines()
-        return Verdict(invariant=invariant, status="unknown", experiment=name, hypothesis="", perturbed="",
-                       measurement="", threshold="",
-                       reason=f"the check failed: {type(exc).__name__}" + (f": {text[0]}" if text else ""))
 
 
 def _resolve_train_config(config: dict[str, Any], verifier: Path, scratch: Path) -> tuple[dict[str, Any], dict[str, str]]:
