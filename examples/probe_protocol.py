@@ -50,6 +50,7 @@ DEFECTS = {
     "no_hidden_norm": "fc's output enters the layers unnormalised (no hidden_norm)",
     "output_hidden_norm": "the drafter's output is normalised with hidden_norm, its final norm left unused",
     "loss_over_weights": "the weighted loss divided by the sum of the weights, not by the trained slots' count",
+    "scale_from_hidden": "attention scores scaled by 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim)",
 }
 DEFAULTS = {"gamma": 4.0, "loss": "ce", "weighting": "decay", "block_size": 6}
 
@@ -84,6 +85,7 @@ class Layer(nn.Module):
     def __init__(self, hidden: int, heads: int, head_dim: int, intermediate: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
+        self.scale: float | None = None  # None: SDPA's 1/sqrt(head_dim)
         self.norm1, self.norm2 = RMSNorm(hidden), RMSNorm(hidden)
         self.q, self.k, self.v = (nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(3))
         self.o = nn.Linear(heads * head_dim, hidden, bias=False)
@@ -108,7 +110,7 @@ class Layer(nn.Module):
         else:
             k_in, v_in = self.k(keys_in), self.v(keys_in)
         k = rotate(split(k_in), cos, sin)
-        out = F.scaled_dot_product_attention(q, k, split(v_in), attn_mask=mask[:, None])
+        out = F.scaled_dot_product_attention(q, k, split(v_in), attn_mask=mask[:, None], scale=self.scale)
         hidden_states = hidden_states + self.o(out.transpose(1, 2).reshape(n, q_len, -1))
         return hidden_states + self.down(F.silu(self.up(self.norm2(hidden_states))))
 
@@ -206,6 +208,9 @@ class TinyDFlash:
                                self.block_size, "context_detached" in self.defects,
                                "shared_context_kv" in self.defects, "no_hidden_norm" in self.defects,
                                "output_hidden_norm" in self.defects)
+        if "scale_from_hidden" in self.defects:
+            for layer in self.drafter.layers:
+                layer.scale = (target.hidden_size // target.num_heads) ** -0.5
 
     def parameters(self) -> dict[str, nn.Parameter]:
         found = dict(self.drafter.named_parameters())

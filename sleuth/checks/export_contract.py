@@ -15,7 +15,9 @@ serves): config keys, tensor names and shapes from the safetensors header (no we
               the embeddings, a z-lab list written unconverted)
     mask      mask_token_id present and inside the vocabulary
     block     block_size >= 2; speculators' greedy proposal drafts block_size - 1 tokens
-    vocab     a reduced draft vocabulary (speculators draft_vocab_size < vocab_size) needs d2t / t2d maps
+    vocab     a reduced draft vocabulary (speculators draft_vocab_size < vocab_size) needs d2t / t2d maps that
+              name the same tokens (t2d's i-th kept id = i + d2t[i]) and its own lm_head [draft_vocab, H] (the
+              rows of the target's head it trained with; a loader cannot rebuild them from the checkpoint)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from sleuth.checks.context import ContractContext, int_list, int_or_none
 from sleuth.findings import Evidence, Finding, Fix
+from sleuth.probes.exported import draft_vocab_problems, drafted_per_step
 
 ID = "dflash.export_contract"
 WEIGHTS = "model.safetensors"
@@ -90,8 +93,9 @@ def contract_problems(directory: Path, config: dict[str, Any]) -> tuple[str | No
         ids_key, low, convention = "aux_hidden_state_layer_ids", 1, "vLLM (id i = HF hidden_states[i])"
         methods = ((config.get("speculators_config") or {}).get("proposal_methods") or [{}])
         drafted = int_or_none(methods[0].get("speculative_tokens")) if isinstance(methods[0], dict) else None
-        if block is not None and drafted is not None and drafted != block - 1:
-            problems.append(f"proposal speculative_tokens {drafted} but block_size {block} drafts {block - 1}")
+        per_step = drafted_per_step(block, bool(config.get("sample_from_anchor")))
+        if per_step is not None and drafted is not None and drafted != per_step:
+            problems.append(f"proposal speculative_tokens {drafted} but block_size {block} drafts {per_step}")
     num_target_layers = int_or_none(config.get("num_target_layers"))
     vocab = int_or_none(layer.get("vocab_size"))
     if not ids:
@@ -133,10 +137,11 @@ def contract_problems(directory: Path, config: dict[str, Any]) -> tuple[str | No
         problems.append(f"the layer config lacks {', '.join(k for k in required if not layer.get(k))}: shapes not checked")
     draft_vocab = int_or_none(config.get("draft_vocab_size"))
     if fmt == "speculators" and draft_vocab is not None and vocab is not None and draft_vocab < vocab:
-        for name in ("d2t", "t2d"):
-            if name not in tensors:
-                problems.append(f"draft_vocab_size {draft_vocab} < vocab_size {vocab} but the {name} map is missing")
+        problems += draft_vocab_problems({n: t.shape for n, t in tensors.items()},
+                                         lambda: _read_maps(directory / WEIGHTS), draft_vocab, vocab,
+                                         int_or_none(layer.get("hidden_size")))
     return fmt, problems, evidence
+
 
 
 def check_export_contract(ctx: ContractContext) -> Finding:
@@ -154,3 +159,11 @@ def check_export_contract(ctx: ContractContext) -> Finding:
                                    "config keys to the loader's).", applicability="safe"))
     return ctx.finding(ID, "match", expected=expected, observed=f"{fmt} directory: every name, shape and key as the "
                        "loader reads it", evidence=evidence, confidence=0.85)
+
+
+def _read_maps(weights: Path) -> tuple[Any, Any]:
+    """The d2t and t2d maps alone (two small tensors), not the weights."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as handle:
+        return handle.get_tensor("d2t"), handle.get_tensor("t2d")

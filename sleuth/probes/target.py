@@ -22,7 +22,9 @@ from sleuth.probes.protocol import ProbeBatch, ProbeTarget
 
 VOCAB = 64
 HIDDEN = 32
-HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+# head_dim is not hidden / heads, as in the published Qwen3.6-27B drafter (5120 hidden, 32 heads of 128): code
+# that takes one for the other (a softmax scale, a reshape) only shows on such a shape.
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 INTERMEDIATE = 64
 RMS_EPS = 1e-6
 # Logits with a spread of about 2 nats per unit: soft targets keep visible mass on several tokens (so a KL
@@ -117,8 +119,10 @@ def make_layout(block_size: int, *, packed: bool = True, rows: int = 2) -> Layou
     seq = d0 + d1 + b + 3
     mid = b // 2 + 3
     holes0 = (mid + 2, mid + 3, d0 + b + 2)  # under slots 2-3 of the block at `mid` and the last of the one at d0+3
+    # Row 0 has a block at position 0, where the padded anchor slots sit too: code that tells blocks apart by their
+    # anchor position, not their index, joins it to the padding blocks (row 1 has one anchor fewer, two padded slots).
     row0 = Row(documents=((0, d0), (d0, d0 + d1), (d0 + d1, seq)) if packed else ((0, seq),), length=seq,
-               anchors=(1, 2, mid, d0 - 1, d0, d0 + 3), holes=holes0)
+               anchors=(0, 1, 2, mid, d0 - 1, d0, d0 + 3), holes=holes0)
     split = b + 5
     anchors1 = (3, 4, split - 1, split, split + 2, 2 * b + 9)
     if packed:

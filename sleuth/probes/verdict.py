@@ -90,9 +90,10 @@ DECIDES: dict[str, tuple[str, ...]] = {
 }
 PROBED_INVARIANTS: tuple[str, ...] = tuple(i for ids in DECIDES.values() for i in ids)
 # Invariants only a subject's path_checks speak to (no experiment decides them): the saved config a run exports,
-# and how its optimizer steps (learning rates, clipping, schedule). A path check's verdict on one of them is kept
-# only when it is a mismatch (sleuth.probes.experiments): a match on a part is not a claim on the whole.
-PATH_CHECK_INVARIANTS: tuple[str, ...] = ("dflash.export_contract", "dflash.optimizer_schedule")
+# the rotation a server builds from it, and how its optimizer steps (learning rates, clipping, schedule). A path
+# check's verdict on one of them is a match only as far as its coverage reaches (its not_exercised gates it).
+PATH_CHECK_INVARIANTS: tuple[str, ...] = ("dflash.export_contract", "dflash.optimizer_schedule",
+                                         "dflash.rope_served_as_trained")
 ANSWER_INVARIANTS: tuple[str, ...] = PROBED_INVARIANTS + PATH_CHECK_INVARIANTS
 
 

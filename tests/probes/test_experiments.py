@@ -57,6 +57,8 @@ DEFECT_CASES = [
     ("context_detached", "context-per-layer", "dflash.kv_injection", "does not reach the context projection"),
     # Found blind (a completed probe-init scaffold): the context still reaches every layer, through layer 0's K/V.
     ("shared_context_kv", "context-per-layer", "dflash.kv_injection", "changes with layer 0's weights"),
+    # The softmax scale from hidden / heads: only a target whose head size is not hidden / heads shows it.
+    ("scale_from_hidden", "context-per-layer", "dflash.kv_injection", "attention scores are scaled by"),
     # Round 3 (blind, upstream): the output normalised with fc's norm; the scale test alone cannot see it.
     ("no_hidden_norm", "fc-norm", "dflash.fc_norm", "no norm follows fc"),
     ("output_hidden_norm", "fc-norm", "dflash.fc_norm", "norm.weight gets no gradient from the loss"),

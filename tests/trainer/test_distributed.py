@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -14,11 +15,13 @@ from test_train_e2e import REPO, _env, metric_rows, small_target, trainer_cli, w
 
 
 def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         "-m", "trainer.cli", *args],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
-    )
+    # torch's elastic agent makes a torchelastic_* log folder under TMPDIR and leaves it; keep it in one we remove.
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as scratch:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+             "-m", "trainer.cli", *args],
+            cwd=REPO, env={**_env(), "TMPDIR": scratch}, capture_output=True, text=True, timeout=300,
+        )
 
 
 def losses(rows):

@@ -421,6 +421,33 @@ def test_foreign_eval_refuses_a_draft_vocabulary_it_cannot_serve_faithfully(runs
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("damage,message", [
+    (None, None), ("head left out", "lm_head.weight is not saved"),
+    ("maps in frequency order", "d2t and t2d name different tokens"), ("one map", "the d2t map is missing"),
+])
+def test_sleuths_export_contract_reads_a_draft_vocabulary_export(runs, tmp_path, damage, message):
+    """The rules speculators' loader needs of a reduced vocabulary (sleuth/probes/exported.py, shared with the
+    probes): our own export passes them, and each way of breaking it is named."""
+    from safetensors.torch import save_file
+
+    from sleuth.checks.export_contract import contract_problems
+
+    exported = export_run(runs / "vocab", tmp_path / "s", "speculators")
+    weights = load_file(exported.path / "model.safetensors")
+    if damage == "head left out":
+        del weights["lm_head.weight"]
+    elif damage == "maps in frequency order":  # d2t offsets for another order of the same ids
+        weights["d2t"] = weights["d2t"].flip(0) + torch.arange(DRAFT_VOCAB).flip(0) - torch.arange(DRAFT_VOCAB)
+    elif damage == "one map":
+        del weights["d2t"]
+    save_file(weights, str(exported.path / "model.safetensors"))
+    _fmt, problems, _evidence = contract_problems(exported.path, exported.config)
+    if damage is None:
+        assert problems == []
+    else:
+        assert any(message in p for p in problems), problems
+
+
 # --- which targets speculators can reload tables for (config only, meta device) -------------------------------
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from sleuth.probes.adapters.synthetic import write_target_dir
+from sleuth.probes.adapters.synthetic import owned_scratch, write_target_dir
 from sleuth.probes.verdict import Verdict, guarded
 
 DEFAULT_TARGET_LAYERS = 8
@@ -55,6 +54,10 @@ _DRAFT_KEEP = ("architectures", "model_type", "auto_map", "block_size", "num_hid
 VARIANT = ("SpecForge's D-PACE loss (alpha 0.3), a 3-layer drafter (model.draft_num_hidden_layers) and the SDPA "
            "mask builder", {"model": {"draft_num_hidden_layers": 3},
                             "training": {"loss_type": "dpace", "dpace_alpha": 0.3, "attention_backend": "sdpa"}})
+# The exported-draft check's drafter: a block size other than the default 16 (DFlash2 recipes use 8) and a YaRN
+# rope (long-context drafters), so a value read from the wrong place or dropped on export shows.
+EXPORT_BLOCK = 8
+EXPORT_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
 TAIL = 5  # positions each stored sample has beyond max_len, so the offline normaliser's truncation runs
 # The chunked objective against the one piece: chunk sizes tried besides the run's own (several chunks on the
 # probe's batch), and the agreement asked for (float32 sums in another order differ at rounding level only).
@@ -86,7 +89,7 @@ class SpecForgeSubject:
         where = Path(specforge.__file__).resolve().parent
         if where != Path(package_dir).resolve():
             raise ImportError(f"specforge was imported from {where}, not from the diagnosed {package_dir}")
-        self.scratch = Path(tempfile.mkdtemp(prefix="sleuth-specforge-"))
+        self.scratch = owned_scratch(self, "sleuth-specforge-")
         self.target_dir = self.scratch / "target"
         config = context.get("config") or {}
         self.recipe = config if isinstance(config.get("training"), dict) or isinstance(config.get("model"), dict) else {}
@@ -369,6 +372,8 @@ class SpecForgeSubject:
                   (self._row_end, ("dflash.target_shift", "dflash.block_position_ids"), "row-end-block"),
                   (self._accumulation, "dflash.loss_kind", "gradient-accumulation"),
                   (self._saved_mask_token, "dflash.mask_token_distinct", "saved-mask-token"),
+                  (self._exported_draft, ("dflash.block_position_ids", "dflash.rope_served_as_trained"),
+                   "exported-draft"),
                   (self._optimizer_steps, "dflash.optimizer_schedule", "optimizer-steps")]
         return [verdict for check, invariants, name in checks for verdict in guarded(check, lab, invariants, name)]
 
@@ -543,6 +548,95 @@ class SpecForgeSubject:
                            fix="Write the mask id training uses into the draft config (overwrite it, do not keep an "
                                "older one).", **common)
         return Verdict(status="match", observed=f"the saved config carries the trained mask id {trained}", **common)
+
+    def _exported_draft(self, _lab: Any) -> list[Verdict]:
+        """A drafter of block size EXPORT_BLOCK with a YaRN rope, built by the run's own providers from the run's
+        config, saved as SpecForge's export writes it (save_pretrained, then `apply_legacy_rope_scaling`, which
+        `to_hf` / `to_sglang` call): the block size training uses (the training wrapper's) against the draft's and
+        the saved config's, and the rotation each kind of reader builds from the saved config (`rope_parameters`;
+        legacy readers: `rope_scaling` with the top-level `rope_theta`) against the trained rotary's."""
+        import json
+
+        from transformers import AutoTokenizer
+
+        from specforge.export.checkpoint_io import apply_legacy_rope_scaling
+        from specforge.training.model_loading import resolve_draft_config
+
+        cfg = self.cfg.model_copy(deep=True)
+        cfg.model.draft_block_size = EXPORT_BLOCK
+        draft_config = resolve_draft_config(cfg, provider=self.providers.draft_config)
+        theta = float((getattr(draft_config, "rope_parameters", None) or {}).get("rope_theta") or 10000.0)
+        draft_config.rope_parameters = {**EXPORT_ROPE, "rope_theta": theta}
+        draft = self.providers.build_draft(cfg, draft_config).float()
+        tokenizer = AutoTokenizer.from_pretrained(str(self.target_dir))
+        trained_block = int(self.providers.build_training_model(cfg, draft, draft_config, self.target_config,
+                                                                tokenizer).model.block_size)
+        where = self.scratch / "exported-draft"
+        draft.save_pretrained(str(where))
+        apply_legacy_rope_scaling(str(where))
+        saved = json.loads((where / "config.json").read_text())
+        saved_block = saved.get("block_size", (saved.get("dflash_config") or {}).get("block_size"))
+        perturbed = (f"a drafter of block size {EXPORT_BLOCK} (model.draft_block_size) with a {EXPORT_ROPE['rope_type']} "
+                     f"rope (factor {EXPORT_ROPE['factor']:g}), built by the run's providers and saved as SpecForge's "
+                     "export writes it (save_pretrained, apply_legacy_rope_scaling)")
+        blocks = {"training": trained_block, "the draft model": int(draft.block_size), "the saved config": saved_block}
+        block_common = dict(invariant="dflash.block_position_ids", experiment="exported-draft", perturbed=perturbed,
+                            hypothesis="training builds its blocks with the draft's block size, the one the export "
+                                       "tells serving",
+                            measurement=", ".join(f"{k}: {v}" for k, v in blocks.items()), threshold="equal sizes")
+        if len(set(blocks.values())) > 1:
+            block = Verdict(status="mismatch", expected=f"block size {EXPORT_BLOCK} everywhere",
+                            observed=f"training builds blocks of {trained_block} while the draft and its export use "
+                                     f"{draft.block_size} / {saved_block}: positions, masks and labels of every block "
+                                     "differ from what is served",
+                            fix="Take the training block size from the draft model (its config's block_size).",
+                            **block_common)
+        else:
+            block = Verdict(status="match", observed=f"block size {trained_block} in training, draft and export",
+                            **block_common)
+        return [block, self._exported_rotation(draft, saved, perturbed)]
+
+    @staticmethod
+    def _exported_rotation(draft: nn.Module, saved: dict[str, Any], perturbed: str) -> Verdict:
+        """The trained rotary against the one built, by the drafter's own rotary class, from each representation a
+        reader takes of the saved config."""
+        trained = draft.rotary_emb
+        readers: dict[str, dict[str, Any]] = {}
+        if isinstance(saved.get("rope_parameters"), dict):
+            readers["rope_parameters"] = dict(saved["rope_parameters"])
+        legacy = saved.get("rope_scaling")
+        if isinstance(legacy, dict):
+            kind = legacy.get("rope_type") or legacy.get("type") or "default"
+            readers["legacy rope_scaling + rope_theta"] = (
+                {**legacy, "rope_type": kind, "rope_theta": saved.get("rope_theta")} if kind != "default"
+                else {"rope_type": "default", "rope_theta": saved.get("rope_theta")})
+        common = dict(invariant="dflash.rope_served_as_trained", experiment="exported-draft", perturbed=perturbed,
+                      hypothesis="every rope representation the export writes rebuilds the trained rotation",
+                      threshold="equal inverse frequencies and attention scaling (rtol 1e-5)")
+        wrong, read = [], []
+        for name, rope in readers.items():
+            config = copy.deepcopy(draft.config)
+            config.rope_parameters = rope
+            served = type(trained)(config=config)
+            same = (served.inv_freq.shape == trained.inv_freq.shape
+                    and torch.allclose(served.inv_freq.double(), trained.inv_freq.double(), rtol=1e-5, atol=0.0)
+                    and abs(float(served.attention_scaling) - float(trained.attention_scaling)) <= 1e-5)
+            read.append(f"{name}: {rope.get('rope_type')}")
+            if not same:
+                wrong.append(f"{name} rebuilds a {rope.get('rope_type')} rope where the drafter trained with "
+                             f"{trained.rope_type}")
+        measurement = f"trained: {trained.rope_type}; " + "; ".join(read)
+        if wrong:
+            return Verdict(status="mismatch", measurement=measurement, expected=f"{trained.rope_type} in every reader",
+                           observed="the exported config serves another rotation than the drafter trained with: "
+                                    + "; ".join(wrong),
+                           fix="Mirror rope_parameters into rope_scaling with its rope_type (and keep rope_theta).",
+                           **common)
+        if not readers:
+            return Verdict(status="unknown", measurement=measurement, reason="the export wrote no rope fields", **common)
+        return Verdict(status="match", measurement=measurement, observed="every rope representation rebuilds the "
+                       "trained rotation", not_exercised=["partial rotary, mRoPE sections and the pair layout "
+                                                          "(is_neox_style)"], **common)
 
     def _row_end_positions(self, lab: Any, given: list[Tensor], row: int, slot: int, anchor: int,
                            start: int) -> Verdict:

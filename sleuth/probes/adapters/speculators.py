@@ -33,11 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from sleuth.probes.adapters.synthetic import write_target_dir
+from sleuth.probes.adapters.synthetic import owned_scratch, write_target_dir
 from sleuth.probes.verdict import Verdict, guarded
 
 DEFAULT_TARGET_LAYERS = 8
 CUT_TAIL = 5  # positions the row's last document is stored beyond the row (the collator cuts them)
+DRAFT_VOCAB = 48  # a reduced draft vocabulary (--draft-vocab-size) below the probe target's 64 tokens
+PARTIAL_ROTARY = 0.25  # Qwen3.5 / 3.6 targets rotate a quarter of each head; their drafters rotate all of it
 # Keys of the run config whose value decides an invariant, by speculators' flat name.
 _DEFAULT_WHERE = "speculators default (train/config/schema.py TrainConfig for --speculator-type dflash)"
 
@@ -54,9 +56,12 @@ VARIANTS = {
         "draft": {"full_attention_indices": [0], "sliding_window_non_causal": True, "target_layer_ids": [1, 3, 6]},
         "loss": {"loss_fn": "kl_div"},
         "dflash": {"per_position_loss_weight": "fixed-exp-decay", "dflash_decay_gamma": 7.0}}},
-    "speculators' D-PACE with alpha 0.3 and a full-attention layer beside causal sliding layers": {"train": {
-        "draft": {"full_attention_indices": [0]}, "dflash": {"dpace_alpha": 0.3}}},
+    "speculators' D-PACE with alpha 0.3 and a full-attention layer beside causal sliding layers, on a Qwen3.5-layout "
+    "verifier": {"train": {"draft": {"full_attention_indices": [0]}, "dflash": {"dpace_alpha": 0.3}}},
 }
+# The variant whose verifier is written as a Qwen3.5 / 3.6 text checkpoint (`qwen3_5_text`, its final norm in the
+# x * (1 + w) convention, synthetic.py): the trainer's own reading of that family runs.
+QWEN3_5_VARIANT = next(label for label in VARIANTS if label.endswith("Qwen3.5-layout verifier"))
 
 
 class SpeculatorsSubject:
@@ -69,9 +74,10 @@ class SpeculatorsSubject:
         if where != Path(package_dir).resolve():
             raise ImportError(f"speculators was imported from {where}, not from the diagnosed {package_dir}")
         self.core, self.model_class = core, DFlashDraftModel
-        self.scratch = Path(tempfile.mkdtemp(prefix="sleuth-speculators-"))
+        self.scratch = owned_scratch(self, "sleuth-speculators-")
         self.verifier = self.scratch / "verifier"
         self.package_dir, self.has_run_config = package_dir, bool(context.get("config"))
+        self.verifier_family = "qwen3_5" if origin == QWEN3_5_VARIANT else "qwen3"
         self.flat, self.sources = _resolve_train_config(context.get("config") or {}, self.verifier, self.scratch)
         if origin is not None:  # a variant's settings are the probe's choice, not the run's
             self.sources = {k: f"probe choice ({origin})" for k in self.sources}
@@ -149,7 +155,7 @@ class SpeculatorsSubject:
         from speculators.train.cli import build_draft_model
 
         self.target = target
-        write_target_dir(target, self.verifier)
+        write_target_dir(target, self.verifier, family=self.verifier_family)
         args = argparse.Namespace(**{**self.flat, "verifier_name_or_path": str(self.verifier),
                                      "draft_attn_impl": "sdpa", "from_pretrained": None, "draft_config": None})
         self.model = build_draft_model(args, self.model_class, None, None, target.vocab_size).float()
@@ -166,7 +172,7 @@ class SpeculatorsSubject:
 
         where = self.scratch / f"verifier-{num_target_layers}"
         if not (where / "config.json").is_file():
-            write_target_dir(self.target, where, num_layers=num_target_layers)
+            write_target_dir(self.target, where, num_layers=num_target_layers, family=self.verifier_family)
         return list(resolve_target_layer_ids(self.flat.get("target_layer_ids"), str(where)))
 
     def parameters(self) -> dict[str, nn.Parameter]:
@@ -293,8 +299,11 @@ class SpeculatorsSubject:
         on the collated row, so a collator that changed the documents would change what they compare against."""
         checks = [(self._collated_row, "dflash.context_excludes_anchor", "collated-row"),
                   (self._window_width, "dflash.context_excludes_anchor", "window-width"),
-                  (lambda _lab: self._check_saved_config(), "dflash.export_contract", "saved-config"),
-                  (lambda _lab: self._check_optimizer_rates(), "dflash.optimizer_schedule", "optimizer-rates")]
+                  (lambda _lab: self._check_saved_config(), ("dflash.export_contract", "dflash.rope_served_as_trained"),
+                   "saved-config"),
+                  (lambda _lab: self._check_optimizer_rates(), "dflash.optimizer_schedule", "optimizer-rates"),
+                  (lambda _lab: self._converted_checkpoints(),
+                   ("dflash.mask_token_distinct", "dflash.fc_input_layers", "dflash.export_contract"), "convert-dflash")]
         return [verdict for check, invariant, name in checks for verdict in guarded(check, lab, invariant, name)]
 
     def _window_width(self, lab: Any) -> Verdict:
@@ -360,45 +369,202 @@ class SpeculatorsSubject:
                        observed=f"the sliding-window mask follows {', '.join(sorted(conventions_seen))} at windows {windows}",
                        **common)
 
-    def _check_saved_config(self) -> Verdict:
-        """The config.json speculators saves with the drafter (`save_pretrained`, what vLLM's loader reads): the
-        number of tokens it tells serving to draft per step (slot 0 is the anchor, drafted only with
-        sample_from_anchor), the block size and the mask token the drafter was trained with."""
+    def _check_saved_config(self) -> list[Verdict]:
+        """What speculators saves with the drafter (`save_pretrained`, what vLLM's loader reads), for the built
+        drafter and for two drafters the run's other settings build: a reduced draft vocabulary (its d2t / t2d made
+        by the trainer's own `parse_vocab_mappings` from a token_freq.pt) and a partial-rotary verifier (Qwen3.5 /
+        3.6 rotate a quarter of each head). Two verdicts: the export contract (every trained tensor saved, a reduced
+        vocabulary's head and maps, the tokens served per step, block size, mask token) and the rotation a server
+        builds from the saved layer config (theta, partial_rotary_factor) against the one the drafter trained with."""
         import json
 
-        common = dict(invariant="dflash.export_contract", experiment="saved-config",
-                      hypothesis="the saved config serves the drafter as it was trained: speculative_tokens = B - 1 "
-                                 "(B with sample_from_anchor), its block size, its mask token",
-                      perturbed="nothing: the built drafter saved with save_pretrained, its config.json read",
-                      threshold="equal values")
+        perturbed = (f"nothing: the built drafter, one with a draft vocabulary of {DRAFT_VOCAB} (maps from the trainer's "
+                     f"token-frequency path) and one on a verifier with partial_rotary_factor {PARTIAL_ROTARY}, each "
+                     "saved with save_pretrained and read back")
+        export = dict(invariant="dflash.export_contract", experiment="saved-config", perturbed=perturbed,
+                      hypothesis="the saved drafter holds what the loader reads, as it trained: every trained tensor, a "
+                                 "reduced vocabulary's lm_head and d2t / t2d naming the same tokens, speculative_tokens "
+                                 "= B - 1 (B with sample_from_anchor), its block size and mask token",
+                      threshold="the export contract's rules; equal values")
+        rope = dict(invariant="dflash.rope_served_as_trained", experiment="saved-config", perturbed=perturbed,
+                    hypothesis="the rotation a server builds from the saved layer config (rotary dims = head_dim x "
+                               "partial_rotary_factor, theta) is the one the drafter's rotary applied in training",
+                    threshold="equal inverse frequencies (rtol 1e-5)")
+        found: dict[str, list[str]] = {"export": [], "rope": []}
+        parts: list[str] = []
         try:
-            saved = self.scratch / "saved"
-            self.model.save_pretrained(str(saved))
-            config = json.loads((saved / "config.json").read_text())
-        except Exception as exc:  # noqa: BLE001 - a drafter that cannot be saved here says nothing about the export
-            return Verdict(status="unknown", measurement="", reason=f"the drafter could not be saved: "
-                           f"{type(exc).__name__}", **common)
-        methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        drafted = methods[0].get("speculative_tokens")
-        anchor_drafted = bool(config.get("sample_from_anchor"))
-        want = {"speculative_tokens": self.block_size if anchor_drafted else self.block_size - 1,
-                "block_size": self.block_size, "mask_token_id": int(self.model.mask_token_id)}
-        got = {"speculative_tokens": drafted, "block_size": config.get("block_size"),
-               "mask_token_id": config.get("mask_token_id")}
-        wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
-        measurement = ", ".join(f"{k} {got[k]}" for k in got) + f" (sample_from_anchor {anchor_drafted})"
-        if wrong:
-            return Verdict(status="mismatch", measurement=measurement,
-                           observed="the saved config.json serves the drafter otherwise than it trained: " + "; ".join(
-                               f"{k} {g} (trained: {w})" for k, (g, w) in wrong.items())
-                           + ("; serving drafts one token per step more than the block's B - 1 trained slots"
-                              if "speculative_tokens" in wrong else ""),
-                           expected=", ".join(f"{k} {v}" for k, v in want.items()),
-                           fix="Save speculative_tokens = block_size - 1 for DFlash (slot 0 is the anchor), and the "
-                               "block size and mask token the drafter trained with.", **common)
-        return Verdict(status="match", measurement=measurement, observed="the saved config serves the drafter as trained",
-                       not_exercised=["the checkpoint's weight names and shapes (sleuth's export checks read those from "
-                                      "a run's checkpoint)"], **common)
+            built = {"built": self.model, f"draft vocabulary {DRAFT_VOCAB}": self._drafter_with_draft_vocab(found["export"]),
+                     f"partial-rotary verifier ({PARTIAL_ROTARY})": self._drafter_on_partial_rotary_verifier()}
+            for label, model in built.items():
+                saved = self.scratch / f"saved-{len(parts)}"
+                model.save_pretrained(str(saved))
+                config = json.loads((saved / "config.json").read_text())
+                wrong_export, wrong_rope = _saved_problems(model, saved, config, self.block_size)
+                found["export"] += [f"{label}: {p}" for p in wrong_export]
+                found["rope"] += [f"{label}: {p}" for p in wrong_rope]
+                parts.append(f"{label}: {'; '.join(wrong_export + wrong_rope) or 'as trained'}")
+        except Exception as exc:  # noqa: BLE001 - a drafter that cannot be built or saved here says nothing of the export
+            reason = (f"a drafter could not be built or saved: {type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}")
+            return [Verdict(status="unknown", measurement="; ".join(parts), reason=reason, **common)
+                    for common in (export, rope)]
+        measurement = "; ".join(parts)
+        verdicts = []
+        if found["export"]:
+            verdicts.append(Verdict(
+                status="mismatch", measurement=measurement, expected="what the loader reads, as the drafter trained",
+                observed="the saved drafter is loaded otherwise than it trained: " + "; ".join(found["export"][:4]),
+                fix="Save speculative_tokens = block_size - 1 for DFlash (slot 0 is the anchor), the block size and mask "
+                    "token the drafter trained with, every trained tensor, and for a reduced vocabulary its lm_head and "
+                    "d2t / t2d maps that name the same tokens.", **export))
+        else:
+            verdicts.append(Verdict(
+                status="match", measurement=measurement, observed="the saved drafters hold what the loader reads",
+                not_exercised=["the weights of a checkpoint written by speculators' training loop (its Checkpointer; "
+                               "save_pretrained of the built drafters was read)"], **export))
+        if found["rope"]:
+            verdicts.append(Verdict(
+                status="mismatch", measurement=measurement, expected="the trained rotation",
+                observed="a server rotates the saved drafter otherwise than it trained: " + "; ".join(found["rope"][:3]),
+                fix="Drop the verifier's partial_rotary_factor from the drafter's layer config (the drafter rotates its "
+                    "whole head), or train with the rotation the config serves.", **rope))
+        else:
+            verdicts.append(Verdict(
+                status="match", measurement=measurement, observed="the saved rotation is the trained one",
+                not_exercised=["scaled ropes (YaRN, linear), mRoPE sections and the pair layout (is_neox_style)"],
+                **rope))
+        return verdicts
+
+    def _converted_checkpoints(self) -> list[Verdict]:
+        """speculators' converter for external DFlash checkpoints (`speculators convert`, convert/dflash), on two
+        z-lab-layout checkpoints written from the built drafter: one as z-lab saves it, one Laguna-style (fused
+        qkv_proj, and an fc one tap wider whose last tap is the verifier's last layer, which the converter drops).
+        The converted checkpoint must carry the source's mask token, each kept tap's fc columns, every other tensor,
+        the layer ids in speculators' convention (z-lab id + 1) and the block size."""
+        import json
+
+        from safetensors.torch import load_file, save_file
+
+        from speculators.convert.dflash.converter import DFlashConverter
+
+        layer = {k: v for k, v in self.model.config.transformer_layer_config.to_dict().items()
+                 if not k.startswith("_") and k != "transformers_version"}
+        hidden, depth = int(layer["hidden_size"]), int(self.target.num_layers)
+        zlab_ids = [i - 1 for i in self.model.target_layer_ids]
+        body = {k: v.detach().clone().contiguous() for k, v in self.model.state_dict().items()
+                if not k.startswith(("embed_tokens.", "lm_head.", "verifier_")) and k not in ("d2t", "t2d")}
+        mask = int(self.model.mask_token_id)
+        problems: dict[str, list[str]] = {"dflash.mask_token_distinct": [], "dflash.fc_input_layers": [],
+                                          "dflash.export_contract": []}
+        g = torch.Generator().manual_seed(29)
+        for style in ("z-lab", "fused qkv, fc one tap wider"):
+            source = dict(body)
+            ids = list(zlab_ids)
+            if style != "z-lab":
+                ids.append(depth - 1)  # the verifier's last layer: implicit in speculators, dropped by the converter
+                source["fc.weight"] = torch.cat([body["fc.weight"], torch.randn(hidden, hidden, generator=g)], dim=1)
+                for name in [k for k in body if k.endswith("self_attn.q_proj.weight")]:
+                    stem = name[: -len("q_proj.weight")]
+                    parts = [source.pop(f"{stem}{p}_proj.weight") for p in "qkv"]
+                    source[f"{stem}qkv_proj.weight"] = torch.cat(parts, dim=0)
+            where = self.scratch / f"convert-{len(ids)}"
+            (where / "source").mkdir(parents=True, exist_ok=True)
+            config = {**layer, "architectures": ["DFlashDraftModel"], "block_size": self.block_size,
+                      "num_target_layers": depth, "dflash_config": {"mask_token_id": mask, "target_layer_ids": ids}}
+            (where / "source" / "config.json").write_text(json.dumps(config))
+            save_file(source, str(where / "source" / "model.safetensors"), metadata={"format": "pt"})
+            DFlashConverter().convert(where / "source", where / "converted", base_model=str(self.verifier),
+                                      validate=False)
+            converted = json.loads((where / "converted" / "config.json").read_text())
+            tensors = load_file(str(where / "converted" / "model.safetensors"))
+            if converted.get("mask_token_id") != mask:
+                problems["dflash.mask_token_distinct"].append(
+                    f"{style}: the converted config's mask_token_id is {converted.get('mask_token_id')}, the source "
+                    f"trained with {mask}")
+            fc = tensors.get("fc.weight")
+            want_fc = body["fc.weight"]
+            if fc is None or fc.shape != want_fc.shape or not torch.equal(fc.float(), want_fc.float()):
+                moved = [] if fc is None or fc.shape != want_fc.shape else [
+                    i for i in range(len(zlab_ids)) if not torch.equal(fc[:, i * hidden:(i + 1) * hidden].float(),
+                                                                       want_fc[:, i * hidden:(i + 1) * hidden].float())]
+                problems["dflash.fc_input_layers"].append(
+                    f"{style}: the converted fc.weight does not carry the source's columns of "
+                    + (f"taps {moved} (of {len(zlab_ids)})" if moved else "its taps")
+                    + " - the converted drafter reads other layers through the source's weights")
+            others = [k for k in body if k != "fc.weight" and (k not in tensors or not torch.equal(
+                tensors[k].float(), body[k].float()))]
+            if others:
+                problems["dflash.export_contract"].append(f"{style}: {len(others)} tensor(s) differ from the source: "
+                                                          + ", ".join(others[:3]))
+            if converted.get("aux_hidden_state_layer_ids") != [i + 1 for i in zlab_ids]:
+                problems["dflash.export_contract"].append(
+                    f"{style}: aux_hidden_state_layer_ids {converted.get('aux_hidden_state_layer_ids')} for z-lab ids "
+                    f"{ids} (want {[i + 1 for i in zlab_ids]})")
+            if converted.get("block_size") != self.block_size:
+                problems["dflash.export_contract"].append(
+                    f"{style}: block_size {converted.get('block_size')}, the source's {self.block_size}")
+        hypotheses = {
+            "dflash.mask_token_distinct": "a converted checkpoint carries the mask token the source drafter trained with",
+            "dflash.fc_input_layers": "a converted checkpoint's fc reads each kept target layer through the source's "
+                                      "own columns for it",
+            "dflash.export_contract": "a converted checkpoint carries the source's tensors, its layer ids in "
+                                      "speculators' convention and its block size"}
+        verdicts = []
+        for invariant, found in problems.items():
+            common = dict(invariant=invariant, experiment="convert-dflash", hypothesis=hypotheses[invariant],
+                          perturbed="nothing: z-lab-layout checkpoints of the built drafter (one plain, one with fused "
+                                    "qkv_proj and an fc one tap wider) converted with speculators' DFlashConverter",
+                          measurement="; ".join(found) or "converted as the source", threshold="equal values")
+            if found:
+                verdicts.append(Verdict(status="mismatch", observed="; ".join(found[:3]), expected="the source's values",
+                                        fix="Carry the source's mask_token_id (dflash_config), fc columns (the first "
+                                            "k x H: the taps kept) and tensors into the converted checkpoint.",
+                                        **common))
+            else:
+                verdicts.append(Verdict(status="match", observed="converted as the source", **common))
+        return verdicts
+
+    def _drafter_with_draft_vocab(self, problems: list[str]) -> nn.Module:
+        """The drafter `--draft-vocab-size` builds: the maps from the trainer's own path (`parse_vocab_mappings`,
+        which generates them from data_path/token_freq.pt), checked against the frequencies they came from."""
+        from speculators.train.cli import build_draft_model, parse_vocab_mappings
+
+        data = self.scratch / "data-draft-vocab"
+        data.mkdir(exist_ok=True)
+        vocab = self.target.vocab_size
+        # frequencies not monotone in the id, so a map kept in frequency order is told from one in id order
+        freq = {t: int(1 + (t * 37) % vocab) for t in range(1, vocab)}
+        torch.save(freq, data / "token_freq.pt")
+        args = argparse.Namespace(**{**self.flat, "verifier_name_or_path": str(self.verifier), "draft_attn_impl": "sdpa",
+                                     "from_pretrained": None, "draft_config": None, "data_path": str(data),
+                                     "draft_vocab_size": DRAFT_VOCAB, "d2t_path": None, "t2d_path": None,
+                                     "token_freq_path": None, "trust_remote_code": False})
+        d2t, t2d, draft_vocab = parse_vocab_mappings(args)
+        want = sorted(sorted(freq, key=lambda t: (-freq[t], t))[:DRAFT_VOCAB])
+        picked = (torch.arange(d2t.numel()) + d2t).tolist()
+        if sorted(picked) != want:
+            problems.append(f"draft vocabulary {DRAFT_VOCAB}: the maps keep {len(set(picked) & set(want))} of the "
+                            f"{DRAFT_VOCAB} most frequent tokens")
+        model = build_draft_model(args, self.model_class, t2d, d2t, draft_vocab).float()
+        return model
+
+    def _drafter_on_partial_rotary_verifier(self) -> nn.Module:
+        """The drafter built on a verifier whose rope_parameters carry partial_rotary_factor (the default draft
+        construction: the verifier's config gives the layer config)."""
+        import json
+
+        from speculators.train.cli import build_draft_model
+
+        where = self.scratch / "verifier-partial-rotary"
+        if not (where / "config.json").is_file():
+            write_target_dir(self.target, where)
+            config = json.loads((where / "config.json").read_text())
+            rope = dict(config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta")})
+            config["rope_parameters"] = {**rope, "partial_rotary_factor": PARTIAL_ROTARY}
+            (where / "config.json").write_text(json.dumps(config))
+        args = argparse.Namespace(**{**self.flat, "verifier_name_or_path": str(where), "draft_attn_impl": "sdpa",
+                                     "from_pretrained": None, "draft_config": None})
+        return build_draft_model(args, self.model_class, None, None, self.target.vocab_size).float()
 
     def _check_optimizer_rates(self) -> Verdict:
         """speculators' build_optimizers, as its trainer calls it, over the run's optimizer settings, and with a
@@ -557,6 +723,54 @@ class SpeculatorsSubject:
         self.loss(batch, identity).backward()
         for optimizer in optimizers:
             optimizer.step()
+
+
+def _saved_problems(model: nn.Module, saved: Path, config: dict[str, Any],
+                    block_size: int) -> tuple[list[str], list[str]]:
+    """(export problems, rotation problems) of one saved drafter directory, by the rules sleuth's export contract
+    applies (sleuth.probes.exported) and against the drafter that was saved: every trained tensor saved, a reduced
+    vocabulary's head and maps, the tokens served per step, block size and mask token; and the rotation a server
+    builds from the saved layer config."""
+    from safetensors import safe_open
+
+    from sleuth.probes.exported import draft_vocab_problems, drafted_per_step, served_inv_freq
+
+    weights = saved / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as handle:
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    problems = []
+    unsaved = [n for n, p in model.named_parameters() if p.requires_grad and n not in shapes]
+    if unsaved:
+        problems.append(f"{len(unsaved)} trained tensor(s) are not in the checkpoint: {', '.join(unsaved[:3])}")
+    layer = config.get("transformer_layer_config") or {}
+    draft_vocab, vocab = config.get("draft_vocab_size"), layer.get("vocab_size")
+    if isinstance(draft_vocab, int) and isinstance(vocab, int) and draft_vocab < vocab:
+        def read_maps() -> tuple[Tensor, Tensor]:
+            with safe_open(str(weights), framework="pt") as handle:
+                return handle.get_tensor("d2t"), handle.get_tensor("t2d")
+
+        problems += draft_vocab_problems(shapes, read_maps, draft_vocab, vocab, layer.get("hidden_size"))
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    want = {"speculative_tokens": drafted_per_step(block_size, bool(config.get("sample_from_anchor"))),
+            "block_size": block_size, "mask_token_id": int(model.mask_token_id)}
+    got = {"speculative_tokens": methods[0].get("speculative_tokens"), "block_size": config.get("block_size"),
+           "mask_token_id": config.get("mask_token_id")}
+    for key, value in want.items():
+        if got[key] != value:
+            problems.append(f"{key} {got[key]} (trained: {value})" + (
+                "; serving drafts one token per step more than the block's B - 1 trained slots"
+                if key == "speculative_tokens" else ""))
+    rotation: list[str] = []
+    served = served_inv_freq(layer)
+    trained = getattr(getattr(model, "rotary_emb", None), "inv_freq", None)
+    if isinstance(served, Tensor) and isinstance(trained, Tensor):
+        trained = trained.detach().double().cpu()
+        if served.shape != trained.shape:
+            rotation.append(f"served rotation turns {2 * served.numel()} dims per head, training turned "
+                            f"{2 * trained.numel()}")
+        elif not torch.allclose(served, trained, rtol=1e-5, atol=0.0):
+            rotation.append("served rotation frequencies differ from the trained ones (theta or scaling)")
+    return problems, rotation
 
 
 def _resolve_train_config(config: dict[str, Any], verifier: Path, scratch: Path) -> tuple[dict[str, Any], dict[str, str]]:

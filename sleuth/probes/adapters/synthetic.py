@@ -11,6 +11,9 @@ trainer should pick.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +22,17 @@ import torch
 from sleuth.probes.target import PAD_TOKEN
 
 
+def owned_scratch(owner: object, prefix: str) -> Path:
+    """A temporary directory that lives as long as `owner`: removed when it is collected or at exit. Inside the
+    sandbox TMPDIR is the box's and goes with it; a subject built in-process (the parity tests build them directly) would
+    otherwise leave a target checkpoint in the user's /tmp per subject and variant."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    weakref.finalize(owner, shutil.rmtree, str(path), True)
+    return path
+
+
 def write_target_dir(target: Any, path: Path, num_layers: int | None = None,
-                     checkpoint_keys: tuple[str, ...] = ()) -> Path:
+                     checkpoint_keys: tuple[str, ...] = (), family: str = "qwen3") -> Path:
     """save_pretrained of a Qwen3 causal LM carrying the target's embeddings, lm_head and final norm, plus a
     tokenizer; `num_layers` overrides the depth (a config for another depth, e.g. to call a layer-id rule).
 
@@ -29,8 +41,14 @@ def write_target_dir(target: Any, path: Path, num_layers: int | None = None,
     Qwen3.5/3.6 target) is not the probe target's. A name absent from the saved checkpoint is added, holding
     the tensor its last components name (`embed_tokens.weight` or `lm_head.weight`), so the run's own loading
     path reads it; a name that exists is left alone (a key naming the wrong tensor stays wrong, and shows),
-    and a name of neither kind is not invented (the run's loader then fails, and the probe says so)."""
+    and a name of neither kind is not invented (the run's loader then fails, and the probe says so).
+
+    `family="qwen3_5"` writes the target as a Qwen3.5 / 3.6 text checkpoint instead (the story's target's
+    family): see `_write_qwen3_5`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if family == "qwen3_5":
+        return _write_qwen3_5(target, path, num_layers)
 
     path.mkdir(parents=True, exist_ok=True)
     config = Qwen3Config(**target.config_kwargs(num_layers or target.num_layers))
@@ -47,6 +65,30 @@ def write_target_dir(target: Any, path: Path, num_layers: int | None = None,
     model.save_pretrained(path)
     if checkpoint_keys:
         _add_checkpoint_keys(path, checkpoint_keys)
+    write_tokenizer(path, target.vocab_size)
+    return path
+
+
+def _write_qwen3_5(target: Any, path: Path, num_layers: int | None) -> Path:
+    """A Qwen3.5 / 3.6 text model's checkpoint (`Qwen3_5ForCausalLM`, config `qwen3_5_text`, transformers'
+    defaults for the rest: partial_rotary_factor 0.25, linear-attention layer types) with the final norm in its
+    family's convention, x * (1 + w): the checkpoint holds w - 1 for the probe target's gain w, so a trainer that
+    reads the convention computes the same teacher as on a Qwen3 target, and one that applies x * w another. The
+    text model, not the multimodal wrapper: loading that one's processor needs torchvision. Only the tensors a
+    drafter trainer borrows are written; the decoder layers are never run (the probe supplies every hidden state)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**target.config_kwargs(num_layers or target.num_layers), "model_type": "qwen3_5_text",
+              "architectures": ["Qwen3_5ForCausalLM"], "pad_token_id": PAD_TOKEN, "eos_token_id": PAD_TOKEN,
+              "bos_token_id": PAD_TOKEN}
+    (path / "config.json").write_text(json.dumps(config))
+    if num_layers is not None and num_layers != target.num_layers:
+        return path
+    save_file({"model.embed_tokens.weight": target.embed_weight.contiguous(),
+               "model.norm.weight": (target.norm_weight.float() - 1.0).contiguous(),
+               "lm_head.weight": target.lm_head_weight.contiguous()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(path, target.vocab_size)
     return path
 

@@ -56,10 +56,11 @@ def probe_attention(lab: Lab) -> list[Verdict]:
             elif verdict:
                 (anchor_seen if k == a else future if k > a else other_doc).append((n, a, k))
 
-    # Block tokens: each block's tokens perturbed in turn (all rows at once).
+    # Block tokens: each block's tokens perturbed in turn (all rows at once), the padded slots' too: a block that
+    # sees a padding block (one that shares its anchor position 0, say) is as wrong as one that sees a real block.
     token_leaks, own_controls = [], []
     num_slots = layout.num_anchors
-    for i in range(num_slots - 1):
+    for i in range(num_slots):
         hooks = lab.bump_block_tokens(list(range(i * b, (i + 1) * b)), seed=3000 + i)
         after = lab.logits(None, hooks)
         for (n, j), change in _block_changes(base, after, blocks).items():

@@ -1,9 +1,13 @@
-"""The context reaches every draft layer directly, and the loss's gradient reaches its projection."""
+"""The context reaches every draft layer directly, the loss's gradient reaches its projection, and each layer
+attends at the softmax temperature of its head size."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from sleuth.probes.experiments.lab import EFFECT, Lab, NO_EFFECT, influence, seen
@@ -12,11 +16,54 @@ from sleuth.probes.target import perturb_positions
 from sleuth.probes.verdict import Verdict
 
 
+# Softmax temperature: the scale each attention call applies, read where the kernel receives it.
+SCALE_RTOL = 1e-3
+
+
+@contextlib.contextmanager
+def _recording_attention_scales(found: list[tuple[int, float]]) -> Iterator[None]:
+    """Every call of torch's scaled_dot_product_attention (transformers' SDPA path and hand-written drafters
+    alike): (head size, the scale it applies; None given means 1/sqrt(head size))."""
+    original = F.scaled_dot_product_attention
+
+    def recording(query, key, value, *args, **kwargs):
+        scale = kwargs.get("scale", args[3] if len(args) > 3 else None)
+        size = int(query.shape[-1])
+        found.append((size, float(scale) if scale is not None else size ** -0.5))
+        return original(query, key, value, *args, **kwargs)
+
+    F.scaled_dot_product_attention = recording
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _attention_scale(lab: Lab) -> tuple[str | None, str]:
+    """(what is wrong, or None; what was read). The drafter's layers must scale scores by 1/sqrt(head_dim): a
+    scale from another size (hidden / heads, which equals head_dim only when heads x head_dim = hidden) trains a
+    softmax temperature the serving engine does not use."""
+    found: list[tuple[int, float]] = []
+    with _recording_attention_scales(found):
+        lab.logits()
+    if not found:
+        return None, "attention scale not observed (the drafter does not call scaled_dot_product_attention)"
+    wrong = sorted({(size, scale) for size, scale in found if abs(scale * size ** 0.5 - 1.0) > SCALE_RTOL})
+    read = f"attention scale over {len(found)} kernel calls: " + ", ".join(
+        sorted({f"{scale:.4g} at head size {size}" for size, scale in found}))
+    if not wrong:
+        return None, read
+    size, scale = wrong[0]
+    return (f"attention scores are scaled by {scale:.4g} = 1/sqrt({scale ** -2:.4g}) where the head size is {size} "
+            f"(1/sqrt({size}) = {size ** -0.5:.4g})"), read
+
+
 def probe_kv_injection(lab: Lab) -> list[Verdict]:
     verdict = Verdict(
         invariant="dflash.kv_injection",
         experiment="context-per-layer",
-        hypothesis="every drafter layer takes the context directly (its own K/V projection of it)",
+        hypothesis="every drafter layer takes the context directly (its own K/V projection of it) and attends over "
+        "it with scores scaled by 1/sqrt(head_dim)",
         perturbed="every target hidden state at every position, while each layer's block-token input is held "
         "at its unperturbed value",
         measurement="",
@@ -79,6 +126,14 @@ def probe_kv_injection(lab: Lab) -> list[Verdict]:
         for handle in handles:
             handle.remove()
     verdict.measured = changes
+    wrong_scale, scale_read = _attention_scale(lab)
+    verdict.coverage["attention_scale"] = scale_read
+    if wrong_scale:
+        verdict.status = "mismatch"
+        verdict.observed = f"{wrong_scale}: the softmax temperature trained is not the one served"
+        verdict.measurement = scale_read
+        verdict.fix = "Scale attention scores by head_dim ** -0.5 (the head size of q and k), not by another size."
+        return [verdict]
     untrained = _context_path_untrained(lab)
     if untrained:
         verdict.status = "mismatch"

@@ -186,10 +186,11 @@ def randomize_drafter(subject: Any, target: ProbeTarget, seed: int) -> int:
     """Give every drafter weight a visible random value, so every path carries signal.
 
     A fresh drafter (N(0, 0.02) linears, unit norms) passes perturbations through at 1e-5 scale, too close
-    to rounding to call. Tensors equal to the target's (embeddings, lm_head, final norm) are left alone.
+    to rounding to call. Tensors equal to the target's (embeddings, lm_head, final norm; the norm also as w - 1,
+    the x * (1 + w) convention of Qwen3.5 / Gemma checkpoints) are left alone.
     """
     g = torch.Generator().manual_seed(seed)
-    shared = (target.embed_weight, target.lm_head_weight, target.norm_weight)
+    shared = (target.embed_weight, target.lm_head_weight, target.norm_weight, target.norm_weight.float() - 1.0)
     changed = 0
     with torch.no_grad():
         for param in subject.parameters().values():

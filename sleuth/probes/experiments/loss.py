@@ -153,15 +153,20 @@ def _loss_pass(lab: Lab) -> list[Verdict]:
                 continue
             cand_argmax = argmax.gather(1, where.clamp(0, s - 1).flatten(1)).view_as(where)
             agree = (cand_argmax == q_hat.argmax(-1)) & ok
-            scores[(name, offset)] = agree.sum().item() / max(judged.sum().item(), 1)
+            # over the slots this offset has a position for: a trained slot 0 of a block at position 0 has no
+            # prediction at p - 1, and counting it against every candidate would blame the teacher
+            scores[(name, offset)] = agree.sum().item() / max(ok.sum().item(), 1)
     ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0][0] != "final", kv[0][1] != -1))
     (best_name, best_offset), best = ranked[0]
     runner_up = next((sc for key, sc in ranked[1:] if key[0] != best_name or key[1] != best_offset), 0.0)
+    # the slots the chosen teacher has a position for (a trained slot 0 at position 0 has no p - 1): the teacher's
+    # form is judged there, not against a clamped neighbour's logits
+    located = judged & (pos + best_offset >= 0) & (pos + best_offset < s)
     where = (pos + best_offset).clamp(0, s - 1)
     teacher_logits = candidates[best_name].gather(
         1, where.flatten(1)[..., None].expand(-1, -1, v)).view(n, a, b, v)  # [N, A, B, V]
     one_hot = bool((q_hat.max(-1).values[judged] >= ONE_HOT).all())
-    soft_tv = 0.5 * (q_hat - torch.softmax(teacher_logits, -1)).abs().sum(-1)[judged].mean().item()
+    soft_tv = 0.5 * (q_hat - torch.softmax(teacher_logits, -1)).abs().sum(-1)[located].mean().item()
     kind = "ce" if one_hot else ("kl" if soft_tv < SOFT_TV else None)
 
     # The gradient's form at random logits z: CE and forward KL give w * (softmax(z) - q) with q fixed: the
@@ -174,9 +179,9 @@ def _loss_pass(lab: Lab) -> list[Verdict]:
     z2 = 2.0 * torch.randn(n, a, b, v, generator=torch.Generator().manual_seed(lab.seed + 11), dtype=torch.float64)
     grad2 = _gradient_at(lab, z2)
     p2 = torch.softmax(z2, -1)
-    form = _form_residual(grad2, p2, q_model, judged) if grad2 is not None else math.inf
+    form = _form_residual(grad2, p2, q_model, located) if grad2 is not None else math.inf
     self_labels = grad2 is not None and _form_residual(
-        grad2, p2, torch.nn.functional.one_hot(z2.argmax(-1), v).double(), judged) < GRADIENT_FORM
+        grad2, p2, torch.nn.functional.one_hot(z2.argmax(-1), v).double(), located) < GRADIENT_FORM
     measurement = (f"best teacher: {_describe_source(best_name)} at p+j{best_offset:+d} explains {best:.0%} of trained "
                    f"slots (next best {runner_up:.0%}); recovered targets "
                    + ("one-hot" if one_hot else f"soft (total variation to its softmax {soft_tv:.3f})")
