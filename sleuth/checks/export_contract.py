@@ -143,7 +143,6 @@ def contract_problems(directory: Path, config: dict[str, Any]) -> tuple[str | No
     return fmt, problems, evidence
 
 
-
 def check_export_contract(ctx: ContractContext) -> Finding:
     run = ctx.run
     directory = run.path if run is not None else None

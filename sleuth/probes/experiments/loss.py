@@ -162,6 +162,8 @@ def _loss_pass(lab: Lab) -> list[Verdict]:
     # the slots the chosen teacher has a position for (a trained slot 0 at position 0 has no p - 1): the teacher's
     # form is judged there, not against a clamped neighbour's logits
     located = judged & (pos + best_offset >= 0) & (pos + best_offset < s)
+    if not located.any():  # nothing to judge by at this offset: every trained slot, as before
+        located = judged
     where = (pos + best_offset).clamp(0, s - 1)
     teacher_logits = candidates[best_name].gather(
         1, where.flatten(1)[..., None].expand(-1, -1, v)).view(n, a, b, v)  # [N, A, B, V]
