@@ -1,14 +1,15 @@
 """Rules on a saved drafter that both sides apply: sleuth's export contract (sleuth/checks/export_contract.py,
 on a directory a user hands it) and the probes' saved-drafter checks (in the worker, on what a trainer's own
-save path writes). Only torch: the worker's copy of sleuth holds sleuth/probes alone."""
+save path writes). No sleuth import outside sleuth/probes (the worker's copy of sleuth holds it alone), and torch
+only inside the functions that take tensors: sleuth's static checks import this module on the CLI's start-up path."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def draft_vocab_problems(shapes: Mapping[str, Sequence[int]], read_maps: Callable[[], tuple[Tensor, Tensor]],
@@ -28,6 +29,8 @@ def draft_vocab_problems(shapes: Mapping[str, Sequence[int]], read_maps: Callabl
                         f"[{draft_vocab}, {hidden}]")
     if "d2t" not in shapes or "t2d" not in shapes:
         return problems
+    import torch
+
     try:
         d2t, t2d = read_maps()
     except Exception as exc:  # noqa: BLE001 - an unreadable map is reported, not raised
@@ -59,4 +62,6 @@ def served_inv_freq(layer: Mapping[str, Any]) -> Tensor | None:
     factor = float(rope.get("partial_rotary_factor", layer.get("partial_rotary_factor", 1.0)) or 1.0)
     theta = float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
     dim = int(head_dim * factor)
+    import torch
+
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
