@@ -31,7 +31,7 @@ $(SPEC_VENV)/.installed: bench/setup_speculators_env.sh tools/install_torch.sh
 
 # Parity with speculators 0.9.0 in its own environment (it pins transformers <= 5.19); never skipped here.
 parity: $(SPEC_VENV)/.installed
-	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -n 2 --dist worksteal -p no:cacheprovider -m "not catalog" tests/parity
+	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not catalog" tests/parity
 
 # The long probe benchmarks (pytest marker `catalog`): the probes catalog (bench/upstream_defects/
 # defects_probes.yaml) against its measured bar, ~8 min on 2 cores, and the probe mutation suites on

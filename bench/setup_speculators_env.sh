@@ -38,7 +38,7 @@ $PIP install -q "torch==$TORCH_VERSION" "speculators==$SPECULATORS_VERSION"
 $PIP uninstall -y -q torchvision torchaudio
 # What our trainer package and the parity tests import besides torch and transformers (speculators
 # brings transformers, safetensors, pydantic, pyyaml, rich, typer, tokenizers, httpx already).
-$PIP install -q pytest "pytest-xdist>=3.5" platformdirs tensorboard  # xdist: `make parity` runs on 2 workers; tensorboard: `speculators train --logger tensorboard` (tools/make_speculators_fixture.py)
+$PIP install -q pytest platformdirs tensorboard  # tensorboard: `speculators train --logger tensorboard` (tools/make_speculators_fixture.py)
 # SpecForge without its dependency pins (CUDA torch, sglang); its DFlash training code needs only these on CPU
 # (pinned to what the reference environment was measured with: BENCHMARKS.md, the probes catalog).
 $PIP install -q --no-deps "specforge==$SPECFORGE_VERSION" $SPECFORGE_EXTRAS
