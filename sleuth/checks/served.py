@@ -29,10 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sleuth.checks.context import ContractContext, int_or_none
+from sleuth.probes.exported import DEFAULT_ROPE_THETA, number_or_none, rope_params, served_rope
+
+__all__ = ["served_rope", "trained_rope"]  # served_rope lives beside the probes' saved-drafter rules
 
 SLIDING = "sliding_attention"
 QWEN3_MAX_WINDOW_LAYERS = 28  # transformers Qwen3Config's default
-_DEFAULT_THETA = 10000.0
 
 
 @dataclass
@@ -137,42 +139,7 @@ def describe_windows(windows: list[int | None]) -> str:
     return "[" + ", ".join("full" if w is None else f"window {w}" for w in windows) + "]"
 
 
-# --- RoPE -----------------------------------------------------------------------------------------------
-
-
-def _rope_params(config: dict[str, Any]) -> dict[str, Any]:
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and "rope_type" not in params and isinstance(params.get("full_attention"), dict):
-        params = params["full_attention"]
-    params = dict(params) if isinstance(params, dict) else {}
-    scaling = config.get("rope_scaling")
-    if isinstance(scaling, dict):
-        params = {**scaling, **params}
-    return params
-
-
-def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def served_rope(layer: dict[str, Any]) -> dict[str, Any]:
-    """What a serving stack rotates, from the exported layer config."""
-    params = _rope_params(layer)
-    theta = params.pop("rope_theta", layer.get("rope_theta", _DEFAULT_THETA))
-    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
-    partial = params.pop("partial_rotary_factor", layer.get("partial_rotary_factor", 1.0))
-    mrope = params.pop("mrope_section", None)
-    params.pop("mrope_interleaved", None)
-    neox = layer.get("is_neox_style", True)
-    return {
-        "rope_theta": _number(theta) if _number(theta) is not None else theta,
-        "rope_type": rope_type,
-        "scaling": {k: v for k, v in sorted(params.items()) if v is not None},
-        "partial_rotary_factor": _number(partial) if _number(partial) is not None else partial,
-        "mrope_section": list(mrope) if isinstance(mrope, list) else None,
-        "rope_layout": "neox" if neox is not False else "interleaved",
-        "head_dim": _head_dim(layer),
-    }
+# --- RoPE (the served side: sleuth.probes.exported.served_rope) ------------------------------------------
 
 
 def trained_rope(record: dict[str, Any]) -> dict[str, Any] | None:
@@ -180,14 +147,14 @@ def trained_rope(record: dict[str, Any]) -> dict[str, Any] | None:
     head_dim, rotary_dim = int_or_none(record.get("head_dim")), int_or_none(record.get("rotary_dim"))
     if not head_dim or rotary_dim is None:
         return None
-    params = _rope_params(record)
-    theta = params.pop("rope_theta", _DEFAULT_THETA)
+    params = rope_params(record)
+    theta = params.pop("rope_theta", DEFAULT_ROPE_THETA)
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
     params.pop("partial_rotary_factor", None)
     mrope = params.pop("mrope_section", None)
     params.pop("mrope_interleaved", None)
     return {
-        "rope_theta": _number(theta) if _number(theta) is not None else theta,
+        "rope_theta": number_or_none(theta) if number_or_none(theta) is not None else theta,
         "rope_type": rope_type,
         "scaling": {k: v for k, v in sorted(params.items()) if v is not None},
         "partial_rotary_factor": rotary_dim / head_dim,
@@ -196,8 +163,3 @@ def trained_rope(record: dict[str, Any]) -> dict[str, Any] | None:
         "head_dim": head_dim,
     }
 
-
-def _head_dim(config: dict[str, Any]) -> int | None:
-    head_dim = int_or_none(config.get("head_dim"))
-    heads, hidden = int_or_none(config.get("num_attention_heads")), int_or_none(config.get("hidden_size"))
-    return head_dim or (hidden // heads if heads and hidden else None)

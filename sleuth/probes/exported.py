@@ -52,16 +52,65 @@ def drafted_per_step(block_size: int | None, sample_from_anchor: bool) -> int | 
     return None if block_size is None else block_size if sample_from_anchor else block_size - 1
 
 
+DEFAULT_ROPE_THETA = 10000.0
+
+
+def number_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def rope_params(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config's rope parameters in one dict: transformers 5's `rope_parameters` (per layer type: its full-attention
+    entry) over the legacy `rope_scaling`, which a server still reads where the first is absent."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_type" not in params and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    params = dict(params) if isinstance(params, dict) else {}
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict):
+        params = {**scaling, **params}
+    return params
+
+
+def served_rope(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """What a serving stack rotates, from the exported layer config: theta, rope type and its scaling, the rotated
+    fraction of each head, mRoPE sections, the pair layout (vLLM's `is_neox_style`, default neox) and the head size."""
+    params = rope_params(layer)
+    theta = params.pop("rope_theta", layer.get("rope_theta", DEFAULT_ROPE_THETA))
+    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    partial = params.pop("partial_rotary_factor", layer.get("partial_rotary_factor", 1.0))
+    mrope = params.pop("mrope_section", None)
+    params.pop("mrope_interleaved", None)
+    neox = layer.get("is_neox_style", True)
+    return {
+        "rope_theta": number_or_none(theta) if number_or_none(theta) is not None else theta,
+        "rope_type": rope_type,
+        "scaling": {k: v for k, v in sorted(params.items()) if v is not None},
+        "partial_rotary_factor": number_or_none(partial) if number_or_none(partial) is not None else partial,
+        "mrope_section": list(mrope) if isinstance(mrope, list) else None,
+        "rope_layout": "neox" if neox is not False else "interleaved",
+        "head_dim": _head_dim(layer),
+    }
+
+
 def served_inv_freq(layer: Mapping[str, Any]) -> Tensor | None:
     """The inverse frequencies a server builds from a saved layer config (vLLM's default rope: rotary_dim =
-    head_dim x partial_rotary_factor, theta from rope_parameters); None for a scaled rope this does not model."""
-    rope = layer.get("rope_parameters") or {}
-    if (rope.get("rope_type") or "default") != "default":
+    head_dim x partial_rotary_factor); None for a scaled rope, which this does not model."""
+    rope = served_rope(layer)
+    theta, partial, head_dim = rope["rope_theta"], rope["partial_rotary_factor"], rope["head_dim"]
+    partial = 1.0 if partial is None else partial
+    if rope["rope_type"] != "default" or not isinstance(theta, float) or not isinstance(partial, float) or not head_dim:
         return None
-    head_dim = int(layer.get("head_dim") or int(layer["hidden_size"]) // int(layer["num_attention_heads"]))
-    factor = float(rope.get("partial_rotary_factor", layer.get("partial_rotary_factor", 1.0)) or 1.0)
-    theta = float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
-    dim = int(head_dim * factor)
+    dim = int(head_dim * partial)
     import torch
 
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
+def _head_dim(config: Mapping[str, Any]) -> int | None:
+    def integer(value: Any) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    head_dim = integer(config.get("head_dim"))
+    heads, hidden = integer(config.get("num_attention_heads")), integer(config.get("hidden_size"))
+    return head_dim or (hidden // heads if heads and hidden else None)

@@ -29,13 +29,19 @@ from ..catalog import SOURCE_NAMES, CatalogError, Defect, copy_with_defect, load
 
 def _fresh_import_probe(source: str, package_name: str) -> Callable[[Path], dict[str, Any]]:
     """probe(copy) for one source; speculators and SpecForge are imported by name, so the copy's parent goes
-    first on sys.path and the previous copy's modules are forgotten."""
+    first on sys.path and the package's modules are imported afresh from it. The process's own modules of the
+    package are put back afterwards: a caller that imported speculators before (the parity tests, in one pytest
+    worker) keeps its classes, where a copy's SpeculatorsConfig left in sys.modules fails pydantic's
+    isinstance checks on every model the caller builds later."""
     def run(copy: Path) -> dict[str, Any]:
         if source == "zlab":
             from .probe_zlab import probe as zlab_probe
             return zlab_probe(copy)
-        for name in [m for m in sys.modules if m == package_name or m.startswith(package_name + ".")]:
-            del sys.modules[name]
+
+        def package_modules() -> list[str]:
+            return [m for m in sys.modules if m == package_name or m.startswith(package_name + ".")]
+
+        own = {name: sys.modules.pop(name) for name in package_modules()}
         sys.path.insert(0, str(copy.parent))
         try:
             if source == "speculators":
@@ -45,6 +51,9 @@ def _fresh_import_probe(source: str, package_name: str) -> Callable[[Path], dict
             return probe()
         finally:
             sys.path.remove(str(copy.parent))
+            for name in package_modules():
+                del sys.modules[name]
+            sys.modules.update(own)
     return run
 
 

@@ -870,15 +870,21 @@ class SpecForgeSubject:
                     diff = flex != dense
                     context = int(diff[..., :s].sum())
                     differences.append((window, context, int(diff[..., s:].sum()),
-                                        int((flex & ~dense)[..., :s].sum()), int((~flex & dense)[..., :s].sum())))
+                                        int((flex & ~dense)[..., :s].sum()), int((~flex & dense)[..., :s].sum()),
+                                        _block_difference_kind(flex, dense, s, b)))
         measurement = (f"{len(windows)} window setting(s) compared; differing (query, key) pairs: "
                        + ("; ".join(f"window {w}: {c} context ({extra} more, {fewer} fewer in flex), {d} block"
-                                    for w, c, d, extra, fewer in differences) or "none"))
+                                    + (f" ({kind})" if kind else "")
+                                    for w, c, d, extra, fewer, kind in differences) or "none"))
         coverage = {"windows": windows, "run_sliding_window": run_window}
         if differences:
-            w, c, d, extra, fewer = differences[0]
-            # a difference in the block's own keys is the block rule's, one in the context the anchor rule's
-            common["invariant"] = "dflash.context_excludes_anchor" if c else "dflash.blocks_isolated"
+            w, c, d, extra, fewer, kind = differences[0]
+            # Which rule the difference breaks: whole blocks masked out in one builder and not the other are the
+            # keep mask's (a padded anchor's block trained, a real one dropped); a difference among one block's
+            # own keys is the in-block rule's; across blocks the isolation rule's; in the context the anchor's.
+            common["invariant"] = ("dflash.anchor_sampling" if kind == "whole blocks" else
+                                   "dflash.block_bidirectional" if kind == "within a block" else
+                                   "dflash.context_excludes_anchor" if c else "dflash.blocks_isolated")
             return Verdict(status="mismatch", measurement=measurement, coverage=coverage,
                            observed=f"the flex mask the run uses differs from SpecForge's SDPA mask at window "
                                     f"{'none' if w is None else w}: {c} context pairs ({extra} more visible, {fewer} "
@@ -1005,3 +1011,20 @@ class SpecForgeSubject:
                            **common)
         return Verdict(status="match", observed=f"offline capture and the server-capture contract capture {reads}, "
                                                 "the layers the drafter reads", **common)
+
+
+def _block_difference_kind(flex: Tensor, dense: Tensor, context: int, block_size: int) -> str:
+    """Where two [rows, heads, N*B, S + N*B] block masks differ: "whole blocks" when some block's queries see
+    nothing in one and something in the other (the keep mask applied to the wrong blocks), "within a block" when
+    every differing block key is in the query's own block, "across blocks" otherwise, "" in the context only."""
+    rows = flex.any(-1).reshape(*flex.shape[:2], -1, block_size).any(-1)  # [rows, heads, N]: block sees anything
+    other = dense.any(-1).reshape(*dense.shape[:2], -1, block_size).any(-1)
+    if not torch.equal(rows, other):
+        return "whole blocks"
+    diff = (flex != dense)[..., context:]
+    if not diff.any():
+        return ""
+    q = torch.arange(diff.shape[-2]) // block_size
+    k = torch.arange(diff.shape[-1]) // block_size
+    same = q[:, None] == k[None, :]
+    return "within a block" if not (diff & ~same).any() else "across blocks"

@@ -454,6 +454,24 @@ def _profile(weights: Tensor, full: Tensor) -> Tensor | None:
     return (chosen[:, 1:] / chosen[:, 1:2].clamp_min(1e-30)).mean(0)
 
 
+def _profile_from_partial_blocks(weights: Tensor, trained: Tensor) -> Tensor | None:
+    """w_k / w_1 for k = 1..B-1 where no block has every slot trained: each block's weights relative to its first
+    trained slot f, rescaled to slot 1 under the exponential the ratios themselves fit (w_k / w_f =
+    exp(-(k-f)/gamma)); None without a block of two trained slots. A weighting that is not exponential leaves a
+    residual the caller's fit reports."""
+    rel, usable = _relative(weights, trained)
+    slots = torch.arange(weights.shape[-1], dtype=torch.float64).expand_as(rel)
+    first = trained.double().argmax(-1, keepdim=True).expand_as(rel).double()
+    steps = slots - first
+    pick = usable & (steps > 0)
+    if not pick.any():
+        return None
+    logs = torch.log(rel[pick].clamp_min(1e-300))
+    dk = steps[pick]
+    slope = (dk * logs).sum() / (dk * dk).sum()  # -1/gamma, least squares through the origin
+    return torch.exp(slope * torch.arange(0, weights.shape[-1] - 1, dtype=torch.float64))
+
+
 def _relative(weights: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Each block's weights over its first trained slot, and the slots where that ratio says something
     (trained, in a block with at least two trained slots)."""
@@ -474,8 +492,10 @@ def _model_error(model: Tensor, measured: Tensor, mask: Tensor) -> float:
 def _identify_weighting(lab: Lab, runs: list[tuple[Tensor, Tensor]], q: Tensor, mask: Tensor,
                         full: Tensor) -> tuple[dict[str, Any], str]:
     """What the measured slot weights are: {"mode": none | fixed-exp | dpace | other, ...} and a description.
-    The weighting is fitted on the blocks whose every slot is trained, and checked on every block (those
-    with unsupervised slots too: a weighting that sums over masked slots shows there)."""
+    A fixed decay is fitted on the blocks whose every slot is trained (or, where none is, as at B = 16 on short
+    documents, on each block's weights relative to its first trained slot), D-PACE on every block's relative
+    weights; both are checked on every block (those with unsupervised slots too: a weighting that sums over
+    masked slots, or mixes slots of different blocks, shows there)."""
     b = lab.block_size
     trained = mask > 0
     drift = 0.0
@@ -485,7 +505,9 @@ def _identify_weighting(lab: Lab, runs: list[tuple[Tensor, Tensor]], q: Tensor, 
         drift = (r1 - r0)[usable].abs().max().item() if usable.any() else 0.0
     profile = _profile(runs[0][1], full)
     if profile is None:
-        return {"mode": None}, "no block has every slot trained: the profile cannot be read"
+        profile = _profile_from_partial_blocks(runs[0][1], trained)
+    if profile is None:
+        return {"mode": None}, "no block has two trained slots: the slot weights cannot be read"
     if drift > DATA_DEPENDENT:
         best = (math.nan, math.inf)
         for step in range(1, 101):

@@ -33,7 +33,8 @@ def probe_anchor_sampling(lab: Lab) -> list[Verdict]:
         "positions the implementation's documented rule excludes), sorted; padded slots are flagged invalid and "
         "carry no loss",
         perturbed=f"nothing: the subject's own sampler is called {SAMPLER_DRAWS} times on a loss mask with an "
-        "unsupervised start and a hole, and once on a nearly empty one",
+        "unsupervised start and a hole, once on a mask supervised from position 0 to each row's end with as many "
+        "anchors as there are eligible positions, and once on a nearly empty one",
         measurement="", threshold="exact support; duplicates, unsorted or unsupervised anchors count at once; "
         "balance of the two halves within 5 standard deviations",
         expected="uniform over the eligible positions, sorted, without replacement", status="unknown",
@@ -110,6 +111,36 @@ def probe_anchor_sampling(lab: Lab) -> list[Verdict]:
         if got != want:
             problems.append(f"asked for {between} anchors, rows with {[len(e) for e in eligible]} eligible positions got "
                             f"{got} valid anchors (expected {want}): one row's count limits another's")
+    # Every position of each row supervised, from position 0 to the row's last token (pretraining-style or
+    # prompt-less data), and as many anchors asked for as the largest row has eligible positions: each row must
+    # get every eligible position back, flagged valid, once. The draws above start unsupervised, so a sampler
+    # that loses an anchor at position 0 (a valid flag read off a zero-padded anchor tensor) or at the row's
+    # end shows only here.
+    full_mask = mask.clone() * 0
+    full_eligible: list[set[int]] = []
+    for n, row in enumerate(lab.layout.rows):
+        full_mask[n, : row.length] = 1
+        keep = set(range(row.length))
+        if "last B positions" in exclusions:
+            keep = {p for p in keep if p < lab.layout.seq_len - b}
+        if "next token unsupervised" in exclusions:
+            keep = {p for p in keep if p + 1 < row.length}
+        full_eligible.append(keep)
+    if not problems and all(full_eligible):
+        torch.manual_seed(lab.seed + 997)
+        every = max(len(e) for e in full_eligible)
+        all_anchors, all_valid = sampler(batch.replace(loss_mask=full_mask), every)
+        all_anchors = all_anchors.reshape(-1, all_anchors.shape[-1])
+        all_valid = all_valid.reshape(-1, all_valid.shape[-1]).bool()
+        for n in range(min(lab.rows, all_anchors.shape[0])):
+            got = all_anchors[n][all_valid[n]].tolist()
+            if sorted(got) != sorted(full_eligible[n]):
+                lost = sorted(full_eligible[n] - set(got))
+                extra = sorted(set(got) - full_eligible[n])
+                problems.append(f"with every position of row {n} supervised and {every} anchors asked for, the valid "
+                                f"anchors miss eligible position(s) {lost[:6]}" + (f" and add {extra[:6]}" if extra else "")
+                                + (" (position 0: a valid flag read off zero-padded anchors?)" if 0 in lost else ""))
+                break
     # Fewer eligible positions than anchors asked for: the extra slots must be flagged invalid.
     sparse = mask.clone() * 0
     for n, row in enumerate(lab.layout.rows):
