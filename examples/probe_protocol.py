@@ -43,6 +43,7 @@ DEFECTS = {
     "self_labels": "each slot is trained toward the drafter's own argmax",
     "gamma_ignored": "the loss decays with gamma 4 whatever the config says",
     "sampler_ranks": "the sampler returns ranks among the eligible positions instead of the positions",
+    "sampler_valid_nonzero": "the valid flags read off the zero-padded anchors (anchors > 0): an anchor at position 0 is lost",
     "mask_is_pad": "slots 1..B-1 hold the pad token (0) instead of the mask token",
     "fc_interleaved": "fc's input interleaves the layers feature by feature (stack, then flatten)",
     "context_detached": "the fused context is detached before the layers (fc never trains)",
@@ -326,6 +327,8 @@ class TinyDFlash:
             picked = chosen if "sampler_ranks" in self.defects else candidates[chosen]
             anchors[row, :count] = picked.sort().values
             valid[row, :count] = True
+        if "sampler_valid_nonzero" in self.defects:
+            valid = anchors > 0
         return anchors, valid
 
     def train_step(self, batch: Any) -> None:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.checks.context import ContractContext, read_json, text_config
-from sleuth.checks.served import served_config, served_rope, trained_record, trained_rope
+from sleuth.checks.served import served_config, trained_record, trained_rope
+from sleuth.probes.exported import served_rope
 from sleuth.findings import Evidence, Finding, Fix
 
 ID = "dflash.rope_served_as_trained"

@@ -29,9 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sleuth.checks.context import ContractContext, int_or_none
-from sleuth.probes.exported import DEFAULT_ROPE_THETA, number_or_none, rope_params, served_rope
-
-__all__ = ["served_rope", "trained_rope"]  # served_rope lives beside the probes' saved-drafter rules
+from sleuth.probes.exported import DEFAULT_ROPE_THETA, number_or_none, rope_params
 
 SLIDING = "sliding_attention"
 QWEN3_MAX_WINDOW_LAYERS = 28  # transformers Qwen3Config's default

@@ -10,7 +10,7 @@ from contract_fixtures import save_target, write_run
 from sleuth.checks import ContractContext
 from sleuth.checks.mask_token import check_mask_token_distinct
 from sleuth.checks.rope import check_rope_served_as_trained
-from sleuth.checks.served import served_rope
+from sleuth.probes.exported import served_rope
 from sleuth.runs import read_run
 
 

@@ -116,7 +116,7 @@ def probe_anchor_sampling(lab: Lab) -> list[Verdict]:
     # get every eligible position back, flagged valid, once. The draws above start unsupervised, so a sampler
     # that loses an anchor at position 0 (a valid flag read off a zero-padded anchor tensor) or at the row's
     # end shows only here.
-    full_mask = mask.clone() * 0
+    full_mask = torch.zeros_like(mask)
     full_eligible: list[set[int]] = []
     for n, row in enumerate(lab.layout.rows):
         full_mask[n, : row.length] = 1
