@@ -26,11 +26,17 @@ HIDDEN = 32
 # that takes one for the other (a softmax scale, a reshape) only shows on such a shape.
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 INTERMEDIATE = 64
-RMS_EPS = 1e-6
+# No library's default (Qwen3 / Llama RMSNorm 1e-6, Llama-3 configs 1e-5, nn.RMSNorm finfo.eps): a norm built with a
+# class default instead of the config's eps shows as another eps (experiments/norms.py).
+RMS_EPS = 3e-6
 # Logits with a spread of about 2 nats per unit: soft targets keep visible mass on several tokens (so a KL
 # loss is told apart from a one-hot CE) and argmaxes of different candidates rarely coincide.
 LM_HEAD_STD = 0.35
-PAD_TOKEN = 0  # the padding token of padded rows (and the synthetic tokenizer's pad / eos)
+# The synthetic tokenizer's special tokens, laid out as Qwen3's are: pad (<|endoftext|>, also the padding of padded
+# rows) and eos (<|im_end|>) are two different tokens, and there is no mask token. A trainer that takes "a pad
+# token that is not eos" for a free slot shows only on such a tokenizer (issue 20, round 7).
+PAD_TOKEN = 0
+EOS_TOKEN = 1
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = RMS_EPS) -> Tensor:

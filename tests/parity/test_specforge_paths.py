@@ -217,10 +217,43 @@ def test_a_dpace_loss_divided_otherwise_than_by_the_rows_is_a_mismatch(tmp_path:
     assert "the code promises (batch_mean:" in verdict.observed, verdict.observed
 
 
-def test_a_saved_mask_id_other_than_the_trained_one_is_a_mask_token_mismatch(tmp_path: Path):
-    verdict = _verdicts(_planted(tmp_path, MASK_ID_KEPT))["dflash.mask_token_distinct"]
+def test_a_saved_mask_id_other_than_the_trained_one_is_a_mask_token_and_an_export_mismatch(tmp_path: Path):
+    # training fills the blocks with the right id and the checkpoint carries another: serving's mask token is not
+    # the trained one, and the export does not carry what trained
+    found = _verdicts(_planted(tmp_path, MASK_ID_KEPT))
+    for invariant in ("dflash.mask_token_distinct", "dflash.export_contract"):
+        verdict = found[invariant]
+        assert verdict.status == "mismatch", (invariant, verdict.status, verdict.reason)
+        assert "the saved draft config's mask_token_id is" in verdict.observed, verdict.observed
+
+
+# Round 7's classes (defects_round7.yaml), our own variants: a warm start whose draft config's mask id is ignored
+# (the tokenizer's own mask token wins), assistant spans cut before their end-of-turn, and every norm built with a
+# fixed eps instead of the config's.
+WARM_START_ID_IGNORED = ("training/model_utils.py",
+                         '        ("draft config mask token", method_config.get("mask_token_id")),\n', "")
+SPAN_ENDS_BEFORE_EOT = ("data/parse.py", "            content_end_char = match.end(1)\n",
+                        "            content_end_char = match.end(1) - len(self.chat_template.end_of_turn_token)\n")
+NORM_EPS_FIXED = ("modeling/draft/dflash_kernels.py", "    return Qwen3RMSNorm(hidden_size, eps=eps)\n",
+                  "    return Qwen3RMSNorm(hidden_size, eps=1e-5)\n")
+
+
+def test_a_warm_start_that_loses_the_recorded_mask_id_is_a_mask_token_mismatch(tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, WARM_START_ID_IGNORED))["dflash.mask_token_distinct"]
     assert verdict.status == "mismatch", (verdict.status, verdict.reason, verdict.coverage.get("path_checks"))
-    assert "the saved draft config's mask_token_id is" in verdict.observed, verdict.observed
+    assert "on a warm start the blocks are filled with" in verdict.observed, verdict.observed
+
+
+def test_assistant_spans_that_stop_before_the_end_of_turn_are_a_chat_template_mismatch(tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, SPAN_ENDS_BEFORE_EOT))["dflash.chat_template_consistency"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason)
+    assert "end-of-turn token after 2 of 2 assistant turns is unsupervised" in verdict.observed, verdict.observed
+
+
+def test_norms_built_with_another_eps_than_the_config_records_are_an_fc_norm_mismatch(tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, NORM_EPS_FIXED))["dflash.fc_norm"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason)
+    assert "use eps 1e-05 where its config records 3e-06" in verdict.observed, verdict.observed
 
 
 # Round 5's optimizer classes (defects_round5.yaml), our own variants: the clip norm summed as absolute values

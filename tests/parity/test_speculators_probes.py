@@ -151,6 +151,36 @@ DEFECTS: dict[str, tuple[list[tuple[str, str, str]], str, str]] = {
          ("model.py", "        self.lm_head.weight.requires_grad_(False)\n", "")],
         "dflash.frozen_embed_head", "lm_head trained",
     ),
+    # round 7's classes (defects_round7.yaml), our own variants: a mask token taken from eos before a free row, the
+    # aux states cast and the verifier's last states not, an eal that counts every correct slot, a sliding window
+    # copied from the verifier (None for a verifier without one), token frequencies over every token rather than the
+    # supervised ones
+    "mask-token-eos-first": (
+        [("train/utils.py", "    if len(tokenizer) < vocab_size:\n",
+          "    if tokenizer.eos_token_id is not None:\n        return tokenizer.eos_token_id\n\n"
+          "    if len(tokenizer) < vocab_size:\n")],
+        "dflash.mask_token_distinct", "is the eos token",
+    ),
+    "collate-hidden-prefix-only": (
+        [("train/data.py", 'buffer_dtype = dtype if "hidden_states" in key else first.dtype',
+          'buffer_dtype = dtype if key.startswith("hidden") else first.dtype')],
+        "dflash.target_logits_source", "not the training dtype",
+    ),
+    "eal-counts-correct-slots": (
+        [("models/metrics.py", "per_block_len = accepted.cumprod(dim=-1).sum(dim=-1) + 1.0",
+          "per_block_len = accepted.sum(dim=-1) + 1.0")],
+        "dflash.train_serve_gap", "where serving would accept",
+    ),
+    "window-from-verifier": (
+        [("train/cli.py", "        sliding_window=sliding_window,\n",
+          '        sliding_window=getattr(verifier_config, "sliding_window", None),\n')],
+        "dflash.sliding_window_served", "sliding layers without a window",
+    ),
+    "token-freq-every-token": (
+        [("train/vocab_mapping.py", "masked_token_ids = input_ids[loss_mask.to(torch.bool)]",
+          "masked_token_ids = input_ids")],
+        "dflash.target_tables_resolve", "counts other tokens than the supervised ones",
+    ),
 }
 
 
@@ -238,7 +268,9 @@ def test_each_planted_defect_is_flagged_with_probe_evidence(name):
 # A defect may break a neighbouring rule as well: under speculators' D-PACE default a loss normalised otherwise is
 # a different D-PACE loss, so loss_kind turns too (the same policy as a wrong D-PACE weighting).
 # A trainable lm_head is also a trained tensor speculators' save leaves out (it ignores lm_head.weight on save).
-ALSO = {"loss-not-normalised": {"dflash.loss_kind"}, "lm-head-trainable": {"dflash.export_contract"}}
+# Sliding layers without a window train with full attention, so their slots see later slots of the block too.
+ALSO = {"loss-not-normalised": {"dflash.loss_kind"}, "lm-head-trainable": {"dflash.export_contract"},
+        "window-from-verifier": {"dflash.block_bidirectional"}}
 
 
 def test_a_configured_weighting_is_a_claim_about_the_code_only():

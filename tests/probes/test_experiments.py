@@ -54,7 +54,7 @@ DEFECT_CASES = [
     ("sampler_ranks", "anchor-sampling", "dflash.anchor_sampling", "anchors at unsupervised positions"),
     # Round 7 (blind, upstream): position 0 is eligible only where the row is supervised from its first token.
     ("sampler_valid_nonzero", "anchor-sampling", "dflash.anchor_sampling", "miss eligible position(s) [0]"),
-    ("mask_is_pad", "block-inputs", "dflash.mask_token_distinct", "is the pad / eos token"),
+    ("mask_is_pad", "block-inputs", "dflash.mask_token_distinct", "is the pad token"),
     ("fc_interleaved", "layers-read", "dflash.fc_input_layers", "interleaves or spreads the layers"),
     ("context_detached", "context-per-layer", "dflash.kv_injection", "does not reach the context projection"),
     # Found blind (a completed probe-init scaffold): the context still reaches every layer, through layer 0's K/V.

@@ -371,11 +371,84 @@ class SpecForgeSubject:
                   (self._mask_builders, "dflash.context_excludes_anchor", "mask-builders"),
                   (self._row_end, ("dflash.target_shift", "dflash.block_position_ids"), "row-end-block"),
                   (self._accumulation, "dflash.loss_kind", "gradient-accumulation"),
-                  (self._saved_mask_token, "dflash.mask_token_distinct", "saved-mask-token"),
+                  (self._saved_mask_token, ("dflash.mask_token_distinct", "dflash.export_contract"), "saved-mask-token"),
                   (self._exported_draft, ("dflash.block_position_ids", "dflash.rope_served_as_trained"),
                    "exported-draft"),
-                  (self._optimizer_steps, "dflash.optimizer_schedule", "optimizer-steps")]
+                  (self._optimizer_steps, "dflash.optimizer_schedule", "optimizer-steps"),
+                  (self._supervised_spans, "dflash.chat_template_consistency", "supervised-spans")]
         return [verdict for check, invariants, name in checks for verdict in guarded(check, lab, invariants, name)]
+
+    def _supervised_spans(self, _lab: Any) -> Verdict:
+        """SpecForge's `preprocess_conversations` under the run's chat template (`data.chat_template`), on a
+        two-turn conversation, with a tokenizer that holds the template's headers and end-of-turn as tokens of their
+        own: each assistant turn's content and its end-of-turn must be supervised (serving accepts the end-of-turn at
+        every turn's end; a drafter never trained on it cannot draft it), and nothing of the user turns."""
+        from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        from specforge.data.preprocessing import preprocess_conversations
+        from specforge.data.template import TEMPLATE_REGISTRY
+
+        name = self.cfg.data.chat_template
+        template = TEMPLATE_REGISTRY.get(name)
+        common = dict(invariant="dflash.chat_template_consistency", experiment="supervised-spans",
+                      hypothesis="the supervised span of every assistant turn is its content and its end-of-turn "
+                                 "token; no user token is supervised",
+                      perturbed=f"a two-turn conversation through preprocess_conversations with the {name!r} template",
+                      threshold="exact spans", coverage={"chat_template": name, "parser": template.parser_type,
+                                                          "span_pattern": getattr(template, "assistant_pattern_type", None)})
+        # Only the end-of-turn-terminated span is driven: the other patterns end a turn at markers of their own
+        # (longcat's "[Round N] USER:", inkling's role tags) that the tokenizer's real chat template renders and the
+        # parser's fallback rendering, the one this check can run, does not.
+        if (template.parser_type != "general" or getattr(template, "assistant_pattern_type", "general") != "general"
+                or not template.end_of_turn_token or not template.assistant_header):
+            return Verdict(status="unknown", measurement="", reason=f"the {name!r} template (parser "
+                           f"{template.parser_type}, span pattern {getattr(template, 'assistant_pattern_type', '?')}) "
+                           "is not the end-of-turn-terminated one this check drives", **common)
+        words = [f"w{i}" for i in range(12)]
+        core = Tokenizer(models.WordLevel(vocab={"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="<unk>"))
+        core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        pieces = [p for p in dict.fromkeys((template.assistant_header, template.user_header, template.end_of_turn_token))
+                  if p]
+        core.add_tokens([AddedToken(p, normalized=False, special=False) for p in pieces])
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<unk>")
+        turns = [("user", "w1 w2"), ("assistant", "w3 w4 w5"), ("user", "w6"), ("assistant", "w7 w8")]
+        conversation = [{"role": role, "content": text} for role, text in turns]
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallback rendering (no chat_template in the tokenizer) warns
+            out = preprocess_conversations(tokenizer, [conversation], template, max_length=256)
+        ids, mask = out["input_ids"][0].flatten().tolist(), out["loss_mask"][0].flatten().tolist()
+        eot = tokenizer.convert_tokens_to_ids(template.end_of_turn_token)
+        assistant_words = {tokenizer.convert_tokens_to_ids(w) for _, text in turns[1::2] for w in text.split()}
+        user_words = {tokenizer.convert_tokens_to_ids(w) for _, text in turns[0::2] for w in text.split()}
+        supervised = [i for i, m in zip(ids, mask) if m]
+        problems = []
+        missing = sorted(assistant_words - set(supervised))
+        if missing:
+            problems.append(f"assistant content tokens {missing} unsupervised")
+        eots_after_assistant = [p for p in range(1, len(ids)) if ids[p] == eot and ids[p - 1] in assistant_words]
+        dropped = [p for p in eots_after_assistant if not mask[p]]
+        if not eots_after_assistant:
+            problems.append("no end-of-turn token follows an assistant turn in the tokenized conversation")
+        elif dropped:
+            problems.append(f"the end-of-turn token after {len(dropped)} of {len(eots_after_assistant)} assistant turns "
+                            "is unsupervised")
+        leaked = sorted(user_words & set(supervised))
+        if leaked:
+            problems.append(f"user tokens {leaked} supervised")
+        measurement = (f"{len(ids)} tokens, {sum(mask)} supervised; end-of-turn after an assistant turn at "
+                       f"{eots_after_assistant}, supervised there: {[bool(mask[p]) for p in eots_after_assistant]}")
+        if problems:
+            return Verdict(status="mismatch", measurement=measurement,
+                           observed="; ".join(problems) + ": the drafter is trained on other spans than serving "
+                                    "drafts (it must draft each turn's end-of-turn)",
+                           expected="each assistant turn's content and end-of-turn supervised, nothing else",
+                           fix="Supervise each assistant turn through its end-of-turn token (include it in the span).",
+                           **common)
+        return Verdict(status="match", measurement=measurement,
+                       observed="each assistant turn's content and end-of-turn supervised, no user token", **common)
 
     def _optimizer_steps(self, _lab: Any) -> Verdict:
         """SpecForge's optimizer as its assembly builds it from the run's config (training/assembly.py
@@ -509,11 +582,14 @@ class SpecForgeSubject:
         return Verdict(status="match", observed="rate, clipping, a step, a resumed state and the schedule as configured",
                        **common)
 
-    def _saved_mask_token(self, _lab: Any) -> Verdict:
-        """The mask id the saved draft config gives serving against the id training fills the blocks with, where
-        the two sources of it disagree: a draft config that pins one id (a published drafter's) and a recipe that
-        sets another (model.mask_token_id). SpecForge's resolution prefers the recipe's; whichever it trains with
-        is the one the checkpoint must carry."""
+    def _saved_mask_token(self, _lab: Any) -> Verdict | list[Verdict]:
+        """The mask id training fills the blocks with where its sources disagree, and the id the saved draft config
+        gives serving. Two cases, each built by the run's own providers:
+          * a draft config pinning one id (a published drafter's) and a recipe setting another (model.mask_token_id):
+            SpecForge's resolution prefers the recipe's; whichever it trains with is the one the checkpoint must carry;
+          * a warm start: a draft config recording the id the drafter trained with, no recipe id, and a tokenizer
+            that names another token its mask token. The drafter's learned response is to the recorded id's
+            embedding, so training must keep it (SpecForge #604's pattern is the mask id changing under a warm start)."""
         import json
 
         from transformers import AutoTokenizer
@@ -522,32 +598,57 @@ class SpecForgeSubject:
         pinned = int(self.model.mask_token_id)
         explicit = next(i for i in range(1, int(self.target.vocab_size)) if i != pinned
                         and i not in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id))
-        cfg = self.cfg.model_copy(deep=True)
-        cfg.model.mask_token_id = explicit
-        draft_config = copy.deepcopy(self.draft_config)
-        dflash = dict(getattr(draft_config, "dflash_config", None) or {})
-        dflash["mask_token_id"] = pinned
-        draft_config.dflash_config = dflash
-        draft = self.providers.build_draft(cfg, draft_config).float()
-        parts = self.providers.build_training_model(cfg, draft, draft_config, self.target_config, tokenizer)
-        trained = int(parts.model.mask_token_id)
-        saved_dir = self.scratch / "saved-draft"
-        draft.save_pretrained(str(saved_dir))
-        saved = (json.loads((saved_dir / "config.json").read_text()).get("dflash_config") or {}).get("mask_token_id")
+
+        def trained_and_saved(recipe_id: int | None, tokenizer: Any, name: str) -> tuple[int, Any]:
+            cfg = self.cfg.model_copy(deep=True)
+            cfg.model.mask_token_id = recipe_id
+            draft_config = copy.deepcopy(self.draft_config)
+            dflash = dict(getattr(draft_config, "dflash_config", None) or {})
+            dflash["mask_token_id"] = pinned
+            draft_config.dflash_config = dflash
+            draft = self.providers.build_draft(cfg, draft_config).float()
+            parts = self.providers.build_training_model(cfg, draft, draft_config, self.target_config, tokenizer)
+            saved_dir = self.scratch / name
+            draft.save_pretrained(str(saved_dir))
+            saved = (json.loads((saved_dir / "config.json").read_text()).get("dflash_config") or {}).get("mask_token_id")
+            return int(parts.model.mask_token_id), saved
+
+        trained, saved = trained_and_saved(explicit, tokenizer, "saved-draft")
+        own_mask = copy.deepcopy(tokenizer)
+        own_mask.mask_token = own_mask.convert_ids_to_tokens(explicit)  # a tokenizer with its own mask token
+        warm_trained, warm_saved = trained_and_saved(None, own_mask, "warm-start-draft")
         common = dict(invariant="dflash.mask_token_distinct", experiment="saved-mask-token",
-                      hypothesis="the saved draft config carries the mask token training fills the blocks with",
-                      perturbed=f"a draft config pinning mask id {pinned} and a recipe setting model.mask_token_id "
-                                f"{explicit}; the drafter built and saved by SpecForge, its config.json read",
-                      measurement=f"training fills the blocks with {trained}; the saved config says {saved}",
-                      threshold="equal ids", coverage={"pinned": pinned, "explicit": explicit})
-        if saved != trained:
+                      hypothesis="training fills the blocks with the mask id its configuration pins (the recipe's, else "
+                                 "the draft config's, before a tokenizer's), and the saved draft config carries that id",
+                      perturbed=f"(a) a draft config pinning mask id {pinned} and a recipe setting model.mask_token_id "
+                                f"{explicit}; (b) a warm start: the draft config pinning {pinned}, no recipe id, a "
+                                f"tokenizer whose mask token is {explicit}; each drafter built and saved by SpecForge, "
+                                "its config.json read",
+                      measurement=f"(a) training fills the blocks with {trained}, the saved config says {saved}; "
+                                  f"(b) training fills them with {warm_trained}, the saved config says {warm_saved}",
+                      threshold="(a) saved = trained; (b) trained = saved = the draft config's id",
+                      coverage={"pinned": pinned, "explicit": explicit, "warm_start_tokenizer_mask": explicit})
+        if warm_trained != pinned:
             return Verdict(status="mismatch",
-                           observed=f"the saved draft config's mask_token_id is {saved}, but training fills the blocks "
-                                    f"with {trained}: serving fills them with a token the drafter never trained on",
-                           expected=f"mask_token_id {trained}",
-                           fix="Write the mask id training uses into the draft config (overwrite it, do not keep an "
-                               "older one).", **common)
-        return Verdict(status="match", observed=f"the saved config carries the trained mask id {trained}", **common)
+                           observed=f"on a warm start the blocks are filled with {warm_trained} (the tokenizer's mask "
+                                    f"token), not the id {pinned} the drafter's config records and it trained with",
+                           expected=f"mask_token_id {pinned} (the draft config's, above the tokenizer's)",
+                           fix="Resolve the mask id as: explicit recipe id, then the draft config's recorded id, then "
+                               "the tokenizer's mask token, then an unused embedding row.", **common)
+        wrong = [(case, t, s_) for case, t, s_ in (("a", trained, saved), ("b", warm_trained, warm_saved)) if s_ != t]
+        if wrong:
+            case, t, s_ = wrong[0]
+            # The checkpoint breaks the export contract, and serving fills the blocks with another mask token than
+            # training did: both rules, one observation.
+            return [Verdict(status="mismatch",
+                            observed=f"({case}) the saved draft config's mask_token_id is {s_}, but training fills the "
+                                     f"blocks with {t}: serving fills them with a token the drafter never trained on",
+                            expected=f"mask_token_id {t}",
+                            fix="Write the mask id training uses into the draft config (overwrite it, do not keep an "
+                                "older one).", **{**common, "invariant": invariant})
+                    for invariant in ("dflash.mask_token_distinct", "dflash.export_contract")]
+        return Verdict(status="match", observed=f"trained with the pinned id in each case, and the saved config carries "
+                                                f"it ({trained}, {warm_trained})", **common)
 
     def _exported_draft(self, _lab: Any) -> list[Verdict]:
         """A drafter of block size EXPORT_BLOCK with a YaRN rope, built by the run's own providers from the run's

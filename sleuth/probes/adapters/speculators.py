@@ -34,10 +34,14 @@ import torch
 from torch import Tensor, nn
 
 from sleuth.probes.adapters.synthetic import owned_scratch, write_target_dir
+from sleuth.probes.target import EOS_TOKEN
 from sleuth.probes.verdict import Verdict, guarded
 
 DEFAULT_TARGET_LAYERS = 8
 CUT_TAIL = 5  # positions the row's last document is stored beyond the row (the collator cuts them)
+# The dtype the probe's second collation stores the cache in: vLLM hands hidden states over in bf16, while the probe
+# trains in float32, so a collator that casts some hidden-state keys and not others shows.
+CACHE_DTYPE = torch.bfloat16
 DRAFT_VOCAB = 48  # a reduced draft vocabulary (--draft-vocab-size) below the probe target's 64 tokens
 PARTIAL_ROTARY = 0.25  # Qwen3.5 / 3.6 targets rotate a quarter of each head; their drafters rotate all of it
 # Keys of the run config whose value decides an invariant, by speculators' flat name.
@@ -223,15 +227,19 @@ class SpeculatorsSubject:
                 sliding_window_non_causal=sliding_window_non_causal)
         return self._masks[key]
 
-    def _through_data_path(self, batch: Any) -> dict[str, Tensor]:
+    def _through_data_path(self, batch: Any, stored_dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """The row as speculators' training gets it: each document stored as vLLM hands it over (the selected
         layers, id i = hidden_states[i], then the final layer before its norm: [seq, k+1, H]), read by its
         dataset (`ArrowDataset._get_raw_data`, `BaseDataset.__getitem__`) and packed by its `CollateFn`
         (document ids, positions restarting per document; the row's last document stored longer than the row, so
-        the collator's cut of a document at the row's end is on the path)."""
+        the collator's cut of a document at the row's end is on the path). `stored_dtype`: the cache holds the
+        states in that dtype while training asks the collator for the batch's (a bf16 cache under float32 training)."""
         from speculators.train.data import ArrowDataset, CollateFn
 
         stack = torch.stack([batch.hidden_states[i][0] for i in self.layer_ids] + [batch.last_hidden[0]], dim=1)
+        training_dtype = stack.dtype
+        if stored_dtype is not None:
+            stack = stack.to(stored_dtype)
         docs = batch.doc_ids[0]
         spans, start = [], 0
         for p in range(1, docs.numel() + 1):
@@ -256,16 +264,20 @@ class SpeculatorsSubject:
         dataset._map_to_file_idx = lambda index: index
         dataset.on_missing = "raise"
         collate = CollateFn(max_len=batch.input_ids.shape[1], hidden_size=stack.shape[-1],
-                            num_target_layers=len(self.layer_ids), dtype=stack.dtype)
+                            num_target_layers=len(self.layer_ids), dtype=training_dtype)
         return collate([dataset[i] for i in range(len(spans))])
 
     def _forward(self, batch: Any, hooks: Any) -> tuple[Tensor, list[Tensor]]:
+        loss, drafted, _metrics = self._forward_with_metrics(batch, hooks)
+        return loss, drafted
+
+    def _forward_with_metrics(self, batch: Any, hooks: Any) -> tuple[Tensor, list[Tensor], dict[str, Any]]:
         if batch.input_ids.shape[0] != 1:
             raise ValueError("speculators' DFlash forward takes one packed row")
         kwargs = {**self.call_kwargs, "max_anchors": int(batch.anchors.shape[1])}
         fed = self._through_data_path(batch)
         with self._wired(batch, hooks) as drafted:
-            _, loss, _metrics = self.model(
+            _, loss, metrics = self.model(
                 hidden_states=fed["hidden_states"],
                 input_ids=fed["input_ids"],
                 loss_mask=fed["loss_mask"],
@@ -274,7 +286,7 @@ class SpeculatorsSubject:
                 position_ids=fed["position_ids"],
                 **kwargs,
             )
-        return loss, drafted
+        return loss, drafted, metrics
 
     def draft_logits(self, batch: Any, hooks: Any) -> Tensor:
         self.model.eval()
@@ -299,12 +311,61 @@ class SpeculatorsSubject:
         on the collated row, so a collator that changed the documents would change what they compare against."""
         checks = [(self._collated_row, "dflash.context_excludes_anchor", "collated-row"),
                   (self._window_width, "dflash.context_excludes_anchor", "window-width"),
-                  (lambda _lab: self._check_saved_config(), ("dflash.export_contract", "dflash.rope_served_as_trained"),
-                   "saved-config"),
+                  (lambda _lab: self._check_saved_config(), ("dflash.export_contract", "dflash.rope_served_as_trained",
+                                                             "dflash.sliding_window_served"), "saved-config"),
                   (lambda _lab: self._check_optimizer_rates(), "dflash.optimizer_schedule", "optimizer-rates"),
+                  (self._reported_acceptance, "dflash.train_serve_gap", "reported-acceptance"),
+                  (self._token_frequencies, "dflash.target_tables_resolve", "token-frequencies"),
                   (lambda _lab: self._converted_checkpoints(),
                    ("dflash.mask_token_distinct", "dflash.fc_input_layers", "dflash.export_contract"), "convert-dflash")]
         return [verdict for check, invariant, name in checks for verdict in guarded(check, lab, invariant, name)]
+
+    def _reported_acceptance(self, lab: Any) -> Verdict:
+        """The `eal` speculators' forward reports, on drafts designed over its own targets and trained slots (its
+        `compute_metrics`, as the forward calls it, handed one-hot logits of the designed predictions), against
+        serving's rule on the same drafts (sleuth.probes.acceptance)."""
+        from sleuth.probes.acceptance import design, one_hot_logits, verdict_fields
+
+        names = type(self.model).forward.__globals__
+        original = names.get("compute_metrics")
+        common = dict(invariant="dflash.train_serve_gap", experiment="reported-acceptance",
+                      hypothesis="the eal a run reports is the acceptance serving would see for the same drafts",
+                      perturbed="the drafter's predictions inside speculators' forward replaced by a designed pattern "
+                                "over its own targets: a different first wrong slot per block, correct slots after it, "
+                                "blocks cut short by a document end or a loss-mask hole",
+                      threshold="reported eal = serving's, its sum and block count too")
+        if not callable(original):
+            return Verdict(status="unknown", measurement="", reason="speculators' forward does not call "
+                           "compute_metrics: the metric's path is not the one this check drives", **common)
+        first_slot = 0 if getattr(self.model.config, "sample_from_anchor", False) else 1
+        designed: list[Any] = []
+
+        def designed_metrics(logits: Tensor, targets: Tensor, loss_mask: Tensor, block_size: int, *args: Any,
+                             **kwargs: Any) -> Any:
+            vocab = logits.shape[-1]
+            plan = design(targets.argmax(-1).reshape(-1, block_size), loss_mask.reshape(-1, block_size),
+                          first_slot, vocab)
+            designed.append(plan)
+            drafts = one_hot_logits(plan.predictions.reshape(logits.shape[:-1]), vocab, logits)
+            return original(drafts, targets, loss_mask, block_size, *args, **kwargs)
+
+        identity = SimpleNamespace(block_embeddings=lambda x: x, draft_logits=lambda x: x)
+        names["compute_metrics"] = designed_metrics
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                _loss, _drafted, metrics = self._forward_with_metrics(lab.batch, identity)
+        finally:
+            names["compute_metrics"] = original
+        if not designed or "eal_sum" not in metrics or "eal_total" not in metrics:
+            return Verdict(status="unknown", measurement="", reason="the forward reported no eal_sum / eal_total",
+                           **common)
+        total, count = float(metrics["eal_sum"]), float(metrics["eal_total"])
+        plan = designed[-1]
+        fields = verdict_fields(total / count if count else float("nan"), plan.accepted_sum, plan.blocks,
+                                plan.partial_blocks, (total, count), "eal")
+        return Verdict(coverage={"blocks": plan.blocks, "blocks_cut_short": plan.partial_blocks,
+                                 "first_drafted_slot": first_slot}, **fields, **common)
 
     def _window_width(self, lab: Any) -> Verdict:
         """speculators' sliding-window mask (the model's own `_create_attention_mask`, causal within the block as
@@ -402,6 +463,7 @@ class SpeculatorsSubject:
                 wrong_export, wrong_rope = _saved_problems(model, saved, config, self.block_size)
                 found["export"] += [f"{label}: {p}" for p in wrong_export]
                 found["rope"] += [f"{label}: {p}" for p in wrong_rope]
+                found.setdefault("window", []).extend(f"{label}: {p}" for p in _window_problems(config))
                 parts.append(f"{label}: {'; '.join(wrong_export + wrong_rope) or 'as trained'}")
         except Exception as exc:  # noqa: BLE001 - a drafter that cannot be built or saved here says nothing of the export
             reason = (f"a drafter could not be built or saved: {type(exc).__name__}: "
@@ -410,6 +472,17 @@ class SpeculatorsSubject:
                     for common in (export, rope)]
         measurement = "; ".join(parts)
         verdicts = []
+        if found.get("window"):
+            # Mismatch only: a consistent window here says nothing of the window a server applies
+            verdicts.append(Verdict(
+                invariant="dflash.sliding_window_served", experiment="saved-config", perturbed=perturbed,
+                hypothesis="a layer the saved config calls sliding_attention carries the window it trained with",
+                threshold="a positive sliding_window, use_sliding_window not false, wherever a layer is sliding",
+                status="mismatch", measurement=measurement, expected="the trained window on every sliding layer",
+                observed="the saved layer config has sliding layers without a window: " + "; ".join(found["window"][:3])
+                         + " (the drafter trained, and is served, with full attention where its layer types say "
+                           "sliding, or a server picks one reading and training the other)",
+                fix="Set use_sliding_window (and sliding_window) whenever any layer is sliding_attention."))
         if found["export"]:
             verdicts.append(Verdict(
                 status="mismatch", measurement=measurement, expected="what the loader reads, as the drafter trained",
@@ -524,6 +597,50 @@ class SpeculatorsSubject:
                 verdicts.append(Verdict(status="match", observed="converted as the source", **common))
         return verdicts
 
+    def _token_frequencies(self, _lab: Any) -> Verdict:
+        """speculators' `save_token_frequency_distribution` (what data generation writes as token_freq.pt, the draft
+        vocabulary's source) over conversations whose supervised spans end on a token of their own and follow prompt
+        tokens of their own: the counts must be those of the supervised tokens, span edges included."""
+        from collections import Counter
+
+        from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+        g = torch.Generator().manual_seed(17)
+        vocab = int(self.target.vocab_size)
+        conversations, want = [], Counter()
+        for _ in range(3):
+            ids, mask = [], []
+            for _turn in range(2):
+                prompt = torch.randint(2, vocab // 2, (5,), generator=g).tolist()
+                answer = torch.randint(vocab // 2, vocab - 2, (6,), generator=g).tolist() + [EOS_TOKEN]
+                ids += prompt + answer
+                mask += [0] * len(prompt) + [1] * len(answer)
+            item = {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask)}
+            conversations.append(item)
+            want.update(item["input_ids"][item["loss_mask"].bool()].tolist())
+        where = self.scratch / "token-frequencies" / "token_freq.pt"
+        where.unlink(missing_ok=True)
+        save_token_frequency_distribution(conversations, where)
+        counted = {int(k): int(v) for k, v in torch.load(where, weights_only=True).items()}
+        common = dict(invariant="dflash.target_tables_resolve", experiment="token-frequencies",
+                      hypothesis="the token frequencies a reduced draft vocabulary is built from count the supervised "
+                                 "tokens, each span's first and last included",
+                      perturbed="3 conversations of 2 turns: prompt tokens unsupervised, answers supervised and ending "
+                                "on eos",
+                      measurement=f"{sum(counted.values())} tokens counted over {len(counted)} ids; "
+                                  f"{sum(want.values())} supervised over {len(want)} ids",
+                      threshold="equal counts per id", coverage={"conversations": 3, "turns": 2})
+        if counted != dict(want):
+            extra = sorted(set(counted) - set(want))[:4]
+            short = sorted(t for t in want if counted.get(t, 0) < want[t])[:4]
+            return Verdict(status="mismatch",
+                           observed=f"token_freq counts other tokens than the supervised ones: ids {extra} counted "
+                                    f"though never supervised, ids {short} under-counted; the draft vocabulary built "
+                                    "from it keeps other tokens than the ones the drafter must draft",
+                           expected="the count of every supervised token", fix="Count input_ids[loss_mask] as they "
+                           "are (no shift): the drafter drafts the supervised tokens themselves.", **common)
+        return Verdict(status="match", observed="the supervised tokens' counts, span edges included", **common)
+
     def _drafter_with_draft_vocab(self, problems: list[str]) -> nn.Module:
         """The drafter `--draft-vocab-size` builds: the maps from the trainer's own path (`parse_vocab_mappings`,
         which generates them from data_path/token_freq.pt), checked against the frequencies they came from."""
@@ -578,11 +695,20 @@ class SpeculatorsSubject:
         settings = [("the run's settings", base)]
         if base.get("optimizer") == "muon" and base.get("muon_lr") in (None, base.get("lr")):
             settings.append(("muon_lr 10 x lr (probe choice)", {**base, "muon_lr": 10 * float(base["lr"])}))
+        elif base.get("optimizer") != "muon" and "optimizer" not in self.sources:
+            # No run config chose the optimizer: the code's other one (the best-practices recipe's Muon) is a path a
+            # run of this code takes with one flag, so it is exercised too. A config that says adamw excludes it.
+            settings.append(("Muon, muon_lr 10 x lr (probe choice: no run config chose the optimizer)",
+                             {**base, "optimizer": "muon", "muon_lr": 10 * float(base["lr"])}))
+        muon_settings = [(label, config) for label, config in settings if config.get("optimizer") == "muon"]
         common = dict(invariant="dflash.optimizer_schedule", experiment="optimizer-rates",
                       hypothesis="each optimizer the trainer builds trains its parameters at the configured rate "
-                                 "(Muon: muon_lr, AdamW: lr)",
-                      perturbed="; ".join(label for label, _ in settings),
-                      threshold="equal rates")
+                                 "(Muon: muon_lr, AdamW: lr); Muon orthogonalises hidden matrices only, never a "
+                                 "vocabulary's embedding or head",
+                      perturbed="; ".join(label for label, _ in settings)
+                      + (f"; Muon's split on a drafter with a draft vocabulary of {DRAFT_VOCAB} (its lm_head trained)"
+                         if muon_settings else ""),
+                      threshold="equal rates; no vocabulary-shaped parameter in Muon")
         wrong, seen = [], []
         for label, config in settings:
             for optimizer in build_optimizers(self.model, SimpleNamespace(**config)):
@@ -592,12 +718,29 @@ class SpeculatorsSubject:
                     seen.append(f"{label}: {kind} lr {group['lr']:g}")
                     if abs(float(group["lr"]) - want) > 1e-12 * max(want, 1e-30):
                         wrong.append(f"{kind} at lr {group['lr']:g} where {label} give {want:g}")
+        if muon_settings:
+            reduced = self._drafter_with_draft_vocab([])
+            names = {id(p): n for n, p in reduced.named_parameters()}
+            for label, config in muon_settings:
+                for optimizer in build_optimizers(reduced, SimpleNamespace(**config)):
+                    if type(optimizer).__name__ != "Muon":
+                        continue
+                    vocab_shaped = [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"]
+                                    if DRAFT_VOCAB in tuple(p.shape)]
+                    seen.append(f"{label}, draft vocabulary {DRAFT_VOCAB}: {len(vocab_shaped)} vocabulary-shaped "
+                                "parameter(s) in Muon")
+                    if vocab_shaped:
+                        wrong.append(f"Muon orthogonalises and steps {', '.join(vocab_shaped)} (the reduced "
+                                     f"vocabulary's head, trained) at muon_lr {config['muon_lr']:g} instead of AdamW at "
+                                     f"lr {config['lr']:g}")
         measurement = "; ".join(dict.fromkeys(seen))
         if wrong:
             return Verdict(status="mismatch", measurement=measurement,
                            observed="an optimizer trains at another rate than configured: " + "; ".join(wrong),
-                           expected="Muon at muon_lr, AdamW at lr", fix="Build each optimizer with its own "
-                           "configured learning rate (Muon: muon_lr).", **common)
+                           expected="Muon at muon_lr over hidden matrices, AdamW at lr over the rest (embeddings and "
+                                    "heads included)",
+                           fix="Build each optimizer with its own configured learning rate (Muon: muon_lr), and route "
+                               "every embedding and vocabulary head to AdamW, trained or not.", **common)
         schedule_problems, schedule_measured = self._check_schedule_and_resume()
         measurement += "; " + schedule_measured
         if schedule_problems:
@@ -685,6 +828,12 @@ class SpeculatorsSubject:
             differ = (got.long() != want.long()) & valid
             if differ.any():
                 wrong[name] = [int(i) for i in differ.nonzero().flatten()]
+        # The cache's dtype is not the run's: every floating tensor must still reach the model in the training dtype
+        # (the targets lm_head(norm(h_L)) computed at another precision than serving computes them, else).
+        training_dtype = batch.hidden_states[0].dtype
+        cached = self._through_data_path(batch, stored_dtype=CACHE_DTYPE)
+        dtypes = {k: v.dtype for k, v in cached.items() if isinstance(v, Tensor) and v.is_floating_point()}
+        off_dtype = {k: d for k, d in dtypes.items() if d != training_dtype}
         last = [d for d in batch.doc_ids[0].unique().tolist() if d >= 0][-1]
         common = dict(
             experiment="collated-row",
@@ -692,14 +841,32 @@ class SpeculatorsSubject:
                        "document ids, positions restarting per document, loss mask and tokens; a document cut at the "
                        "row's end keeps its id for the part that fits",
             perturbed=f"the row's last document (id {last}) stored {CUT_TAIL} positions longer than the row, so the "
-                      "collator cuts it",
-            threshold="every valid position equal",
-            coverage={"cut_document": last, "cut_positions": CUT_TAIL, "fields": list(compared)},
+                      f"collator cuts it; the row again from a {CACHE_DTYPE} cache with the collator asked for "
+                      f"{training_dtype}",
+            threshold="every valid position equal; every floating tensor handed to the model in the training dtype",
+            coverage={"cut_document": last, "cut_positions": CUT_TAIL, "fields": list(compared),
+                      "cache_dtype": str(CACHE_DTYPE), "training_dtype": str(training_dtype),
+                      "collated_dtypes": {k: str(d) for k, d in dtypes.items()}},
         )
+        if off_dtype:
+            key = next(iter(off_dtype))
+            invariant = "dflash.target_logits_source" if "verifier" in key or "last" in key else "dflash.fc_input_layers"
+            return Verdict(invariant=invariant, status="mismatch",
+                           measurement="collated dtypes from a " + str(CACHE_DTYPE) + " cache: " + ", ".join(
+                               f"{k} {d}" for k, d in dtypes.items()),
+                           observed=f"speculators' collator hands the model {key} in {off_dtype[key]} (the cache's "
+                                    f"dtype), not the training dtype {training_dtype}: "
+                           + ("the target logits are computed at another precision than the aux states and serving"
+                              if invariant == "dflash.target_logits_source"
+                              else "fc reads the target's states at another precision than training runs in"),
+                           expected=f"every hidden-state tensor in {training_dtype}",
+                           fix="Cast every hidden-state tensor the collator writes (hidden_states and "
+                               "verifier_last_hidden_states) to the configured hidden-state dtype.", **common)
         if not wrong:
             return Verdict(invariant="dflash.context_excludes_anchor", status="match",
                            measurement=f"{int(valid.sum())} positions compared, none differ",
-                           observed="the collated row is the packed row, the cut document included", **common)
+                           observed="the collated row is the packed row, the cut document included, in the training "
+                                    "dtype from a cache in another", **common)
         name, where = next(iter(wrong.items()))
         got, want, invariant = compared[name]
         return Verdict(invariant=invariant, status="mismatch",
@@ -723,6 +890,20 @@ class SpeculatorsSubject:
         self.loss(batch, identity).backward()
         for optimizer in optimizers:
             optimizer.step()
+
+
+def _window_problems(config: dict[str, Any]) -> list[str]:
+    """A saved layer config whose layer types say sliding_attention without a window to slide (Qwen3's config drops
+    sliding_window to None when use_sliding_window is false)."""
+    layer = config.get("transformer_layer_config") or config
+    types = layer.get("layer_types") or []
+    if "sliding_attention" not in types:
+        return []
+    window, use = layer.get("sliding_window"), layer.get("use_sliding_window")
+    if isinstance(window, int) and window > 0 and use is not False:
+        return []
+    return [f"{types.count('sliding_attention')} of {len(types)} layers sliding_attention with sliding_window "
+            f"{window}, use_sliding_window {use}"]
 
 
 def _saved_problems(model: nn.Module, saved: Path, config: dict[str, Any],

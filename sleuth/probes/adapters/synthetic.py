@@ -4,8 +4,8 @@ speculators and SpecForge build their drafters from a verifier / target *path*: 
 its weights (embeddings, lm_head, final norm) and its tokenizer (the mask token). Writing the probe's
 target there lets their own loaders, layer-id rules and mask-token resolution run, instead of the adapter
 handing them the answers. The decoder layers are random (the probe supplies every hidden state itself);
-the tokenizer has V-1 tokens, token 0 the pad / eos, so the one unused embedding row is the mask token a
-trainer should pick.
+the tokenizer has V-1 tokens, token 0 the pad and token 1 the eos (as Qwen3's: two different tokens, no mask
+token), so the one unused embedding row is the mask token a trainer should pick.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from sleuth.probes.target import PAD_TOKEN
+from sleuth.probes.target import EOS_TOKEN, PAD_TOKEN
 
 
 def owned_scratch(owner: object, prefix: str) -> Path:
@@ -52,7 +52,8 @@ def write_target_dir(target: Any, path: Path, num_layers: int | None = None,
 
     path.mkdir(parents=True, exist_ok=True)
     config = Qwen3Config(**target.config_kwargs(num_layers or target.num_layers))
-    config.pad_token_id = config.eos_token_id = config.bos_token_id = PAD_TOKEN
+    config.pad_token_id = config.bos_token_id = PAD_TOKEN
+    config.eos_token_id = EOS_TOKEN
     if num_layers is not None and num_layers != target.num_layers:
         config.save_pretrained(path)  # a rule only reads the depth
         return path
@@ -80,7 +81,7 @@ def _write_qwen3_5(target: Any, path: Path, num_layers: int | None) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     config = {**target.config_kwargs(num_layers or target.num_layers), "model_type": "qwen3_5_text",
-              "architectures": ["Qwen3_5ForCausalLM"], "pad_token_id": PAD_TOKEN, "eos_token_id": PAD_TOKEN,
+              "architectures": ["Qwen3_5ForCausalLM"], "pad_token_id": PAD_TOKEN, "eos_token_id": EOS_TOKEN,
               "bos_token_id": PAD_TOKEN}
     (path / "config.json").write_text(json.dumps(config))
     if num_layers is not None and num_layers != target.num_layers:
@@ -111,15 +112,17 @@ def _add_checkpoint_keys(path: Path, names: tuple[str, ...]) -> None:
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
-    """A word-level tokenizer over V-1 tokens ("<pad>" = 0 is also eos): no mask token, one free row."""
+    """A word-level tokenizer over V-1 tokens, pad "<|endoftext|>" = 0 and eos "<|im_end|>" = 1 (Qwen3's layout):
+    no mask token, one free row."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": PAD_TOKEN, **{f"t{i}": i for i in range(1, vocab_size - 1)}}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    vocab = {"<|endoftext|>": PAD_TOKEN, "<|im_end|>": EOS_TOKEN,
+             **{f"t{i}": i for i in range(max(PAD_TOKEN, EOS_TOKEN) + 1, vocab_size - 1)}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<pad>",
-                                        unk_token="<pad>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                        unk_token="<|endoftext|>")
     tokenizer.save_pretrained(path)
     # Some loaders look for a generation config's eos; keep the ids in one place.
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": PAD_TOKEN, "pad_token_id": PAD_TOKEN}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_TOKEN, "pad_token_id": PAD_TOKEN}))

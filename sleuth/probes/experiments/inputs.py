@@ -8,7 +8,7 @@ from torch import Tensor
 
 from sleuth.probes.experiments.lab import Lab
 from sleuth.probes.protocol import ProbeHooks
-from sleuth.probes.target import PAD_TOKEN
+from sleuth.probes.target import EOS_TOKEN, PAD_TOKEN
 from sleuth.probes.verdict import Verdict
 
 
@@ -56,14 +56,16 @@ def probe_block_inputs(lab: Lab) -> list[Verdict]:
                      if int(tokens[min(n, tokens.shape[0] - 1), i * b]) != int(lab.batch.input_ids[n, a])]
     lab.facts["slot0_tokens_wrong"] = anchors_wrong
     data = set(lab.batch.input_ids[lab.batch.loss_mask.bool()].tolist())
-    verdict.measurement = f"slots 1..B-1 hold token ids {masks}; data tokens use {len(data)} ids; pad / eos = {PAD_TOKEN}"
+    verdict.measurement = (f"slots 1..B-1 hold token ids {masks}; data tokens use {len(data)} ids; pad {PAD_TOKEN}, "
+                           f"eos {EOS_TOKEN}")
     verdict.measured = {"mask_ids": masks}
     if len(masks) != 1:
         verdict.status = "mismatch"
         verdict.observed = f"slots 1..B-1 hold {len(masks)} different ids {masks[:8]} (not one mask token)"
-    elif masks[0] == PAD_TOKEN or masks[0] in data:
+    elif masks[0] in (PAD_TOKEN, EOS_TOKEN) or masks[0] in data:
         verdict.status = "mismatch"
-        verdict.observed = (f"mask token {masks[0]} is the pad / eos token" if masks[0] == PAD_TOKEN
+        special = {PAD_TOKEN: "pad", EOS_TOKEN: "eos"}.get(masks[0])
+        verdict.observed = (f"mask token {masks[0]} is the {special} token" if special
                             else f"mask token {masks[0]} is a data token")
         verdict.fix = "Use the tokenizer's dedicated mask token or an unused embedding row."
     else:

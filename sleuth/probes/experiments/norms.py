@@ -1,6 +1,6 @@
-"""Whether a norm follows fc, and whether every norm of the drafter is one the loss trains.
+"""Whether a norm follows fc, whether every norm of the drafter is one the loss trains, and with which epsilon.
 
-Two measurements, because each alone can pass broken code:
+Three measurements, because each alone can pass broken code:
   * scale: fc's output multiplied by a constant. With an RMSNorm after fc (DFlash's `hidden_norm`) the drafter's
     logits do not move (a norm is scale invariant, its eps aside); without one they move by O(1).
   * use: d loss / d every trainable norm weight. A norm of the drafter whose gradient is exactly zero is not in
@@ -8,12 +8,20 @@ Two measurements, because each alone can pass broken code:
     `norm`, a layer's MLP fed through its `input_layernorm` instead of `post_attention_layernorm`), so one is
     trained for two jobs and the exported one keeps its initial value. The scale test cannot see that: every
     consumer of fc's output is still normalised.
+  * eps: each norm module called on one input and on the same input scaled by c = 1e-3, whose mean square (1e-6)
+    is of the order of eps. An RMSNorm gives y(cx) / y(x) = c sqrt(1 + eps) / sqrt(c^2 + eps), whatever its gain
+    (w or 1 + w), so eps is read off the ratio and compared with the eps the drafter's config records (the one a
+    server builds its norms with). A kernel factory that drops the config's eps for its class default (SpecForge
+    round 7) changes every norm; the probe target's eps (3e-6) is no library's default, so any constant shows.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from sleuth.probes.experiments.lab import Lab, influence
 from sleuth.probes.protocol import ProbeHooks
@@ -24,6 +32,8 @@ SCALES = (4.0, 0.5)
 SCALE_FREE = 1e-4
 # ... and a projection whose scale reaches the logits moves them by far more than this
 SCALE_SEEN = 1e-2
+EPS_INPUT_SCALE = 1e-3  # the second input's rms: its mean square is of the order of a norm's eps
+EPS_TOLERANCE = 0.05  # relative: float32 reads eps to ~1e-3 at this scale; class defaults differ by 3x or more
 
 
 def _is_norm_weight(name: str, param: Tensor) -> bool:
@@ -52,6 +62,7 @@ def probe_fc_norm(lab: Lab) -> list[Verdict]:
     parts: list[str] = []
     scale_free = _scale_free(lab, verdict, parts)
     unused = _unused_norms(lab, verdict, parts)
+    off_eps = _norms_off_eps(lab, verdict, parts)
     verdict.measurement = "; ".join(parts)
     if scale_free is False:
         verdict.status = "mismatch"
@@ -62,8 +73,17 @@ def probe_fc_norm(lab: Lab) -> list[Verdict]:
         verdict.observed = (f"the drafter's {', '.join(unused)} gets no gradient from the loss: the norm is not used "
                             "(another norm takes its place), so it keeps its initial value in the checkpoint")
         verdict.fix = "Normalise fc's output with hidden_norm and the drafter's output with its final norm, each once."
-    elif scale_free and unused is not None:
-        verdict.status, verdict.observed = "match", "fc's output is normalised; every drafter norm is trained"
+    elif off_eps:
+        want = verdict.measured["eps_expected"]
+        verdict.status = "mismatch"
+        verdict.observed = (f"{len(off_eps)} of the drafter's norms use eps {_eps_text(off_eps)} where its config "
+                            f"records {want:g} (what a server builds): {', '.join(list(off_eps)[:4])}")
+        verdict.expected = f"eps {want:g} in every norm"
+        verdict.fix = "Build every norm with the config's rms_norm_eps, not a class default."
+    elif scale_free and unused is not None and off_eps is not None:
+        verdict.status = "match"
+        verdict.observed = "fc's output is normalised; every drafter norm is trained" + (
+            " and uses the eps its config records" if "eps_expected" in verdict.measured else "")
     elif scale_free is None and not verdict.reason:
         verdict.reason = "the change of the logits under fc's scaling is between the thresholds"
     return [verdict.gated()]
@@ -124,3 +144,99 @@ def _unused_norms(lab: Lab, verdict: Verdict, parts: list[str]) -> list[str] | N
     verdict.measured["norm_gradients"] = sizes
     verdict.coverage["norms_checked"] = sorted(norms)
     return [n for n, v in sizes.items() if v == 0.0]
+
+
+def _eps_text(off: dict[str, float]) -> str:
+    values = sorted({float(f"{v:.2g}") for v in off.values()})
+    return " / ".join(f"{v:g}" for v in values)
+
+
+def _drafter_norms(lab: Lab) -> dict[str, nn.Module]:
+    """The drafter's norm modules, by name: leaves with a 1-D weight, no bias, and "norm" in their class or attribute
+    name. From the subject's whole model where it has one (fc's norm and the final norm are outside the layers), else
+    from its layers."""
+    root = getattr(lab.subject, "model", None)
+    if isinstance(root, nn.Module):
+        named = list(root.named_modules())
+    else:
+        named = [(f"layers.{i}.{n}", m) for i, layer in enumerate(lab.subject.draft_layers())
+                 for n, m in layer.named_modules()]
+    norms = {}
+    for name, module in named:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, Tensor) or weight.dim() != 1 or getattr(module, "bias", None) is not None:
+            continue
+        if any(True for _ in module.children()):
+            continue
+        if "norm" in type(module).__name__.lower() or "norm" in name.rsplit(".", 1)[-1].lower():
+            norms[name] = module
+    return norms
+
+
+def _recorded_eps(lab: Lab, root: Any) -> tuple[float | None, str]:
+    """The eps the drafter's config records (what a server builds its norms with); None where it records none.
+    The target's eps is no substitute: a hand-written drafter with a constant eps equal to its real target's is
+    right for its run, and the probe's target has an eps no real one has."""
+    value = lab.info.get("rms_norm_eps")
+    if isinstance(value, (int, float)):
+        return float(value), "the subject's description"
+    # the model's own config, or the first submodule's that has one (SpecForge's training wrapper holds the drafter,
+    # whose config is the one saved)
+    for module in root.modules() if isinstance(root, nn.Module) else ():
+        config = getattr(module, "config", None)
+        for holder in (config, getattr(config, "transformer_layer_config", None)):
+            value = getattr(holder, "rms_norm_eps", None)
+            if isinstance(value, (int, float)):
+                return float(value), "the drafter's config"
+    return None, "the drafter records no eps"
+
+
+def _measured_eps(module: nn.Module) -> float | None:
+    """eps from y(cx) / y(x) on a zero-mean input of mean square 1 (so an RMSNorm and a LayerNorm read alike);
+    None where the module is not a scale-free norm of its input (not a norm, or it failed)."""
+    size = module.weight.shape[0]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 4, size, generator=g)
+    x = x - x.mean(-1, keepdim=True)
+    x = (x / x.pow(2).mean(-1, keepdim=True).sqrt()).to(module.weight.dtype)
+    try:
+        with torch.no_grad():
+            y, y_twice, y_small = (module(x * f).float() for f in (1.0, 2.0, EPS_INPUT_SCALE))
+    except Exception:  # noqa: BLE001 - a module that cannot be called alone is not measured
+        return None
+    energy = (y * y).sum()
+    if not torch.isfinite(energy) or energy.item() == 0.0 or influence(y, y_twice) > SCALE_FREE:
+        return None
+    r2 = ((y_small * y).sum() / energy).item() ** 2
+    c2 = EPS_INPUT_SCALE ** 2
+    if not math.isfinite(r2) or r2 <= c2:
+        return None
+    return c2 * (1.0 - r2) / (r2 - c2)
+
+
+def _norms_off_eps(lab: Lab, verdict: Verdict, parts: list[str]) -> dict[str, float] | None:
+    """The drafter's norms whose measured eps is not the recorded one; None when none could be measured."""
+    try:
+        norms = _drafter_norms(lab)
+    except Exception as exc:  # noqa: BLE001 - the other halves still stand
+        verdict.not_exercised.append(f"the norms' eps (the drafter's modules could not be listed: {type(exc).__name__})")
+        return None
+    want, source = _recorded_eps(lab, getattr(lab.subject, "model", None))
+    measured = {n: e for n, m in norms.items() if (e := _measured_eps(m)) is not None}
+    if not measured:
+        verdict.not_exercised.append("the norms' eps (no norm module of the drafter could be called alone)")
+        return None
+    verdict.measured["eps_measured"] = measured
+    verdict.coverage["eps_norms"] = sorted(measured)
+    if want is None:
+        # informational: what the drafter computes, with nothing recorded to hold it to
+        verdict.coverage["eps_compared"] = "no: the drafter records no eps for a server to build"
+        parts.append(f"eps of {len(measured)} norm modules from y(1e-3 x) / y(x): {_eps_text(measured)} "
+                     "(the drafter records none to compare with)")
+        return {}
+    verdict.measured["eps_expected"] = want
+    off = {n: e for n, e in measured.items() if abs(e - want) > EPS_TOLERANCE * want}
+    parts.append(f"eps of {len(measured)} norm modules from y(1e-3 x) / y(x): "
+                 + (f"{len(off)} at {_eps_text(off)}, " if off else "")
+                 + f"{len(measured) - len(off)} at {want:g} ({source})")
+    return off
