@@ -383,6 +383,8 @@ class SpecForgeSubject:
         two-turn conversation, with a tokenizer that holds the template's headers and end-of-turn as tokens of their
         own: each assistant turn's content and its end-of-turn must be supervised (serving accepts the end-of-turn at
         every turn's end; a drafter never trained on it cannot draft it), and nothing of the user turns."""
+        import warnings
+
         from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 
@@ -414,8 +416,6 @@ class SpecForgeSubject:
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<unk>")
         turns = [("user", "w1 w2"), ("assistant", "w3 w4 w5"), ("user", "w6"), ("assistant", "w7 w8")]
         conversation = [{"role": role, "content": text} for role, text in turns]
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the fallback rendering (no chat_template in the tokenizer) warns
             out = preprocess_conversations(tokenizer, [conversation], template, max_length=256)
