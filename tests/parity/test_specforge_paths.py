@@ -244,8 +244,13 @@ def test_a_warm_start_that_loses_the_recorded_mask_id_is_a_mask_token_mismatch(t
     assert "on a warm start the blocks are filled with" in verdict.observed, verdict.observed
 
 
-def test_assistant_spans_that_stop_before_the_end_of_turn_are_a_chat_template_mismatch(tmp_path: Path):
-    verdict = _verdicts(_planted(tmp_path, SPAN_ENDS_BEFORE_EOT))["dflash.chat_template_consistency"]
+@pytest.mark.parametrize("recipe", [None, "qwen36"], ids=["defaults-llama3", "qwen36-thinking"])
+def test_assistant_spans_that_stop_before_the_end_of_turn_are_a_chat_template_mismatch(recipe, tmp_path: Path,
+                                                                                      monkeypatch):
+    # the defaults' llama3 template (general parser) and the Qwen3.6 recipe's qwen3.5 template (thinking parser)
+    monkeypatch.chdir(tmp_path)
+    found = _verdicts(_planted(tmp_path, SPAN_ENDS_BEFORE_EOT), RECIPES.get(recipe))
+    verdict = found["dflash.chat_template_consistency"]
     assert verdict.status == "mismatch", (verdict.status, verdict.reason)
     assert "end-of-turn token after 2 of 2 assistant turns is unsupervised" in verdict.observed, verdict.observed
 

@@ -401,8 +401,10 @@ class SpecForgeSubject:
                                                           "span_pattern": getattr(template, "assistant_pattern_type", None)})
         # Only the end-of-turn-terminated span is driven: the other patterns end a turn at markers of their own
         # (longcat's "[Round N] USER:", inkling's role tags) that the tokenizer's real chat template renders and the
-        # parser's fallback rendering, the one this check can run, does not.
-        if (template.parser_type != "general" or getattr(template, "assistant_pattern_type", "general") != "general"
+        # parser's fallback rendering, the one this check can run, does not. The thinking parser (Qwen3.5 / 3.6's
+        # `qwen3.5` template) is the general one with thinking enabled, the same span rule.
+        if (template.parser_type not in ("general", "thinking")
+                or getattr(template, "assistant_pattern_type", "general") != "general"
                 or not template.end_of_turn_token or not template.assistant_header):
             return Verdict(status="unknown", measurement="", reason=f"the {name!r} template (parser "
                            f"{template.parser_type}, span pattern {getattr(template, 'assistant_pattern_type', '?')}) "
