@@ -1,5 +1,5 @@
-"""The acceptance a run reports (speculators' `eal`, SpecForge's `accept_len`) against the acceptance serving would
-see for the same drafts: the rule both servers apply, per block, is the leading run of correct draft slots plus the
+"""The acceptance a run reports (speculators' `eal`; SpecForge computes its `accept_len` only in the Domino / DSpark
+objectives, which the probes do not drive) against the acceptance serving would see for the same drafts: the rule both servers apply, per block, is the leading run of correct draft slots plus the
 verifier's bonus token, averaged over the blocks that have a trained slot.
 
 A metric that counts every correct slot (a cumulative product over the wrong axis), or drops the blocks a document
@@ -32,10 +32,9 @@ class Designed:
     partial_blocks: int  # of those, blocks with an untrained slot too (a document end, a hole in the loss mask)
 
 
-def design(targets: Tensor, trained: Tensor, first_slot: int, vocab: int, offset: int = 0) -> Designed:
+def design(targets: Tensor, trained: Tensor, first_slot: int, vocab: int) -> Designed:
     """Predictions over blocks shaped [..., B] (`targets` the run's target ids, `trained` its trained slots);
-    `first_slot` is the first drafted slot (1 where slot 0 is the anchor's own token); `offset` numbers the blocks
-    across calls (a chunked objective designs its chunks one by one)."""
+    `first_slot` is the first drafted slot (1 where slot 0 is the anchor's own token)."""
     b = targets.shape[-1]
     flat_t, flat_v = targets.reshape(-1, b), trained.reshape(-1, b).bool()
     wrong_token = (flat_t + 1) % vocab
@@ -48,7 +47,7 @@ def design(targets: Tensor, trained: Tensor, first_slot: int, vocab: int, offset
             continue
         untrained = (~valid).nonzero().flatten()
         first_untrained = int(untrained[0]) if untrained.numel() else drafted
-        chosen = (k + offset) % drafted
+        chosen = k % drafted
         if chosen < first_untrained:
             run, wrong = chosen, chosen
         else:
@@ -71,18 +70,17 @@ def one_hot_logits(predictions: Tensor, vocab: int, like: Tensor) -> Tensor:
     return logits.scatter(-1, predictions.unsqueeze(-1).to(like.device), 10.0)
 
 
-def verdict_fields(reported: float, designed_sum: float, blocks: int, partial: int,
-                   reported_parts: tuple[float, float] | None, metric: str) -> dict[str, object]:
-    """The comparison, as Verdict keyword arguments (status, measurement, observed, expected, fix)."""
-    expected = designed_sum / blocks if blocks else float("nan")
-    measurement = (f"{metric} reported {reported:.4f} over designed drafts on {blocks} blocks with a trained slot "
-                   f"({partial} of them cut short by an untrained slot); serving's rule gives {expected:.4f}")
-    if reported_parts is not None:
-        measurement += f"; reported sum / blocks {reported_parts[0]:g} / {reported_parts[1]:g}, " \
-                       f"serving's {designed_sum:g} / {blocks}"
-    wrong_parts = reported_parts is not None and (abs(reported_parts[0] - designed_sum) > 1e-3
-                                                  or abs(reported_parts[1] - blocks) > 1e-3)
-    if abs(reported - expected) > 1e-3 * max(1.0, expected) or wrong_parts:
+def verdict_fields(reported_sum: float, reported_blocks: float, plan: Designed, metric: str) -> dict[str, object]:
+    """The reported sum and block count against the plan's, as Verdict keyword arguments (status, measurement,
+    observed, expected, fix). Both parts, not only their ratio: a denominator that drops blocks can leave the mean
+    where it was by chance."""
+    reported = reported_sum / reported_blocks if reported_blocks else float("nan")
+    expected = plan.accepted_sum / plan.blocks if plan.blocks else float("nan")
+    measurement = (f"{metric} reported {reported:.4f} over designed drafts on {plan.blocks} blocks with a trained "
+                   f"slot ({plan.partial_blocks} of them cut short by an untrained slot); serving's rule gives "
+                   f"{expected:.4f}; reported sum / blocks {reported_sum:g} / {reported_blocks:g}, serving's "
+                   f"{plan.accepted_sum:g} / {plan.blocks}")
+    if abs(reported_sum - plan.accepted_sum) > 1e-3 or abs(reported_blocks - plan.blocks) > 1e-3:
         return dict(status="mismatch", measurement=measurement,
                     observed=f"the run reports {metric} {reported:.3f} where serving would accept {expected:.3f} "
                              "tokens per block on the same drafts: the metric the runs are compared by is not what "

@@ -31,7 +31,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from sleuth.escape import is_unsafe
 from sleuth.probes.pieces import HELPER_KINDS, PIECE_KINDS
 from sleuth.probes.protocol import PROTOCOL_METHODS
-from sleuth.probes.verdict import ANSWER_INVARIANTS, PROBE_STATUSES, Verdict
+from sleuth.probes.verdict import ANSWER_INVARIANTS, MISMATCH_ONLY_INVARIANTS, PROBE_STATUSES, Verdict
 from sleuth.redact import redact
 
 MAX_DEPTH = 32
@@ -155,6 +155,9 @@ class ProbeAnswer(_Strict):
                 raise ValueError(f"verdict {number}: status {verdict.status!r} is not one of {', '.join(PROBE_STATUSES)}")
             if verdict.invariant not in ANSWER_INVARIANTS:
                 raise ValueError(f"verdict {number}: {verdict.invariant!r} is not an invariant the probes decide")
+            if verdict.invariant in MISMATCH_ONLY_INVARIANTS and verdict.status == "match":
+                raise ValueError(f"verdict {number}: {verdict.invariant!r} is one the probes can show broken, never "
+                                 "clear (a match on it can only be forged)")
             if isinstance(verdict.seconds, float) and not math.isfinite(verdict.seconds):
                 raise ValueError(f"verdict {number}: seconds is not a finite number")
         return verdicts

@@ -96,7 +96,8 @@ PATH_CHECK_INVARIANTS: tuple[str, ...] = ("dflash.export_contract", "dflash.opti
                                          "dflash.rope_served_as_trained")
 # Invariants a path check can show broken but never clear: one part of them is measured (the acceptance metric a run
 # reports is one of the train-serve gap's many parts; the token counts behind a draft vocabulary one of the tables a
-# drafter borrows), so a check's match stays in its coverage, never the verdict.
+# drafter borrows), so a check's match is dropped (_merge_path_checks) and an answer that says `match` on one is
+# refused (sleuth/probes/answer.py).
 MISMATCH_ONLY_INVARIANTS: tuple[str, ...] = ("dflash.train_serve_gap", "dflash.target_tables_resolve",
                                              "dflash.chat_template_consistency", "dflash.sliding_window_served")
 ANSWER_INVARIANTS: tuple[str, ...] = PROBED_INVARIANTS + PATH_CHECK_INVARIANTS + MISMATCH_ONLY_INVARIANTS

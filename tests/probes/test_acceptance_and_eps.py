@@ -77,11 +77,9 @@ def test_defective_metrics_disagree_with_the_designed_acceptance():
     full_blocks = [r for r, v in zip(_runs_ending_at_untrained(correct, drafted_valid), drafted_valid) if v.all()]
     # the two blocks cut short leave the denominator; the mean can agree by chance (it does here), the parts cannot
     assert len(full_blocks) == plan.blocks - 2
-    fields = verdict_fields(sum(full_blocks) / len(full_blocks), plan.accepted_sum, plan.blocks, plan.partial_blocks,
-                            (sum(full_blocks), len(full_blocks)), "eal")
+    fields = verdict_fields(sum(full_blocks), len(full_blocks), plan, "eal")
     assert fields["status"] == "mismatch"
-    assert verdict_fields(expected, plan.accepted_sum, plan.blocks, plan.partial_blocks,
-                          (plan.accepted_sum, plan.blocks), "eal")["status"] == "match"
+    assert verdict_fields(plan.accepted_sum, plan.blocks, plan, "eal")["status"] == "match"
 
 
 class _OnePlusWeightNorm(nn.Module):

@@ -360,10 +360,8 @@ class SpeculatorsSubject:
         if not designed or "eal_sum" not in metrics or "eal_total" not in metrics:
             return Verdict(status="unknown", measurement="", reason="the forward reported no eal_sum / eal_total",
                            **common)
-        total, count = float(metrics["eal_sum"]), float(metrics["eal_total"])
         plan = designed[-1]
-        fields = verdict_fields(total / count if count else float("nan"), plan.accepted_sum, plan.blocks,
-                                plan.partial_blocks, (total, count), "eal")
+        fields = verdict_fields(float(metrics["eal_sum"]), float(metrics["eal_total"]), plan, "eal")
         return Verdict(coverage={"blocks": plan.blocks, "blocks_cut_short": plan.partial_blocks,
                                  "first_drafted_slot": first_slot}, **fields, **common)
 
@@ -454,7 +452,9 @@ class SpeculatorsSubject:
         found: dict[str, list[str]] = {"export": [], "rope": []}
         parts: list[str] = []
         try:
-            built = {"built": self.model, f"draft vocabulary {DRAFT_VOCAB}": self._drafter_with_draft_vocab(found["export"]),
+            reduced, map_problems = self._draft_vocab_drafter()
+            found["export"] += map_problems
+            built = {"built": self.model, f"draft vocabulary {DRAFT_VOCAB}": reduced,
                      f"partial-rotary verifier ({PARTIAL_ROTARY})": self._drafter_on_partial_rotary_verifier()}
             for label, model in built.items():
                 saved = self.scratch / f"saved-{len(parts)}"
@@ -641,9 +641,17 @@ class SpeculatorsSubject:
                            "are (no shift): the drafter drafts the supervised tokens themselves.", **common)
         return Verdict(status="match", observed="the supervised tokens' counts, span edges included", **common)
 
-    def _drafter_with_draft_vocab(self, problems: list[str]) -> nn.Module:
-        """The drafter `--draft-vocab-size` builds: the maps from the trainer's own path (`parse_vocab_mappings`,
-        which generates them from data_path/token_freq.pt), checked against the frequencies they came from."""
+    def _draft_vocab_drafter(self) -> tuple[nn.Module, list[str]]:
+        """The drafter `--draft-vocab-size` builds, and what is wrong with its maps: the maps from the trainer's own
+        path (`parse_vocab_mappings`, which generates them from data_path/token_freq.pt), checked against the
+        frequencies they came from. Built once; the saved-config and optimizer checks both read it."""
+        if getattr(self, "_draft_vocab", None) is None:
+            problems: list[str] = []
+            self._draft_vocab = (self._build_draft_vocab_drafter(problems), problems)
+        model, problems = self._draft_vocab
+        return model, list(problems)
+
+    def _build_draft_vocab_drafter(self, problems: list[str]) -> nn.Module:
         from speculators.train.cli import build_draft_model, parse_vocab_mappings
 
         data = self.scratch / "data-draft-vocab"
@@ -719,7 +727,7 @@ class SpeculatorsSubject:
                     if abs(float(group["lr"]) - want) > 1e-12 * max(want, 1e-30):
                         wrong.append(f"{kind} at lr {group['lr']:g} where {label} give {want:g}")
         if muon_settings:
-            reduced = self._drafter_with_draft_vocab([])
+            reduced, _map_problems = self._draft_vocab_drafter()
             names = {id(p): n for n, p in reduced.named_parameters()}
             for label, config in muon_settings:
                 for optimizer in build_optimizers(reduced, SimpleNamespace(**config)):

@@ -164,11 +164,12 @@ def _drafter_norms(lab: Lab) -> dict[str, nn.Module]:
     norms = {}
     for name, module in named:
         weight = getattr(module, "weight", None)
-        if not isinstance(weight, Tensor) or weight.dim() != 1 or getattr(module, "bias", None) is not None:
+        if not isinstance(weight, Tensor) or getattr(module, "bias", None) is not None:
             continue
-        if any(True for _ in module.children()):
+        if any(True for _ in module.children()):  # a leaf: a norm holds no modules
             continue
-        if "norm" in type(module).__name__.lower() or "norm" in name.rsplit(".", 1)[-1].lower():
+        # the module whose weight the gradient half counts as a norm's, or one whose class says it is a norm
+        if _is_norm_weight(f"{name}.weight", weight) or (weight.dim() == 1 and "norm" in type(module).__name__.lower()):
             norms[name] = module
     return norms
 
