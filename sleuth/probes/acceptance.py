@@ -1,6 +1,7 @@
-"""The acceptance a run reports (speculators' `eal`; SpecForge computes its `accept_len` only in the Domino / DSpark
-objectives, which the probes do not drive) against the acceptance serving would see for the same drafts: the rule both servers apply, per block, is the leading run of correct draft slots plus the
-verifier's bonus token, averaged over the blocks that have a trained slot.
+"""The acceptance a run reports (speculators' `eal`; SpecForge's `accept_len`, which only its Domino objective
+computes) against the acceptance serving would see for the same drafts: the rule both servers apply, per block, is
+the leading run of correct draft slots plus the verifier's bonus token, averaged over the blocks that have a trained
+slot.
 
 A metric that counts every correct slot (a cumulative product over the wrong axis), or drops the blocks a document
 end cuts short from its denominator, still trains; it only reports a number serving will not reach, and every run
@@ -32,9 +33,10 @@ class Designed:
     partial_blocks: int  # of those, blocks with an untrained slot too (a document end, a hole in the loss mask)
 
 
-def design(targets: Tensor, trained: Tensor, first_slot: int, vocab: int) -> Designed:
+def design(targets: Tensor, trained: Tensor, first_slot: int, vocab: int, offset: int = 0) -> Designed:
     """Predictions over blocks shaped [..., B] (`targets` the run's target ids, `trained` its trained slots);
-    `first_slot` is the first drafted slot (1 where slot 0 is the anchor's own token)."""
+    `first_slot` is the first drafted slot (1 where slot 0 is the anchor's own token). `offset` counts the blocks
+    designed before these (a metric evaluated in chunks): the first wrong slot keeps varying across chunks."""
     b = targets.shape[-1]
     flat_t, flat_v = targets.reshape(-1, b), trained.reshape(-1, b).bool()
     wrong_token = (flat_t + 1) % vocab
@@ -47,7 +49,7 @@ def design(targets: Tensor, trained: Tensor, first_slot: int, vocab: int) -> Des
             continue
         untrained = (~valid).nonzero().flatten()
         first_untrained = int(untrained[0]) if untrained.numel() else drafted
-        chosen = k % drafted
+        chosen = (k + offset) % drafted
         if chosen < first_untrained:
             run, wrong = chosen, chosen
         else:

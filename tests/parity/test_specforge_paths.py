@@ -303,3 +303,56 @@ def test_an_optimizer_state_that_does_not_resume_is_an_optimizer_mismatch(tmp_pa
     verdict = _verdicts(_planted(tmp_path, MASTERS_SAVED_ROUNDED))["dflash.optimizer_schedule"]
     assert verdict.status == "mismatch", (verdict.status, verdict.reason)
     assert "an optimizer resumed from its saved state is not the saved one" in verdict.observed, verdict.observed
+
+
+# Round 7's accept-length class (r7-sf-accept-len-block-axis took the cumulative product over the block axis), our
+# own variants: every correct slot counted (no leading-run product at all), the verifier's bonus token left out,
+# and blocks without an evaluated slot kept in the denominator. Only the Domino objective reports accept_len.
+FAMILY = "algorithms/common/dflash_family_model.py"
+ACCEPT_EVERY_CORRECT_SLOT = (FAMILY, "    accept_prefix = correct.long().cumprod(dim=2) * valid_mask_4d.long()\n",
+                             "    accept_prefix = correct.long() * valid_mask_4d.long()\n")
+ACCEPT_NO_BONUS = (FAMILY, "            accept_num = ((accepted + 1.0) * valid_blocks).sum()\n",
+                   "            accept_num = (accepted * valid_blocks).sum()\n")
+ACCEPT_EVERY_BLOCK = (FAMILY, "            accept_den = valid_blocks.sum()\n",
+                      "            accept_den = torch.ones_like(valid_blocks).sum()\n")
+
+
+@pytest.mark.parametrize("edit", [ACCEPT_EVERY_CORRECT_SLOT, ACCEPT_NO_BONUS, ACCEPT_EVERY_BLOCK],
+                         ids=["every-correct-slot", "no-bonus", "every-block"])
+def test_an_accept_len_other_than_servings_is_a_train_serve_mismatch(edit, tmp_path: Path):
+    verdict = _verdicts(_planted(tmp_path, edit))["dflash.train_serve_gap"]
+    assert verdict.status == "mismatch", (verdict.status, verdict.reason)
+    assert "where serving would accept" in verdict.observed, verdict.observed
+
+
+def _reported_acceptance(recipe: Path | None) -> object:
+    """The reported-acceptance check on unmodified SpecForge, in this process (its `match` never reaches a probe
+    answer: train_serve_gap is mismatch-only), on the lab the worker builds."""
+    import torch
+
+    from sleuth.probes.adapters.specforge import SpecForgeSubject
+    from sleuth.probes.experiments import Lab, randomize_drafter
+    from sleuth.probes.protocol import PartialSubject, check_description
+    from sleuth.probes.target import make_target
+    from sleuth.probes.verdict import Expectations
+
+    context = {"config": yaml.safe_load(recipe.read_text()), "config_path": str(recipe)} if recipe else {}
+    subject = SpecForgeSubject(str(_specforge()), context)
+    info = check_description(PartialSubject(subject).describe())
+    target = make_target(int(info["num_target_layers"]), 0)
+    torch.manual_seed(0)
+    subject.build(target)
+    randomize_drafter(PartialSubject(subject), target, 7)
+    return subject._reported_acceptance(Lab(PartialSubject(subject), info, target, Expectations.from_json(None), 0))
+
+
+def test_unmodified_domino_accept_len_is_servings_on_several_chunks_and_cut_blocks():
+    verdict = _reported_acceptance(None)
+    assert verdict.status == "match", (verdict.status, verdict.observed, verdict.measurement)
+    assert verdict.coverage["chunks"] >= 2 and verdict.coverage["blocks_cut_short"] >= 1, verdict.coverage
+    assert "probe choice: no recipe chose a strategy" in verdict.coverage["objective"], verdict.coverage
+
+
+def test_a_dflash_recipe_leaves_the_domino_accept_len_unexercised():
+    verdict = _reported_acceptance(RECIPES["tiny-gamma7"])
+    assert verdict.status == "unknown" and "training.strategy dflash" in verdict.reason, verdict

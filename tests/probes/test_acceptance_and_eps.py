@@ -82,6 +82,21 @@ def test_defective_metrics_disagree_with_the_designed_acceptance():
     assert verdict_fields(plan.accepted_sum, plan.blocks, plan, "eal")["status"] == "match"
 
 
+def test_chunks_designed_with_offsets_plan_what_one_piece_plans():
+    # a metric evaluated in chunks (SpecForge's Domino objective) is designed chunk by chunk: with each chunk's
+    # offset the blocks get the first wrong slots one design over all of them gives, not a restart per chunk
+    g = torch.Generator().manual_seed(5)
+    targets = torch.randint(0, 50, (12, 8), generator=g)
+    valid = torch.ones(12, 8, dtype=torch.bool)
+    whole = design(targets, valid, first_slot=1, vocab=50)
+    first = design(targets[:5], valid[:5], first_slot=1, vocab=50)
+    rest = design(targets[5:], valid[5:], first_slot=1, vocab=50, offset=5)
+    assert torch.equal(torch.cat([first.predictions, rest.predictions]), whole.predictions)
+    assert first.accepted_sum + rest.accepted_sum == whole.accepted_sum
+    restarted = design(targets[5:], valid[5:], first_slot=1, vocab=50)
+    assert not torch.equal(restarted.predictions, rest.predictions)
+
+
 class _OnePlusWeightNorm(nn.Module):
     """Qwen3.5's convention: x * (1 + w)."""
 

@@ -63,6 +63,8 @@ TAIL = 5  # positions each stored sample has beyond max_len, so the offline norm
 # probe's batch), and the agreement asked for (float32 sums in another order differ at rounding level only).
 CHUNK_SIZES = (1, 2)
 CHUNK_LOSS_RTOL, CHUNK_GRAD_RTOL = 1e-5, 1e-4
+DOMINO_HEAD = 16  # the reported-acceptance check's Domino GRU head widths (its logits are replaced by designed ones)
+DOMINO_CHUNK = 2  # blocks per objective chunk there
 SCHEDULE_STEPS = 400  # steps the optimizer's schedule is built for and read over (warmup 6 at the default ratio)
 
 
@@ -304,14 +306,16 @@ class SpecForgeSubject:
             for handle in handles:
                 handle.remove()
 
-    def _through_data_path(self, batch: Any) -> dict[str, Tensor]:
-        """The rows as SpecForge's training gets them: the selected layers (its extract_context_feature), each
+    def _through_data_path(self, batch: Any, layer_ids: list[int] | None = None) -> dict[str, Tensor]:
+        """The rows as SpecForge's training gets them: the selected layers (its extract_context_feature; the
+        drafter's own ids unless `layer_ids` names another drafter's), each
         row stored as an offline sample a few positions longer than max_len, its offline normaliser
         (normalize_offline_sample) and its collator (zero padding)."""
         from specforge.algorithms.common.dflash_family_data import build_collator, normalize_offline_sample
         from specforge.modeling.draft.dflash import extract_context_feature
 
-        features = extract_context_feature(list(batch.hidden_states), list(self.model.draft_model.target_layer_ids))
+        ids = layer_ids if layer_ids is not None else list(self.model.draft_model.target_layer_ids)
+        features = extract_context_feature(list(batch.hidden_states), ids)
         g = torch.Generator().manual_seed(11)
         samples = []
         for row in range(batch.input_ids.shape[0]):
@@ -375,8 +379,112 @@ class SpecForgeSubject:
                   (self._exported_draft, ("dflash.block_position_ids", "dflash.rope_served_as_trained"),
                    "exported-draft"),
                   (self._optimizer_steps, "dflash.optimizer_schedule", "optimizer-steps"),
-                  (self._supervised_spans, "dflash.chat_template_consistency", "supervised-spans")]
+                  (self._supervised_spans, "dflash.chat_template_consistency", "supervised-spans"),
+                  (self._reported_acceptance, "dflash.train_serve_gap", "reported-acceptance")]
         return [verdict for check, invariants, name in checks for verdict in guarded(check, lab, invariants, name)]
+
+    def _reported_acceptance(self, lab: Any) -> Verdict:
+        """The `accept_len` SpecForge's Domino forward reports (`OnlineDominoModel.forward`, its chunk terms and
+        `compute_accept_len`, all as they run), on drafts designed over its own targets and evaluated slots, against
+        serving's rule on the same drafts (sleuth.probes.acceptance). Only the Domino objective reports one (a DFlash
+        run reports none, DSpark an expectation of its own): it is driven where the recipe chose Domino, or where no
+        recipe chose a strategy, since the metric is then one flag away (`training.strategy: domino`)."""
+        from sleuth.probes.acceptance import design, one_hot_logits, verdict_fields
+
+        strategy = (self.recipe.get("training") or {}).get("strategy")
+        common = dict(invariant="dflash.train_serve_gap", experiment="reported-acceptance",
+                      hypothesis="the accept_len a run reports is the acceptance serving would see for the same drafts",
+                      perturbed="SpecForge's Domino training model built by its own providers on the probe's target; "
+                                "the drafter's final logits inside its forward replaced by a designed pattern over its "
+                                "own targets: a different first wrong slot per block, correct slots after it, blocks "
+                                "cut short by the row's end or a loss-mask hole",
+                      threshold="reported accept_len = serving's, its sum and block count too")
+        if strategy not in (None, "domino"):
+            return Verdict(status="unknown", measurement="", reason=f"the recipe's training.strategy {strategy} "
+                           "reports no accept length (SpecForge computes one in its Domino objective only)",
+                           not_exercised=["Domino's accept_len (compute_accept_len): not this run's strategy"], **common)
+        model = self._domino_training_model()
+        # without shift_label a block's targets start at the anchor's own token, which is not weighted
+        first_slot = 0 if model.shift_label else 1
+        designed: list[Any] = []
+        reported: list[tuple[float, float]] = []
+        chunk_terms = model._domino_objective_chunk_terms
+        pending: dict[str, Tensor] = {}
+
+        def designed_chunk(hidden: Tensor, prev_ids: Tensor, target_ids: Tensor, weight_mask: Tensor,
+                           eval_weight_mask: Tensor) -> Any:
+            plan = design(target_ids, eval_weight_mask > 0, first_slot, self.target.vocab_size,
+                          offset=sum(int(p.predictions[..., 0].numel()) for p in designed))
+            designed.append(plan)
+            pending["predictions"] = plan.predictions
+            terms = chunk_terms(hidden, prev_ids, target_ids, weight_mask, eval_weight_mask)
+            reported.append((float(terms[6]), float(terms[8])))  # accept_num, accept_den (the chunk's own sums)
+            return terms
+
+        def designed_head(base_logits4d: Tensor, **_kwargs: Any) -> Tensor:
+            return one_hot_logits(pending["predictions"], base_logits4d.shape[-1], base_logits4d)
+
+        anchors, valid = lab.batch.anchors.clone(), lab.batch.anchor_valid.clone()
+        model.num_anchors = int(anchors.shape[1])
+        model._sample_anchor_positions = lambda seq_len, loss_mask, device: (anchors.clone(), valid.clone())
+        model._domino_objective_chunk_terms, model._apply_domino_head = designed_chunk, designed_head
+        # several chunks, as a run whose anchors outnumber objective_chunk_blocks (512 against 128 by default) sums
+        # its metric's terms over them
+        model.objective_chunk_blocks = DOMINO_CHUNK
+        fed = self._through_data_path(lab.batch, list(model.draft_model.target_layer_ids))
+        model.eval()
+        with torch.no_grad(), _flex_masks_dense():
+            _loss, _accuracy, metrics = model(input_ids=fed["input_ids"], hidden_states=fed["hidden_states"],
+                                              loss_mask=fed["loss_mask"])
+        if not designed or "accept_len" not in metrics:
+            return Verdict(status="unknown", measurement="", reason="SpecForge's Domino forward reported no "
+                           "accept_len, or did not evaluate its objective through its chunk terms", **common)
+        plan = SimpleNamespace(accepted_sum=sum(p.accepted_sum for p in designed), blocks=sum(p.blocks for p in designed),
+                               partial_blocks=sum(p.partial_blocks for p in designed))
+        fields = verdict_fields(sum(r[0] for r in reported), sum(r[1] for r in reported), plan, "accept_len")
+        mean = float(metrics["accept_len"])
+        expected = plan.accepted_sum / plan.blocks if plan.blocks else float("nan")
+        fields["measurement"] += f"; the forward's accept_len {mean:.4f}"
+        if fields["status"] == "match" and not abs(mean - expected) <= 1e-4 * max(1.0, expected):
+            fields.update(status="mismatch", observed=f"the forward reports accept_len {mean:.3f} where its own chunk "
+                          f"sums and serving's rule give {expected:.3f}")
+        source = "the recipe's strategy" if strategy == "domino" else "probe choice: no recipe chose a strategy"
+        return Verdict(coverage={"objective": f"domino ({source})", "blocks": plan.blocks,
+                                 "blocks_cut_short": plan.partial_blocks, "chunks": len(designed)},
+                       not_exercised=["DSpark's expected acceptance (tau): an expectation over its accept "
+                                      "probabilities, not a count"], **fields, **common)
+
+    def _domino_training_model(self) -> Any:
+        """SpecForge's Domino training model, as its providers build it for the run's recipe with
+        `training.strategy: domino`. Domino generates no draft config: the DFlash drafter's, with Domino's
+        architecture and its GRU head (small sizes of the probe's; `shift_label` at its default), is written
+        beside the recipe's."""
+        from transformers import AutoTokenizer
+
+        from specforge.algorithms.builtin import builtin_algorithm_registry
+        from specforge.config import Config
+        from specforge.training.model_loading import resolve_draft_config
+
+        providers = builtin_algorithm_registry().resolve("domino").providers.model
+        written = self.draft_config.to_dict()
+        written["architectures"] = [providers.draft_config.architecture]
+        written["dflash_config"] = {**(written.get("dflash_config") or {}), "projector_type": "domino",
+                                    "emb_dim": DOMINO_HEAD, "gru_hidden_dim": DOMINO_HEAD}
+        written.pop("auto_map", None)
+        path = self.scratch / "domino-draft.json"
+        path.write_text(json.dumps(written, default=str))
+        recipe = self.cfg.model_dump()
+        recipe["training"]["strategy"] = "domino"
+        recipe["model"]["draft_model_config"] = str(path)
+        cfg = Config.model_validate(recipe)
+        draft_config = resolve_draft_config(cfg, provider=providers.draft_config)
+        draft = providers.build_draft(cfg, draft_config).float()
+        parts = providers.build_training_model(cfg, draft, draft_config, self.target_config,
+                                               AutoTokenizer.from_pretrained(str(self.target_dir)))
+        model = parts.model.float()
+        if model.attention_backend not in ("flex_attention", "sdpa"):
+            model.attention_backend = "sdpa"  # flex's mask_mod is evaluated densely (_flex_masks_dense), as in build()
+        return model
 
     def _supervised_spans(self, _lab: Any) -> Verdict:
         """SpecForge's `preprocess_conversations` under the run's chat template (`data.chat_template`), on a

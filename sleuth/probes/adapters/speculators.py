@@ -741,6 +741,21 @@ class SpeculatorsSubject:
                         wrong.append(f"Muon orthogonalises and steps {', '.join(vocab_shaped)} (the reduced "
                                      f"vocabulary's head, trained) at muon_lr {config['muon_lr']:g} instead of AdamW at "
                                      f"lr {config['lr']:g}")
+                # The routing rule on the vocabulary-shaped parameters this code keeps frozen (speculators 0.9.0
+                # freezes every lm_head): reported, not judged, since no step of this run takes that route.
+                frozen = [p for p in reduced.parameters() if not p.requires_grad and DRAFT_VOCAB in tuple(p.shape)]
+                for p in frozen:
+                    p.requires_grad_(True)
+                try:
+                    routed = [names.get(id(p), "?") for optimizer in build_optimizers(reduced, SimpleNamespace(**config))
+                              if type(optimizer).__name__ == "Muon" for group in optimizer.param_groups
+                              for p in group["params"] if DRAFT_VOCAB in tuple(p.shape)]
+                finally:
+                    for p in frozen:
+                        p.requires_grad_(False)
+                if frozen:
+                    seen.append(f"{label}: its frozen vocabulary-shaped parameters made trainable (no step of this "
+                                f"code trains them), Muon would take {', '.join(routed) if routed else 'none of them'}")
         measurement = "; ".join(dict.fromkeys(seen))
         if wrong:
             return Verdict(status="mismatch", measurement=measurement,
