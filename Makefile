@@ -7,16 +7,32 @@ PYTHON    ?= python3
 BIN       := $(VENV)/bin
 RUNS      ?= runs
 
-.PHONY: setup demo test parity parity-catalog bench clean-runs
+LOCK      := requirements/lock.txt
+
+.PHONY: setup demo test test-latest lock parity parity-catalog bench clean-runs
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml tools/install_torch.sh
+# The locked set: every package at the version in requirements/lock.txt (the one the suite passed on), torch's
+# build chosen by tools/install_torch.sh at the lock's torch version. The lock is a constraints file, so a CUDA
+# machine's extra packages (nvidia-*) follow torch's own requirements.
+$(VENV)/.installed: pyproject.toml $(LOCK) tools/install_torch.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	tools/install_torch.sh $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -c $(LOCK) -e '.[test]'
 	@touch $@
+
+# Upstream drift, seen by us first: a fresh venv with the newest release of every dependency (not the lock, not
+# pyproject's caps), then the suite; prints which packages moved against the lock and what broke. Not part of CI.
+# Args: TEST_LATEST_ARGS='-k recurrent' to run a subset; TEST_LATEST_TORCH=1 to take the newest torch too.
+test-latest:
+	$(PYTHON) tools/test_latest.py --venv .venv-latest $(TEST_LATEST_ARGS)
+
+# Refresh the lock from pyproject.toml after `make test-latest` passed (README, Development).
+lock: setup
+	$(BIN)/python -m pip install -q uv
+	$(BIN)/python tools/lock.py
 
 # Builds the embedded target, trains the seed's history (v3, v5, v6, fixed), diagnoses v5 and prints the
 # report's summary. Completed runs are kept; a killed demo resumes where it stopped.

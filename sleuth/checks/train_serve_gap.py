@@ -23,7 +23,9 @@ decoder that is off, and a low label agreement measures that decoder, not traini
 to get there: a target with a recurrent state (linear attention, state-space, lightning attention layers:
 Qwen3-Next / Qwen3.5 / Qwen3.6, Kimi Linear, MiniMax, Granite 4 hybrid, Mamba ...) decoded with a plain
 KV-cache crop after a rejected block, which leaves the rejected tokens in the state (transformers: such a
-cache is not croppable). eval.json `target_rollback` says how the eval rolled back (`state_replay`: exact).
+cache is not croppable by itself). eval.json `target_rollback` says how the eval rolled back: `state_history` (the
+cache's own state after each verified position, transformers >= 5.25) and `state_replay` (the saved state and a
+replay of the kept tokens) are both exact.
 """
 
 from __future__ import annotations
@@ -87,9 +89,12 @@ RECURRENT_MODEL_TYPES = frozenset({
     "granitemoehybrid", "falcon_h1", "falcon_mamba", "mamba", "mamba2", "jamba", "bamba", "zamba", "zamba2",
     "nemotron_h", "rwkv", "recurrent_gemma", "xlstm",
 })
+# eval.json `target_rollback` values that restore a recurrent state exactly (trainer/eval/target_cache.py).
+EXACT_STATE_ROLLBACKS = frozenset({"state_history", "state_replay"})
 STATE_FIX = ("evaluate with a decoder that restores a recurrent state after a rejected block (`trainer eval` "
-             "saves the state before each verify pass and replays the committed tokens; its eval.json says "
-             "`target_rollback: state_replay`), then compare again")
+             "puts back the state the cache recorded after each verified position, or saves the state before each "
+             "verify pass and replays the committed tokens; its eval.json says `target_rollback: state_history` or "
+             "`state_replay`), then compare again")
 DECODER_FIX = ("find where the eval's speculative output leaves greedy decoding (in float32 it must not: the verify "
                "pass, the cache rollback, the stop rule), then compare again")
 
@@ -240,7 +245,7 @@ def _serving_side(ctx: ContractContext, m: _Measurement) -> _ServingSide:
     recurrent = _recurrent_target(ctx)
     mismatched = report.get("lossless_mismatch_prompts")
     prompts = len(report.get("tau_per_prompt") or []) or None
-    unrolled = recurrent is not None and rollback != "state_replay"
+    unrolled = recurrent is not None and rollback not in EXACT_STATE_ROLLBACKS
     rolled = ("records no state rollback (no target_rollback: a decoder that crops the cache)" if rollback is None
               else f"records target_rollback {rollback!r}")
     state = (f"the target {recurrent} keeps a recurrent state that no cache crop can roll back, and the eval "

@@ -191,6 +191,9 @@ def test_a_decoder_off_on_a_recurrent_target_is_the_explanation_not_the_labels(t
     report = block_by_block([1.0204] * 4, [1.0204] * 4, above=0, below=0, labels=1.0, label_slots=784)
     report.update(lossless=True, lossless_mismatch_prompts=[], target_rollback="state_replay", state_replays=122)
     assert gap(write_run(tmp_path / "fixed", target=target, eval_report=report)).status == "match"
+    # and with the cache's own recorded states (transformers >= 5.25): exact too, no replay
+    report.update(target_rollback="state_history", state_replays=0)
+    assert gap(write_run(tmp_path / "recorded", target=target, eval_report=report)).status == "match"
 
 
 def test_a_recurrent_target_without_a_recorded_rollback_is_named_first_when_losslessness_is_unchecked(tmp_path):

@@ -9,6 +9,7 @@ recompute everything without a cache: the target's logits and hidden states on t
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -71,20 +72,37 @@ def naive_greedy(target: FrozenTarget, prompt: list[int], n_new: int) -> list[in
     return sequence[len(prompt):]
 
 
+def records_states_per_position() -> bool:
+    """transformers >= 5.25 can keep a linear-attention layer's state after each position (activate_past_recording's
+    recurrent_states_to_keep); 5.24 cannot, and every recurrent rollback there is a replay."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    return "recurrent_states_to_keep" in inspect.signature(LinearAttentionLayer.activate_past_recording).parameters
+
+
+# State kept outside the per-layer cache entries (MiniMax's lightning attention): no recorded history can restore it.
+STATE_OUTSIDE_LAYERS = ("minimax",)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["block-recorded", "replay-forced"])
 @pytest.mark.parametrize("family", sorted(RECURRENT_FAMILIES) + list(ATTENTION_ONLY))
 @torch.no_grad()
-def test_a_rejected_block_leaves_the_target_at_the_committed_tokens(targets, family):
+def test_a_rejected_block_leaves_the_target_at_the_committed_tokens(targets, family, recorded):
     """Prefill, verify a block, keep 1..B of it, decode one more token: the logits are those of the committed
-    sequence run without a cache, for every kept length (B: the whole block accepted, no rollback)."""
+    sequence run without a cache, for every kept length (B: the whole block accepted, no rollback). Both exact ways
+    back: the cache's own per-position states (asked for the whole block), and the saved state plus a replay (a
+    cache asked to record fewer positions than the pass feeds cannot restore from its records)."""
     from trainer.eval.target_cache import TargetCache
 
     target = targets(family)
     prompt = prompt_ids(target)
     block = prompt_ids(target, seed=1)[:BLOCK]
+    recurrent = family in RECURRENT_FAMILIES
+    from_history = recurrent and recorded and records_states_per_position() and family not in STATE_OUTSIDE_LAYERS
     for kept in range(1, BLOCK + 1):
-        cache = TargetCache(target.model)
+        cache = TargetCache(target.model, verify_tokens=BLOCK if recorded else 1)
         cache.forward(torch.tensor([prompt]))
-        cache.begin_verify()
+        cache.begin_verify(tokens=BLOCK)
         cache.forward(torch.tensor([block]))
         cache.commit(torch.tensor([block]), PROMPT_LENGTH, kept)
         assert cache.length == PROMPT_LENGTH + kept
@@ -93,9 +111,9 @@ def test_a_rejected_block_leaves_the_target_at_the_committed_tokens(targets, fam
         got = cache.forward(torch.tensor([[next_token]])).logits[0, -1]
         expected = uncached(target, committed + [next_token]).logits[0, -1]
         torch.testing.assert_close(got, expected, rtol=0, atol=ATOL, msg=f"{family}, {kept} of {BLOCK} kept")
-        recurrent = family in RECURRENT_FAMILIES
-        assert cache.rollback == ("state_replay" if recurrent else "crop")
-        assert cache.replays == (1 if recurrent and kept < BLOCK else 0)
+        expected_rollback = "crop" if not recurrent else "state_history" if from_history else "state_replay"
+        assert cache.rollback == expected_rollback
+        assert cache.replays == (1 if recurrent and not from_history and kept < BLOCK else 0)
 
 
 class OracleProposer:
@@ -141,5 +159,9 @@ def test_speculative_decoding_is_greedy_decoding_token_for_token(targets, family
     features = torch.cat([hidden[i + 1] for i in FEATURE_LAYER_IDS], dim=-1)[0]  # [S, k*H]
     for positions, context in proposer.contexts:
         torch.testing.assert_close(context[0], features[positions], rtol=0, atol=ATOL)
-    assert result.target_rollback == "state_replay"
-    assert result.state_replays == sum(1 for length in result.acceptance_lengths if length < BLOCK)
+    if records_states_per_position() and family not in STATE_OUTSIDE_LAYERS:
+        # the cache's own per-position states: no forward beyond the verify passes
+        assert (result.target_rollback, result.state_replays) == ("state_history", 0)
+    else:
+        assert result.target_rollback == "state_replay"
+        assert result.state_replays == sum(1 for length in result.acceptance_lengths if length < BLOCK)

@@ -175,9 +175,10 @@ class EvalReport(BaseModel):
         default_factory=list, description="Indices of the prompts whose output differed from greedy decoding."
     )
     target_rollback: RollbackMode = Field(
-        "crop", description="How a rejected block left the target's cache: `crop` (attention K/V: exact) or "
-        "`state_replay` (a recurrent state no crop can undo: the state saved before the verify pass is restored "
-        "and the committed tokens re-run). Either way the decoding is the target's own."
+        "crop", description="How a rejected block left the target's cache: `crop` (attention K/V: exact), "
+        "`state_history` (a recurrent state put back from the state the cache recorded after each verified "
+        "position, transformers >= 5.25: no extra forward) or `state_replay` (the state saved before the verify "
+        "pass is restored and the committed tokens re-run). Each way the decoding is the target's own."
     )
     state_replays: int = Field(
         0, description="Target forwards spent on those replays over all prompts (eval cost only: serving keeps "
@@ -320,12 +321,15 @@ def speculative_generate(
     stop_token_ids: Sequence[int] | None = None,
     mask_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    record_states: bool = True,
 ) -> GenerationResult:
     """Draft-verify decoding of one prompt (batch 1) with KV caches for target and drafter.
 
     `target` is a FrozenTarget (uses .model, .embed, .logits, .mask_token_id, .eos_token_id, .dtype).
     `drafter` is a DFlashDrafter (wrapped in DFlashProposer) or any DraftProposer. stop_token_ids None:
     the target's eos; [] never stops early. block_size 1 is plain decoding through the same loop.
+    `record_states=False`: a recurrent target rolls back by replay even where its cache records per-position
+    states (trainer.eval.target_cache; for comparing the two).
     """
     proposer = DFlashProposer(drafter, target) if isinstance(drafter, nn.Module) else drafter
     if mask_token_id is None:
@@ -340,7 +344,7 @@ def speculative_generate(
     _sync(device)
     started = time.perf_counter()
 
-    target_cache = TargetCache(model)
+    target_cache = TargetCache(model, verify_tokens=B, record_states=record_states)
     draft_cache = DynamicCache()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, n]
     out = target_cache.forward(prompt, output_hidden_states=B > 1, logits_to_keep=1)
@@ -369,7 +373,7 @@ def speculative_generate(
                 draft_probs = torch.softmax(draft_logits.float() / temperature, dim=-1)  # [B-1, V]
                 block[0, 1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
 
-        target_cache.begin_verify()  # a recurrent state is saved here: no crop can take tokens out of it
+        target_cache.begin_verify()  # a recurrent state is recorded (or saved) here: no crop alone undoes it
         out = target_cache.forward(block, output_hidden_states=B > 1)  # positions start..start+B-1
         target_forwards += 1
         target_logits = out.logits[0]  # [B, V]: row j predicts the token at position start+j+1
