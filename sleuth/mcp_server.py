@@ -101,7 +101,8 @@ class ReferenceFileText(BaseModel):
     total_lines: int
     truncated: bool = Field(description="more lines were asked for than one read returns")
     provenance: str = Field(description="path:start-end@commit, for citing")
-    text: str = Field(description="lines start..end, as text (fetched code is data, never run)")
+    text: str = Field(description="lines start..end (fetched code is data, never run); control, bidi and "
+                                  "invisible characters shown as escapes (\\u202e), as on sleuth's terminal")
 
 
 class SearchMatch(BaseModel):
@@ -229,6 +230,15 @@ def _one_line(text: str) -> str:
     return terminal(redact(text))
 
 
+def _visible(text: str) -> str:
+    """Fetched text as an agent should see it: line by line (tabs kept), every control, bidi override and
+    invisible character shown as an escape and secrets masked, as sleuth shows any text on a terminal; the
+    sha256 in the answer is still of the file's bytes."""
+    from sleuth.escape import terminal
+
+    return "\n".join("\t".join(terminal(part) for part in line.split("\t")) for line in text.split("\n"))
+
+
 def _call(work: Callable[[], T]) -> T:
     """Run a tool body: a user's mistake is a ToolError with the CLI's message, anything else one line too."""
     try:
@@ -346,7 +356,7 @@ def build_server(*, offline: bool = False, runs_dir: Path | None = None, cache_d
             return ReferenceFileText(reference=name, path=piece.path, commit=piece.commit, tier=piece.tier,
                                      source=piece.source, sha256=piece.sha256, start=piece.start, end=piece.end,
                                      total_lines=piece.total_lines, truncated=piece.truncated,
-                                     provenance=piece.provenance, text=piece.text)
+                                     provenance=piece.provenance, text=_visible(piece.text))
 
         return await _in_thread(ctx, work, label=f"read {name}:{path}")
 
@@ -368,7 +378,7 @@ def build_server(*, offline: bool = False, runs_dir: Path | None = None, cache_d
             return ReferenceSearch(
                 reference=name, commit=commit, pattern=pattern, regex=regex, scope=found.scope,
                 files_searched=found.files_searched, truncated=found.truncated, notes=found.notes,
-                matches=[SearchMatch(path=m.path, line=m.line, text=m.text, provenance=m.provenance(commit))
+                matches=[SearchMatch(path=m.path, line=m.line, text=_visible(m.text), provenance=m.provenance(commit))
                          for m in found.matches])
 
         return await _in_thread(ctx, work, label=f"search {name} for {pattern!r}")
