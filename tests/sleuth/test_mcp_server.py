@@ -7,9 +7,11 @@ definition points at a file:// remote, so the git tiers run for real and no sock
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -37,6 +39,8 @@ class DFlashDraftModel:
     def __init__(self, config):
         self.fc = Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
 '''
+# Trojan Source: a bidi override makes the line read differently from what it does.
+TROJAN = 'access_level = "user\u202e \u2066# admin\u2069 \u2066"\n'
 STEPS = list(range(10, 301, 10))
 V3 = {"block_size": 8, "draft_layers": 5, "target_layer_ids": [1, 3, 5, 7, 9], "fc_layers": None,
       "target_logits_source": "final", "loss": "ce", "loss_decay_gamma": 7.0, "context_includes_anchor": False,
@@ -118,6 +122,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         files = {p: f'"""Stand-in for {p}."""\n' for p in NEEDED}
         files[DFLASH + "core.py"] = CORE
         files["src/speculators/models/utils.py"] = "def default_layer_ids(num_layers):\n    return [2]\n"
+        files["docs/trojan.py"] = TROJAN
         added = up.commit(files, "Add DFlash training support (#354)")
     finally:
         for k, v in old.items():
@@ -225,6 +230,10 @@ def test_list_read_and_search_the_reference_at_the_resolved_commit(client: Clien
     other = client.ok("read_reference_file", {**args, "path": "src/speculators/models/utils.py"})
     assert other["text"].startswith("def default_layer_ids") and other["commit"] == commit
 
+    trojan = client.ok("read_reference_file", {**args, "path": "docs/trojan.py"})
+    assert trojan["text"] == 'access_level = "user\\u202e \\u2066# admin\\u2069 \\u2066"'
+    assert trojan["sha256"] == hashlib.sha256(TROJAN.encode()).hexdigest()  # of the bytes, not the shown text
+
     found = client.ok("search_reference", {**args, "pattern": "len(config.target_layer_ids)"})
     assert [(m["path"], m["line"]) for m in found["matches"]] == [(DFLASH + "core.py", 6)]
     assert found["matches"][0]["provenance"] == f"{DFLASH}core.py:6@{commit[:7]}"
@@ -242,6 +251,8 @@ def test_bad_input_is_a_tool_error_with_the_clis_one_line_message(client: Client
     missing = client.error("read_reference_file", {"name": LOCAL_REF, "checkout": str(checkout),
                                                    "path": "src/nothing.py"})
     assert missing == f"src/nothing.py is not a file of {LOCAL_REF} at {world['added'][:7]}"
+    not_git = client.error("fetch_reference", {"name": LOCAL_REF, "checkout": str(world["runs"])})
+    assert not_git == f"--path: {world['runs']} is not a git checkout"
     no_run = client.error("diagnose", {"run": "v9"})
     assert no_run.startswith("no run 'v9': not a directory, and no run of that name in ") and "v3, v5" in no_run
     assert client.error("compare_runs", {"run": "v5", "baseline": "v5"}) == "--baseline v5 is the diagnosed run itself"
@@ -298,3 +309,29 @@ def test_list_runs_and_compare_runs_at_matched_steps(client: Client, world: dict
 def test_the_server_wrote_nothing_but_the_protocol_on_stdout(client: Client) -> None:
     # Every line the client read parsed as JSON-RPC (or the calls above would have failed); the log is on stderr.
     assert client.portal.call(client.session.send_ping) is not None
+
+
+def test_importing_sleuths_cli_does_not_import_the_mcp_sdk() -> None:
+    code = "import sys, sleuth.cli; print(sorted(m for m in sys.modules if m.split('.')[0] in ('mcp', 'mcp_types')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_a_server_started_offline_keeps_every_call_offline(world: dict[str, Any]) -> None:
+    """`sleuth mcp --offline`: a call asking for the network (offline: false) still opens no socket."""
+    root = world["root"]
+    checkout = fresh_stale_checkout(world, "user-server-offline")
+    env = {**world["env"], "PYTHONPATH": str(REPO), "HOME": str(root / "home"),
+           "SLEUTH_CACHE_DIR": str(root / "cache-offline"), "SLEUTH_CONFIG_FILE": str(root / "no-config.yaml"),
+           "SLEUTH_PLAYBOOKS_DIR": str(world["playbooks"])}
+    params = StdioServerParameters(command=sys.executable, args=["-m", "sleuth.cli", "mcp", "--offline"], env=env,
+                                   cwd=str(root))
+    with (root / "offline-stderr.txt").open("w") as errlog, start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(_session(params, errlog)) as (session, _):
+            result = Client(portal, session, root).ok(
+                "fetch_reference", {"name": LOCAL_REF, "checkout": str(checkout), "offline": False})
+    assert not result["has_source"] and result["tier"] == "pinned"  # the definition's facts: the last resort
+    reasons = {a["tier"]: a["reason"] for a in result["trace"] if a["outcome"] == "skipped"}
+    assert reasons["git-pull"] == "--offline: no fetch" and reasons["raw"] == "--offline: no HTTP"
+    assert git.Repo(checkout).head.commit.hexsha == world["stale"]
