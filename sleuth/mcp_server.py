@@ -330,8 +330,10 @@ def build_server(*, offline: bool = False, runs_dir: Path | None = None, cache_d
         """List the reference's files at the resolved commit (under `path` when given)."""
 
         def work(progress: Callable[[str], None]) -> ReferenceFiles:
-            from sleuth.reference.browse import list_files
+            from sleuth.reference.browse import check_repo_path, list_files
 
+            if path:
+                check_repo_path(path)  # before anything is resolved or fetched
             resolved = view(name, ref, checkout, offline, progress)
             listed = list_files(resolved, path)
             return ReferenceFiles(reference=name, commit=resolved.commit, tier=resolved.resolution.tier,
@@ -349,8 +351,9 @@ def build_server(*, offline: bool = False, runs_dir: Path | None = None, cache_d
         """Read lines of a reference file at the resolved commit, with path:line@commit provenance."""
 
         def work(progress: Callable[[str], None]) -> ReferenceFileText:
-            from sleuth.reference.browse import read_file
+            from sleuth.reference.browse import check_repo_path, read_file
 
+            check_repo_path(path)  # before anything is resolved or fetched
             resolved = view(name, ref, checkout, offline, progress)
             piece = read_file(resolved, path, start, end)
             return ReferenceFileText(reference=name, path=piece.path, commit=piece.commit, tier=piece.tier,
@@ -370,8 +373,11 @@ def build_server(*, offline: bool = False, runs_dir: Path | None = None, cache_d
         """Find lines in the reference at the resolved commit; each match cites path:line@commit."""
 
         def work(progress: Callable[[str], None]) -> ReferenceSearch:
-            from sleuth.reference.browse import search
+            from sleuth.reference.browse import check_pattern, check_repo_path, search
 
+            check_pattern(pattern, regex=regex)  # before anything is resolved or fetched
+            if path:
+                check_repo_path(path)
             resolved = view(name, ref, checkout, offline, progress)
             found = search(resolved, pattern, under=path, regex=regex)
             commit = resolved.commit or ""

@@ -105,6 +105,18 @@ def check_repo_path(path: str, *, what: str = "path") -> str:
     return text
 
 
+def check_pattern(pattern: str, *, regex: bool) -> re.Pattern[str] | None:
+    """The compiled pattern (regex), None for a plain string; ReferenceError for an unusable one."""
+    if not pattern or len(pattern) > MAX_PATTERN:
+        raise ReferenceError(f"pattern must be 1 to {MAX_PATTERN} characters")
+    if not regex:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ReferenceError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
+
+
 def open_view(name: str, *, ref: str | None = None, path: Path | None = None, offline: bool = False,
               cache_dir: Path | None = None) -> ReferenceView:
     """Resolve `name` through the chain and find a git repository holding the resolved commit."""
@@ -221,14 +233,8 @@ def search(view: ReferenceView, pattern: str, *, under: str | None = None, regex
     Scope: `under` when given; else the reference definition's files and module directories (what the
     playbook reads), so a partial clone never fetches the whole repository for one search.
     """
-    if not pattern or len(pattern) > MAX_PATTERN:
-        raise ReferenceError(f"pattern must be 1 to {MAX_PATTERN} characters")
-    if regex:
-        try:
-            compiled = re.compile(pattern)
-        except re.error as exc:
-            raise ReferenceError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
-
+    compiled = check_pattern(pattern, regex=regex)
+    if compiled is not None:
         def hit(line: str) -> bool:
             return compiled.search(line) is not None
     else:

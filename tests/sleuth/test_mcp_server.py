@@ -251,6 +251,8 @@ def test_bad_input_is_a_tool_error_with_the_clis_one_line_message(client: Client
     missing = client.error("read_reference_file", {"name": LOCAL_REF, "checkout": str(checkout),
                                                    "path": "src/nothing.py"})
     assert missing == f"src/nothing.py is not a file of {LOCAL_REF} at {world['added'][:7]}"
+    bad_regex = client.error("search_reference", {"name": LOCAL_REF, "pattern": "(", "regex": True})
+    assert bad_regex.startswith("pattern '(' is not a valid regular expression: ")
     not_git = client.error("fetch_reference", {"name": LOCAL_REF, "checkout": str(world["runs"])})
     assert not_git == f"--path: {world['runs']} is not a git checkout"
     no_run = client.error("diagnose", {"run": "v9"})
@@ -335,3 +337,18 @@ def test_a_server_started_offline_keeps_every_call_offline(world: dict[str, Any]
     reasons = {a["tier"]: a["reason"] for a in result["trace"] if a["outcome"] == "skipped"}
     assert reasons["git-pull"] == "--offline: no fetch" and reasons["raw"] == "--offline: no HTTP"
     assert git.Repo(checkout).head.commit.hexsha == world["stale"]
+
+
+def test_the_agent_transcript_script_records_a_real_session(tmp_path: Path) -> None:
+    out = tmp_path / "transcript.md"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLEUTH_CACHE_DIR": str(tmp_path / "cache"),
+           "SLEUTH_CONFIG_FILE": str(tmp_path / "no-config.yaml")}
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "agent_transcript.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    assert text.startswith("# An agent's session with `sleuth mcp` on run v5")
+    assert '## 2. `diagnose(run="v5", offline=true)`' in text
+    assert '"id": "dflash.fc_input_layers"' in text and '"verdict": "regression"' in text
+    assert "## 3. `explain_invariant(id=" in text
+    assert ("**tool error**" in text and "path '../../.ssh/id_rsa' is not a path inside the repository" in text)
