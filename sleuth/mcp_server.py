@@ -274,7 +274,20 @@ async def _in_thread(ctx: Context | None, work: Callable[[Callable[[str], None]]
 
     if ctx is not None:
         await ctx.report_progress(0, None, label)
-    return await anyio.to_thread.run_sync(lambda: _call(lambda: work(progress)))
+    # One call at a time: an agent may send calls in parallel, and two of them fetching into one checkout, or
+    # diagnosing one run into one diagnosis/ folder, would trip over each other as two CLI runs would.
+    async with _serial():
+        return await anyio.to_thread.run_sync(lambda: _call(lambda: work(progress)))
+
+
+_LOCK: anyio.Lock | None = None
+
+
+def _serial() -> anyio.Lock:
+    global _LOCK
+    if _LOCK is None:  # created inside the server's event loop
+        _LOCK = anyio.Lock()
+    return _LOCK
 
 
 def _path(value: str | None) -> Path | None:

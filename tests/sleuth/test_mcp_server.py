@@ -283,6 +283,28 @@ def test_diagnose_returns_ranked_findings_the_regression_and_the_report_paths(cl
     assert result["ran"] == []
 
 
+def test_code_runs_only_when_the_call_asks_and_the_answer_says_how_it_was_isolated(client: Client,
+                                                                                   tmp_path: Path) -> None:
+    code = tmp_path / "trainer"
+    shutil.copytree(REPO / "examples" / "anyprobe", code)
+    out = tmp_path / "out"
+    unasked = client.ok("diagnose", {"code": str(code), "probe_entry": "probe_entry_handwritten:subject",
+                                     "offline": True, "out": str(out / "unasked"), "probe": False})
+    assert unasked["probes"]["ran"] is False and unasked["ran"] == []
+    default = client.ok("diagnose", {"code": str(code), "offline": True, "out": str(out / "default")})
+    assert default["probes"]["ran"] is False and default["ran"] == []
+    assert default["probes"]["reason"] == "--code is probed only with --probe (running the code is the user's decision)"
+
+    asked = client.ok("diagnose", {"code": str(code), "probe_entry": "probe_entry_handwritten:subject",
+                                   "offline": True, "out": str(out / "asked"), "probe": True})
+    probes = asked["probes"]
+    assert probes["ran"] is True and probes["consent"] == "asked"
+    assert probes["isolation"]["level"] in ("bwrap", "namespaces", "process")
+    assert len(asked["ran"]) == 1 and asked["ran"][0].startswith(
+        "probes: running entry probe_entry_handwritten:subject (at your request): ")
+    assert f"isolation {probes['isolation']['level']}" in asked["ran"][0]
+
+
 def test_explain_invariant_gives_the_playbook_entry(client: Client) -> None:
     entry = client.ok("explain_invariant", {"id": "dflash.context_excludes_anchor"})
     assert entry["severity"] == "critical" and entry["rank"] == 1
