@@ -181,9 +181,10 @@ def read_bytes(view: ReferenceView, path: str) -> tuple[bytes, str, str]:
         raise ReferenceError(f"{view.name}: no source tier answered (tier: {view.resolution.tier or 'none'}); "
                              "there is no commit to read files at")
     resolved = view.resolution.file(path)
-    if resolved is not None:
+    if resolved is not None and view.checkout is None:
+        # The chain's own copy (a cache snapshot, the raw tier): its text, as the chain decoded it.
         return resolved.text.encode("utf-8"), resolved.tier, resolved.source
-    if view.checkout is not None:
+    if view.checkout is not None:  # git objects: the exact bytes of the commit
         from sleuth.reference.local import GitFailure
 
         try:
