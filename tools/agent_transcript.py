@@ -92,7 +92,7 @@ class Transcript:
         self.lines += [text, ""]
 
     def call(self, tool: str, arguments: dict[str, Any], result: Any, seconds: float, progress: list[str],
-             shown: Any = None) -> None:
+             shown: Any = None, note: str = "") -> None:
         self.count += 1
         args = ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items())
         self.lines += [f"## {self.count}. `{tool}({args})`", ""]
@@ -103,7 +103,7 @@ class Transcript:
             self.lines += [f"**tool error** ({seconds:.2f} s): `{result.content[0].text}`", ""]
             return
         body = json.dumps(shorten(shown if shown is not None else result.structured_content), indent=2)
-        self.lines += [f"structured result ({seconds:.2f} s):", "", "```json", body, "```", ""]
+        self.lines += [f"structured result ({seconds:.2f} s){note}:", "", "```json", body, "```", ""]
 
     def text(self) -> str:
         return "\n".join(self.lines).rstrip() + "\n"
@@ -133,7 +133,8 @@ async def converse(runs_dir: Path, run: str, *, online: bool, checkout: str | No
             result = await session.call_tool(tool, arguments, progress_callback=on_progress)
             seconds = time.perf_counter() - start
             transcript.call(tool, arguments, result, seconds, progress,
-                            shown(result.structured_content) if shown and not result.is_error else None)
+                            shown(result.structured_content) if shown and not result.is_error else None,
+                            note=", the fields an agent reads first" if shown else "")
             return None if result.is_error else result.structured_content
 
         offline = {} if online else {"offline": True}

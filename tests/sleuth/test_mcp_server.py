@@ -258,6 +258,8 @@ def test_bad_input_is_a_tool_error_with_the_clis_one_line_message(client: Client
     no_run = client.error("diagnose", {"run": "v9"})
     assert no_run.startswith("no run 'v9': not a directory, and no run of that name in ") and "v3, v5" in no_run
     assert client.error("compare_runs", {"run": "v5", "baseline": "v5"}) == "--baseline v5 is the diagnosed run itself"
+    nowhere = world["root"] / "no-runs-here"
+    assert client.error("list_runs", {"runs_dir": str(nowhere)}) == f"runs directory {nowhere} does not exist"
     wrong_type = client.call("read_reference_file", {"name": LOCAL_REF, "path": "x.py", "start": "first"})
     assert wrong_type.is_error
 
