@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml $(LOCK) tools/install_torch.sh
 
 # Upstream drift, seen by us first: a fresh venv with the newest release of every dependency (not the lock, not
 # pyproject's caps), then the suite; prints which packages moved against the lock and what broke. Not part of CI.
-# Args: TEST_LATEST_ARGS='-k recurrent' to run a subset; TEST_LATEST_TORCH=1 to take the newest torch too.
+# TEST_LATEST_ARGS='-- -k recurrent' runs a subset; TEST_LATEST_ARGS='--torch latest' takes the newest torch too.
 test-latest:
 	$(PYTHON) tools/test_latest.py --venv .venv-latest $(TEST_LATEST_ARGS)
 

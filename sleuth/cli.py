@@ -10,6 +10,7 @@ import typer
 
 from sleuth.commands.diagnose import diagnose_command
 from sleuth.commands.fetch_reference import fetch_reference
+from sleuth.commands.mcp import mcp_command
 from sleuth.commands.probe import app as probe_app
 
 app = typer.Typer(
@@ -22,6 +23,7 @@ app = typer.Typer(
 app.command("fetch-reference")(fetch_reference)
 app.command("diagnose")(diagnose_command)
 app.add_typer(probe_app, name="probe")
+app.command("mcp")(mcp_command)
 
 
 def main() -> None:

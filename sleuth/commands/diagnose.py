@@ -63,6 +63,9 @@ def diagnose_command(
     output_format: Annotated[
         OutputFormat, typer.Option("--format", help="What to print on stdout; the files are always written.")
     ] = OutputFormat.text,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print report.json on stdout (the same as --format json).")
+    ] = False,
     out: Annotated[
         Path | None, typer.Option("--out", metavar="DIR", help="Report directory (default: <run>/diagnosis/).")
     ] = None,
@@ -101,6 +104,11 @@ def diagnose_command(
     from sleuth.redact import RedactingWriter
 
     errors = Console(file=RedactingWriter(sys.stderr), highlight=False)
+    if json_output:
+        if output_format not in (OutputFormat.text, OutputFormat.json):
+            _error(errors, f"--json and --format {output_format.value} ask for two outputs; give one")
+            raise typer.Exit(EXIT_ERROR)
+        output_format = OutputFormat.json
     request = DiagnoseRequest(
         run=run,
         runs_dir=runs_dir,

@@ -7,7 +7,8 @@
 (so each call in the entry uses arguments the code accepted), and writes `probe_entry.py` (beside the code,
 or `--out`); every step it could not wire is a TODO that says what is missing. It never overwrites a file
 without `--force`. `check` runs the entry's conformance checks in the probe child and prints one line per
-method. Exit 0: all good; 1: problems (check) ; 2: a usage or input error (one line on stderr).
+method. `--json` prints one JSON object on stdout instead (messages stay on stderr). Exit 0: all good;
+1: problems (check); 2: a usage or input error (one line on stderr).
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ def _echo(line: str, err: bool = False) -> None:
     typer.echo(terminal(line), err=err)
 
 
+def _json(data: dict) -> None:
+    """The command's result as one JSON object on stdout: strings from the code under diagnosis are stripped
+    of control and invisible characters (sleuth.escape) and of recognisable secrets, as on the terminal."""
+    from sleuth.escape import dumps, terminal_data
+    from sleuth.redact import redact_data
+
+    typer.echo(dumps(redact_data(terminal_data(data)), indent=2))
+
+
 def _weak_isolation(line: str) -> None:
     """The request is the consent, so what runs is not announced; where the machine allows only process-level
     isolation, the user hears what that leaves the code able to reach (one line on stderr)."""
@@ -97,6 +107,7 @@ def init_command(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing entry file.")] = False,
     probe_python: Annotated[str | None, typer.Option("--probe-python", metavar="PYTHON",
                                                      help="Interpreter the pieces are called in.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Write a probe entry for a trainer, wired to the pieces sleuth locates; TODOs say what is missing."""
 
@@ -129,13 +140,17 @@ def init_command(
                 measured = outcome.info
         status = write_entry(plan, measured, code, target)
         root = (code if code.is_dir() else code.parent).resolve()
-        _echo(f"wrote {target}")
         if target.resolve().parent != root:
             _echo(f"note: {target} is outside {root}, the import root its imports need: move it there", err=True)
-        for method, state in status.items():
-            _echo(f"  {method:<13} {state}")
         todos = sum(1 for s in status.values() if s != "wired")
         check = f"sleuth probe check --probe-entry {target.stem}:subject --code {code}"
+        if json_output:
+            _json({"entry": str(target), "methods": dict(status), "todos": todos, "check": check,
+                   "pieces_called": measured is not None})
+            return
+        _echo(f"wrote {target}")
+        for method, state in status.items():
+            _echo(f"  {method:<13} {state}")
         _echo(f"{todos} method(s) to finish (TODO(sleuth) in the file); then: {check}" if todos else
                    f"every method is wired; check it: {check}")
 
@@ -151,6 +166,7 @@ def check_command(
                                                 "the entry (JSON/YAML).")] = None,
     probe_python: Annotated[str | None, typer.Option("--probe-python", metavar="PYTHON",
                                                      help="Interpreter the entry runs in.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
 ) -> None:
     """Run a probe entry's conformance checks; one line per protocol method."""
 
@@ -169,13 +185,15 @@ def check_command(
         checks = outcome.checks
         if outcome.error or not checks:
             raise _fail(f"{probe_entry}: nothing could be checked: {outcome.error or 'the probe process gave no answer'}")
-        problems = 0
-        for method, result in checks.items():
-            _echo(f"{method:<19} {result}")
-            problems += result != "ok" and not result.startswith(("not provided", "not checked"))
+        problems = sum(1 for r in checks.values() if r != "ok" and not r.startswith(("not provided", "not checked")))
         missing = sum(1 for r in checks.values() if r.startswith("not provided"))
-        _echo(f"{problems} problem(s)" + (f"; {missing} method(s) not provided (the probes needing them will be "
-                                               "unknown)" if missing else ""))
+        if json_output:
+            _json({"entry": probe_entry, "checks": dict(checks), "problems": problems, "not_provided": missing})
+        else:
+            for method, result in checks.items():
+                _echo(f"{method:<19} {result}")
+            _echo(f"{problems} problem(s)" + (f"; {missing} method(s) not provided (the probes needing them will "
+                                                   "be unknown)" if missing else ""))
         if problems:
             raise typer.Exit(EXIT_PROBLEMS)
 
