@@ -7,7 +7,7 @@ PYTHON    ?= python3
 BIN       := $(VENV)/bin
 RUNS      ?= runs
 
-.PHONY: setup demo test parity parity-catalog bench clean-runs
+.PHONY: setup demo test docs parity parity-catalog bench clean-runs
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,16 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
+# The documentation site: regenerates the reference pages, then `mkdocs build --strict` (a broken link or a
+# page missing from the nav fails) into site/. The docs extra is installed into the venv once.
+docs: setup $(VENV)/.docs-installed
+	$(BIN)/python tools/gen_docs.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -d site
+
+$(VENV)/.docs-installed: pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[docs]'
+	@touch $@
+
 $(SPEC_VENV)/.installed: bench/setup_speculators_env.sh tools/install_torch.sh
 	SPECULATORS_VENV=$(SPEC_VENV) bash bench/setup_speculators_env.sh
 
@@ -40,7 +50,7 @@ parity-catalog: $(SPEC_VENV)/.installed
 	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m catalog tests/parity
 
 # A training step against speculators in one process (CPU), at the sizes' own vocabularies and at Qwen3.5's
-# 248320; BENCHMARKS.md has every number and command.
+# 248320; docs/benchmarks.md has every number and command.
 bench: $(SPEC_VENV)/.installed
 	PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python bench/train_step.py --sizes tiny,small,medium --repeats 11 --warmup 2 --threads 1
 	PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python bench/train_step.py --sizes tiny,small,medium --vocab 248320 --repeats 5 --warmup 1 --threads 1
