@@ -81,4 +81,10 @@ def test_cli_page_lists_every_command() -> None:
                     "trainer hidden-states generate", "sleuth fetch-reference", "sleuth diagnose",
                     "sleuth probe init", "sleuth probe check"):
         assert f"`{command}`" in page
-    assert "&lt;runs-dir&gt;" not in page and "&lt;runs-dir>/&lt;name>/" in page  # not read as HTML tags
+
+
+def test_help_text_is_shown_literally_outside_code_spans() -> None:
+    """`<runs-dir>` in a help text must not vanish as an HTML tag, nor `k*H ... i*L` turn italic; code spans
+    stay as written."""
+    assert gen_docs.prose("into <runs-dir>/<name>/, `a <= b` k*H i*L") == \
+        "into &lt;runs-dir>/&lt;name>/, `a <= b` k\\*H i\\*L"
