@@ -26,11 +26,17 @@ def _load_generator():
 gen_docs = _load_generator()
 
 
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    gen_docs.generate(out)
+    return out
+
+
 @pytest.mark.parametrize("page", sorted(gen_docs.PAGES))
-def test_generated_reference_page_is_current(page: str, tmp_path: Path) -> None:
-    gen_docs.generate(tmp_path)
+def test_generated_reference_page_is_current(page: str, regenerated: Path) -> None:
     committed = (ROOT / "docs" / "reference" / page).read_text(encoding="utf-8")
-    fresh = (tmp_path / page).read_text(encoding="utf-8")
+    fresh = (regenerated / page).read_text(encoding="utf-8")
     if committed != fresh:
         diff = "".join(difflib.unified_diff(committed.splitlines(True), fresh.splitlines(True),
                                             f"docs/reference/{page} (committed)", "regenerated", n=1))
