@@ -7,6 +7,7 @@ naming the page. Only the generator runs: mkdocs is not needed (`make docs` buil
 from __future__ import annotations
 
 import difflib
+import re
 import importlib.util
 import shutil
 from pathlib import Path
@@ -94,3 +95,14 @@ def test_help_text_is_shown_literally_outside_code_spans() -> None:
     stay as written."""
     assert gen_docs.prose("into <runs-dir>/<name>/, `a <= b` k*H i*L") == \
         "into &lt;runs-dir>/&lt;name>/, `a <= b` k\\*H i\\*L"
+
+
+def test_run_directory_page_documents_every_entry_the_trainer_writes() -> None:
+    """The run-directory page is written by hand (the contract is prose, not a schema), so it is checked
+    against the one list in code of what a run directory holds: a new entry without documentation fails."""
+    from trainer.run.rundir import RUN_ENTRIES
+
+    page = (ROOT / "docs" / "reference" / "run-directory.md").read_text(encoding="utf-8")
+    table_paths = re.findall(r"^\| `([^`]+)` \|", page, re.M)
+    documented = {path.split("/")[0] for path in table_paths}
+    assert sorted(RUN_ENTRIES - documented) == []
