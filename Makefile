@@ -26,13 +26,14 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
-# The documentation site: regenerates the reference pages, then `mkdocs build --strict` (a broken link or a
-# page missing from the nav fails) into site/. The docs extra is installed into the venv once.
-docs: setup $(VENV)/.docs-installed
+# The documentation site: checks that the generated reference pages are current (tools/gen_docs.py), then
+# `mkdocs build --strict` into site/ (a broken link or anchor, or a page missing from the nav, fails).
+# The docs extra is installed into the venv once.
+docs: $(VENV)/.docs-installed
 	$(BIN)/python tools/gen_docs.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -d site
 
-$(VENV)/.docs-installed: pyproject.toml
+$(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[docs]'
 	@touch $@
 
