@@ -202,9 +202,13 @@ def _param_row(param: Any) -> str:
     if kind == "argument":
         shown = code(metavar or (param.name or "").upper())
     else:
-        names = ", ".join(param.opts)
+        # Short names first, then long: the order typer keeps them in differs between its versions.
+        def ordered(opts: list[str]) -> list[str]:
+            return sorted(opts, key=lambda opt: (opt.startswith("--"), opt))
+
+        names = ", ".join(ordered(param.opts))
         if getattr(param, "secondary_opts", None):
-            names += " / " + ", ".join(param.secondary_opts)
+            names += " / " + ", ".join(ordered(param.secondary_opts))
         is_flag = getattr(param, "is_flag", False)
         choices = _choices(param)
         value = "" if is_flag else (metavar or ("|".join(choices) if choices else (param.name or "").upper()))
