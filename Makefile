@@ -9,7 +9,7 @@ RUNS      ?= runs
 
 LOCK      := requirements/lock.txt
 
-.PHONY: setup demo test test-latest lock parity parity-catalog bench clean-runs
+.PHONY: setup demo test test-latest lock docs parity parity-catalog bench clean-runs
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,17 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
+# The documentation site: checks that the generated reference pages are current (tools/gen_docs.py), then
+# `mkdocs build --strict` into site/ (a broken link or anchor, or a page missing from the nav, fails).
+# The docs extra is installed into the venv once.
+docs: $(VENV)/.docs-installed
+	$(BIN)/python tools/gen_docs.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -d site
+
+$(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
+	$(BIN)/python -m pip install -q -c $(LOCK) -e '.[docs]'
+	@touch $@
+
 $(SPEC_VENV)/.installed: bench/setup_speculators_env.sh tools/install_torch.sh
 	SPECULATORS_VENV=$(SPEC_VENV) bash bench/setup_speculators_env.sh
 
@@ -56,7 +67,7 @@ parity-catalog: $(SPEC_VENV)/.installed
 	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m catalog tests/parity
 
 # A training step against speculators in one process (CPU), at the sizes' own vocabularies and at Qwen3.5's
-# 248320; BENCHMARKS.md has every number and command.
+# 248320; docs/benchmarks.md has every number and command.
 bench: $(SPEC_VENV)/.installed
 	PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python bench/train_step.py --sizes tiny,small,medium --repeats 11 --warmup 2 --threads 1
 	PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python bench/train_step.py --sizes tiny,small,medium --vocab 248320 --repeats 5 --warmup 1 --threads 1

@@ -83,7 +83,8 @@ def main() -> int:
                                       text=True).stdout)
     moved = sorted((name, facts["locked"][name], version) for name, version in facts["installed"].items()
                    if name in facts["locked"] and version.split("+")[0] != facts["locked"][name])
-    added = sorted(name for name in facts["installed"] if name not in facts["locked"] and name != "dflash-sleuth")
+    installers = {"dflash-sleuth", "pip", "setuptools", "wheel"}  # ours, and what every venv brings
+    added = sorted(name for name in facts["installed"] if name not in facts["locked"] and name not in installers)
     print("\nmoved against requirements/lock.txt:" if moved else "\nnothing moved against requirements/lock.txt")
     for name, locked, now in moved:
         print(f"  {name} {locked} -> {now}")

@@ -96,7 +96,7 @@ def diagnose_command(
     Exit codes: 0 no mismatch; 1 mismatches, or not a clean bill (the run's config unreadable, or the
     run's own code/ not probed); 2 an error, or probes asked for (--probe, --probe-entry) with no
     experiment run. Code runs only isolated (no network, read-only view, limits): a run's code/ by default
-    only when your own trainer recorded it, anything else only with --probe (README: Security model).
+    only when your own trainer recorded it, anything else only with --probe (docs/security.md).
     """
     from rich.console import Console
 

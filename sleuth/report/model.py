@@ -81,7 +81,7 @@ class ProbeSummary(BaseModel):
                     "declined: not run (a run's code/ not recorded, no --probe); off: probing off or nothing to run")
     reason: str | None = Field(None, description="why no experiment ran, or why sleuth did not run the code")
     python: str | None = None
-    code_sha256: str | None = Field(None, description="tree hash of the copy that ran (README: Security model)")
+    code_sha256: str | None = Field(None, description="tree hash of the copy that ran (docs/security.md)")
     code_files: int = 0
     trust: str | None = Field(None, description="what the trust record said about this code")
     isolation: dict[str, object] | None = Field(None, description="the isolation obtained: level, network, ...")

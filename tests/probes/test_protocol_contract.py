@@ -1,4 +1,4 @@
-"""The probe protocol's contract: every method optional, one list of describe() fields, the README in step."""
+"""The probe protocol's contract: every method optional, one list of describe() fields, the docs in step."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from sleuth.probes.protocol import (
     check_description,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+# The protocol is documented in the site's guide (it was the README before the docs moved there).
+PROTOCOL_DOC = Path(__file__).resolve().parents[2] / "docs" / "guides" / "your-trainer.md"
 
 
 def test_every_experiment_says_which_methods_it_needs():
@@ -27,8 +28,8 @@ def test_every_experiment_says_which_methods_it_needs():
     assert all(hasattr(ProbeSubject, m) for m in PROTOCOL_METHODS)
 
 
-def test_the_readme_lists_exactly_the_describe_fields():
-    text = README.read_text()
+def test_the_docs_list_exactly_the_describe_fields():
+    text = PROTOCOL_DOC.read_text()
     section = text[text.index("**`describe()` fields**"):]
     section = section[section.index("| field |"):]
     section = section[: section.index("\n\n")]
