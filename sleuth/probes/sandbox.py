@@ -318,22 +318,47 @@ class InterpreterFacts:
     torch: str | None  # where `import torch` would load from; None: it would fail
 
 
-def interpreter_facts(python: str, env: dict[str, str], cwd: Path, timeout_s: float = 60.0) -> InterpreterFacts:
+FACTS_TIMEOUT_S = 60.0  # how long the probe interpreter may take to say where it imports from
+
+
+def interpreter_facts(python: str, env: dict[str, str], cwd: Path, timeout_s: float | None = None) -> InterpreterFacts:
     """Where the probe interpreter imports from (its prefixes and sys.path under the child's environment),
-    without importing anything: the directories its read-only view must hold."""
+    without importing anything: the directories its read-only view must hold. An interpreter that does not
+    answer in time is killed with its whole process group (a wrapper script's children hold its pipes)."""
+    timeout_s = FACTS_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        done = subprocess.run([python, "-c", _FACTS_SCRIPT], env=env, cwd=cwd, capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise SandboxError(f"the probe interpreter {python} did not start within {timeout_s:g} s") from None
+        process = subprocess.Popen([python, "-c", _FACTS_SCRIPT], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         raise SandboxError(f"cannot start {python}: {exc.strerror or exc}") from None
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
+        raise SandboxError(f"the probe interpreter {python} did not start within {timeout_s:g} s") from None
+    except BaseException:
+        _kill_group(process)
+        raise
+    done = subprocess.CompletedProcess(process.args, process.returncode, out.decode("utf-8", "replace")[-65536:],
+                                       err.decode("utf-8", "replace")[-65536:])
     try:
         facts = json.loads(done.stdout.strip().splitlines()[-1])
         return InterpreterFacts(**facts)
     except (ValueError, IndexError, TypeError):
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         raise SandboxError(f"{python} is not a working Python interpreter ({last[:200]})") from None
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        process.communicate(timeout=5)  # its pipes: nothing of the group holds them now
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        process.kill()
+        process.wait()
 
 
 # --- the read-only view ----------------------------------------------------------------------------------
