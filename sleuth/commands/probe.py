@@ -52,6 +52,24 @@ def _config(path: Path | None) -> dict | None:
     return loaded
 
 
+def _what_is_at(path: Path) -> str | None:
+    """What is at `path`, links not followed, in words; None when nothing is (a dangling link is something)."""
+    import stat as stat_module
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _fail(f"{path}: {exc.strerror or exc}") from None
+    if stat_module.S_ISLNK(mode):
+        return "a link"
+    if stat_module.S_ISREG(mode):
+        return "a regular file"
+    return {stat_module.S_IFDIR: "a directory", stat_module.S_IFIFO: "a FIFO", stat_module.S_IFSOCK: "a socket"}.get(
+        stat_module.S_IFMT(mode), "a device")
+
+
 def _echo(line: str, err: bool = False) -> None:
     """One line of output: what the code under diagnosis answered (its errors, its check results) escaped for
     the terminal (sleuth.escape), so it can neither add lines nor send escape sequences."""
@@ -108,7 +126,12 @@ def init_command(
         if not code.exists():
             raise _fail(f"--code {code} does not exist")
         target = out or ((code if code.is_dir() else code.parent) / "probe_entry.py")
-        if target.exists() and not force:
+        there = _what_is_at(target)
+        if there is not None and there != "a regular file":
+            # Checked before anything runs; the write itself refuses it too (a rename, never through it).
+            raise _fail(f"{target} is {there}; sleuth does not write through or replace it: remove it or "
+                        "pass --out FILE")
+        if there is not None and not force:
             raise _fail(f"{target} exists; pass --force to overwrite it, or --out FILE")
         if not target.stem.isidentifier():
             raise _fail(f"--out {target}: the file name must be a Python module name (e.g. probe_entry.py)")
@@ -127,7 +150,12 @@ def init_command(
                            err=True)
             else:
                 measured = outcome.info
-        status = write_entry(plan, measured, code, target)
+        from sleuth.artifacts import WriteRefused
+
+        try:
+            status = write_entry(plan, measured, code, target)
+        except WriteRefused as exc:
+            raise _fail(str(exc)) from None
         root = (code if code.is_dir() else code.parent).resolve()
         _echo(f"wrote {target}")
         if target.resolve().parent != root:
