@@ -161,6 +161,30 @@ def named_path_problem(path: Path, *, directory_ok: bool = True, file_ok: bool =
     return None if os.access(path, os.R_OK) else "permission denied"
 
 
+def denied(path: Path) -> str | None:
+    """"permission denied: PATH" when something is at `path` that sleuth may not read (a folder: list and
+    enter), so an unreadable run, code tree or checkpoint is said as such, never taken for a missing or
+    empty one; None otherwise (including when nothing is there)."""
+    try:
+        info = os.stat(path)
+    except PermissionError:
+        return f"permission denied: {shown(path)}"
+    except (OSError, ValueError):
+        return None
+    want = os.R_OK | os.X_OK if stat.S_ISDIR(info.st_mode) else os.R_OK
+    return None if os.access(path, want) else f"permission denied: {shown(path)}"
+
+
+def named_path_error(option: str, path: Path, *, directory_ok: bool = True, file_ok: bool = True) -> str | None:
+    """The one-line error for a path the user named with `option` ("--code"), or None when it is readable."""
+    problem = named_path_problem(path, directory_ok=directory_ok, file_ok=file_ok)
+    if problem is None:
+        return None
+    if problem == "permission denied":
+        return f"permission denied: {shown(path)} ({option})" if option else f"permission denied: {shown(path)}"
+    return f"{option} {shown(path)} {problem}".strip()
+
+
 def exists(path: Path) -> bool:
     """Whether anything is at `path` (a dangling link counts), without raising."""
     try:
@@ -229,6 +253,9 @@ def _open_regular(path: Path, within: Path | None) -> int:
     return fd
 
 
+_BLANK_LINES = re.compile(rb"(?:[ \t\r]*\n)+")
+
+
 class BoundedLines:
     """The lines of a regular file, streamed: at most `max_bytes` read in all (`truncated` says the file went
     on), a line longer than `max_line` bytes yielded as None and never held whole (its bytes are read and
@@ -240,10 +267,12 @@ class BoundedLines:
 
     _CHUNK = 1 << 20
 
-    def __init__(self, path: Path, *, within: Path | None, max_line: int, max_bytes: int) -> None:
+    def __init__(self, path: Path, *, within: Path | None, max_line: int, max_bytes: int,
+                 skip_blank: bool = False) -> None:
         import hashlib
 
         self.path, self.within, self.max_line, self.max_bytes = path, within, max_line, max_bytes
+        self.skip_blank = skip_blank  # lines of only spaces, tabs and CRs are not yielded (numbers stay right)
         self.truncated = False
         self.size = 0
         self._hash = hashlib.sha256()
@@ -272,6 +301,13 @@ class BoundedLines:
             self._hash.update(chunk)
             start = 0
             while True:
+                if self.skip_blank and not pending and not overlong:
+                    # Runs of blank lines skipped in C (counted, never yielded): a file of a billion newlines
+                    # costs its read, not a billion Python iterations.
+                    blank = _BLANK_LINES.match(chunk, start)
+                    if blank is not None:
+                        number += chunk.count(b"\n", start, blank.end())
+                        start = blank.end()
                 end = chunk.find(b"\n", start)
                 piece = chunk[start:] if end < 0 else chunk[start:end]
                 if not overlong:

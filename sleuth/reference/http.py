@@ -129,7 +129,8 @@ def bound_by_deadline(client: httpx.Client) -> None:
         def __init__(self, inner: httpcore.NetworkBackend) -> None:
             self._inner = inner
 
-        def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):  # noqa: ANN001, ANN201
+        def connect_tcp(self, host, port, timeout=None, local_address=None,  # noqa: ANN001, ANN201
+                        socket_options=None):  # noqa: ANN001
             return DeadlineStream(self._inner.connect_tcp(host, port, _bounded(timeout, "connect"), local_address,
                                                           socket_options))
 

@@ -148,7 +148,8 @@ class GitCheckout:
 
     def first_commit_adding(self, commit: str, directory: str) -> str | None:
         """The oldest commit reachable from `commit` that added a file under `directory`."""
-        out = str(self.run("log", "--no-show-signature", "--diff-filter=A", "--format=%H", "--reverse", commit, "--", directory))
+        out = str(self.run("log", "--no-show-signature", "--diff-filter=A", "--format=%H", "--reverse", commit,
+                           "--", directory))
         lines = out.split()
         return lines[0] if lines else None
 
