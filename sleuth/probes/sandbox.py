@@ -15,6 +15,10 @@ Whatever code a probe runs (the user's own trainer or a stranger's `code/`), the
   * the strongest isolation the machine allows (`ISOLATION_LEVELS`), recorded in `Isolation` for the report:
       - `bwrap`: bubblewrap, where installed: new user/PID/network/IPC/UTS namespaces, a read-only
         allowlist view of the file system with the box the only writable path, all capabilities dropped;
+        devices only the harmless few in its own /dev (every bind is nodev), and no unix socket: a socket
+        file in a folder the view must show is reachable through a read-only bind, so a seccomp filter
+        (confine.refuse_unix_sockets) refuses every AF_UNIX socket (abstract ones and TCP are the empty
+        network namespace's);
       - `namespaces`: the same with util-linux `unshare` and sleuth's own set-up step (confine.py): as
         root, or as a user where unprivileged user namespaces are enabled; the child is never global
         root (nobody, in a user namespace of its own), /proc's host-global parts are read-only and the
@@ -146,9 +150,11 @@ def describe_level(level: str, limits: Limits, fallback: str | None = None,
                          keyring="fresh" if identity is not None else "the user's")
     shown["scratch_bytes"] = limits.scratch_bytes
     if level == "bwrap":  # only ever as a user (see _unavailable): bwrap's own user namespace, the user's uid
-        got = {"user_namespace": "own", "session_keyring": "fresh", **got}
+        got = {"user_namespace": "own", "session_keyring": "fresh",
+               "unix_sockets": "refused (seccomp: no AF_UNIX socket)", **got}
     host_uid = identity[0] if identity else os.getuid()
-    return Isolation(level, network="closed (own network namespace, no interface up)",
+    unix = got.get("unix_sockets", "unknown")
+    return Isolation(level, network=f"closed (own network namespace, no interface up); unix sockets: {unix}",
                      filesystem="read-only view of the system and the probe interpreter (host-global /proc parts "
                                 "read-only); a size-capped scratch tmpfs and the answer file the only writable "
                                 "paths; home, run and other files not visible",
