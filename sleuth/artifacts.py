@@ -253,7 +253,7 @@ def _open_regular(path: Path, within: Path | None) -> int:
     return fd
 
 
-_BLANK_LINES = re.compile(rb"(?:[ \t\r]*\n)+")
+_NOT_BLANK = re.compile(rb"[^ \t\r\n]")
 
 
 class BoundedLines:
@@ -304,10 +304,11 @@ class BoundedLines:
                 if self.skip_blank and not pending and not overlong:
                     # Runs of blank lines skipped in C (counted, never yielded): a file of a billion newlines
                     # costs its read, not a billion Python iterations.
-                    blank = _BLANK_LINES.match(chunk, start)
-                    if blank is not None:
-                        number += chunk.count(b"\n", start, blank.end())
-                        start = blank.end()
+                    text = _NOT_BLANK.search(chunk, start)
+                    last = chunk.rfind(b"\n", start, text.start() if text else len(chunk))
+                    if last >= 0:
+                        number += chunk.count(b"\n", start, last + 1)
+                        start = last + 1
                 end = chunk.find(b"\n", start)
                 piece = chunk[start:] if end < 0 else chunk[start:end]
                 if not overlong:
