@@ -52,6 +52,11 @@ def locate_repository(path: Path) -> tuple[Path, Path | None] | None:
     return None
 
 
+def _inside(path: Path, root: Path) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
 class GitCheckout:
     """A thin, time-bounded wrapper over one repository (a user checkout or the cache's bare clone); every git
     command goes through gitsafe.run_git (see there for what a repository's configuration can no longer do)."""
@@ -72,6 +77,14 @@ class GitCheckout:
         # can run nothing here), never fetched into or fast-forwarded.
         self.foreign_owner = None if is_cache else owned_by_someone_else(
             *filter(None, [self.work_tree, self.git_dir]))
+        # Why this repository is read only (None: it may be fetched into and fast-forwarded). A `.git` file
+        # can name any git directory (a linked worktree's, or another repository of the user's): moving
+        # that one's branch would change a repository nobody handed to sleuth.
+        self.read_only: str | None = None
+        if self.foreign_owner is not None:
+            self.read_only = f"{self.path} belongs to uid {self.foreign_owner}, not to you"
+        elif self.work_tree is not None and not _inside(self.git_dir, self.work_tree):
+            self.read_only = f"its git directory {self.git_dir} lies outside {self.path} (a .git file)"
         # Every call starts without network; network is allowed only once every remote that git could
         # contact on its own (a partial clone's promisor remotes) is known to be on an allowed host.
         self.network = False
@@ -247,8 +260,8 @@ class GitCheckout:
     def fetch(self, remote: str, branch: str) -> None:
         if self.network_refusal is not None:
             raise GitFailure(f"not fetched: {self.network_refusal}")
-        if self.foreign_owner is not None:
-            raise GitFailure(f"not fetched: {self.path} belongs to uid {self.foreign_owner}, not to you")
+        if self.read_only is not None:
+            raise GitFailure(f"not fetched: {self.read_only}")
         # An explicit upload-pack: remote.*.uploadpack in the repository's config is a command line.
         args = ["fetch", "--no-tags", "--no-write-fetch-head", "--quiet", "--no-recurse-submodules",
                 f"--upload-pack={TRUSTED_UPLOAD_PACK}"]
@@ -414,10 +427,10 @@ def pull(state: LocalState, needed: list[str], ref: str | None, default_branch: 
     if upstream is None:
         return PullResult("miss", "the checkout has no remote to fetch from", use_local=state.complete)
     remote, branch = upstream
-    if checkout.foreign_owner is not None:
+    if checkout.read_only is not None:
         # git's safe.directory reasoning: someone else's repository is read, never written.
-        return PullResult("skipped", f"{checkout.path} belongs to uid {checkout.foreign_owner}, not to you: "
-                                     "read, never fetched into or fast-forwarded", use_local=state.complete)
+        return PullResult("skipped", f"{checkout.read_only}: read, never fetched into or fast-forwarded",
+                          use_local=state.complete)
     host = remote_host(checkout.remote_url(remote))
     if host is not None and allowed_hosts is not None and host.lower() not in {h.lower() for h in allowed_hosts}:
         # A network remote the reference does not name: a fork or a mirror would be reported as the

@@ -198,3 +198,47 @@ def test_someone_elses_checkout_is_read_never_fetched_into(tmp_path: Path, upstr
     assert data["commit"] == old_head and data["tier"] == "local"  # read: its HEAD's files, from objects
     pull = next(a for a in data["trace"] if a["tier"] == "git-pull")
     assert pull["outcome"] == "skipped" and "belongs to uid 65534" in pull["reason"]
+
+
+def test_a_dot_git_file_naming_another_repository_leaves_that_one_untouched(tmp_path: Path,
+                                                                            upstream: Upstream) -> None:
+    """A checkout whose `.git` is a file pointing at the user's other repository: git would move that one's
+    branch and index. It is read (its HEAD's files), never fetched into or fast-forwarded."""
+    victim, _ = behind(tmp_path, upstream)
+    before = user_state(victim)
+    handed = tmp_path / "handed"
+    handed.mkdir()
+    (handed / ".git").write_text(f"gitdir: {victim / '.git'}\n")
+
+    code, text = run_cli("fetch-reference", handed, tmp_path)
+
+    assert user_state(victim) == before
+    data = json.loads(text)
+    pull = next(a for a in data["trace"] if a["tier"] == "git-pull")
+    assert pull["outcome"] == "skipped" and "lies outside" in pull["reason"], pull
+
+
+@pytest.mark.parametrize("how", ["url", "insteadOf"])
+def test_a_remote_url_that_is_a_command_is_never_run(tmp_path: Path, upstream: Upstream, how: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ext::` runs its URL as a command line; the protocol allow-list has no ext, whatever the config says.
+    The host rule is opened to "ext" here so that the allow-list alone stands between."""
+    isolate(tmp_path, monkeypatch, url=upstream.url, allowed_hosts=[*ALLOWED, "ext"])
+    user, _ = behind(tmp_path, upstream)
+    marker = tmp_path / "MARKER"
+    script = program(tmp_path / "ext.sh", marker, "exit 1")
+    with git.Repo(user).config_writer() as config:
+        config.set_value("protocol", "allow", "always")
+        config.set_value('protocol "ext"', "allow", "always")
+        if how == "url":
+            config.set_value('remote "origin"', "url", f"ext::{script}")
+        else:
+            config.set_value(f'url "ext::{script} "', "insteadOf", upstream.url)
+        config.set_value('remote "origin"', "promisor", "true")
+        config.set_value("extensions", "partialclone", "origin")
+    before = user_state(user)
+
+    code, text = run_cli("fetch-reference", user, tmp_path)
+
+    assert not marker.exists()
+    assert user_state(user) == before
