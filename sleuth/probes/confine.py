@@ -27,7 +27,11 @@ everything read-only but the box, and take away what a root-owned process would 
     crash), capabilities or not; nobody writes none of them;
   * the kernel keyrings: a fresh session keyring, and (in the fresh user namespace) a fresh user keyring,
     so the user's Kerberos / fscrypt keys are neither readable nor left with keys of the child's;
-  * the capability bounding set and every capability, then no_new_privs.
+  * the capability bounding set and every capability, then no_new_privs;
+  * every unix socket of the host: a seccomp filter refuses creating an AF_UNIX socket (and a datagram
+    socketpair, and an io_uring), since a socket file in a folder the view must show stays connectable
+    through a read-only bind (abstract sockets and TCP belong to the empty network namespace already).
+    Inside bubblewrap the `keyring` step installs the same filter.
 A JSON line on the marker descriptor says the set-up succeeded and what it got (sleuth falls back to weaker
 isolation only when nothing was written: code under diagnosis never runs before the marker, so it cannot
 force a fallback).

@@ -4,7 +4,10 @@ The user's checkout is theirs. We read files from git objects (never the working
 commit to cite), fetch only into remote-tracking refs, and change their branch only by a fast-forward that
 is provably safe: clean tree and index, HEAD on the branch that tracks the fetched upstream, no merge or
 rebase in progress, and the upstream a descendant of HEAD. Otherwise the files come from the fetched
-objects and the checkout is left as it was. Every git call is non-interactive and time-bounded.
+objects and the checkout is left as it was. Every git call goes through sleuth.reference.gitsafe.run_git:
+non-interactive, time-bounded, with a scrubbed environment, and with the repository's own configuration
+unable to run anything (hooks, fsmonitor, filters, upload-pack, helpers). A checkout someone else owns, or
+one whose `.git` file names a git directory outside it, is read and never written.
 """
 
 from __future__ import annotations
