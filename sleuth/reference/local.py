@@ -246,6 +246,21 @@ class GitCheckout:
                 in_the_way.append(relative)
         return in_the_way
 
+    def filtered_paths(self, older: str, newer: str) -> list[str]:
+        """Paths a checkout from `older` to `newer` writes that a configured filter driver would process (or
+        a .gitattributes that could name one); empty when no filter driver is configured at all."""
+        if not self.filter_overrides:
+            return []
+        changed = [p for p in str(self.run("diff", "-z", "--name-only", "--no-renames", "--no-ext-diff",
+                                           "--no-textconv", older, newer, "--")).split("\0") if p]
+        named = [p for p in changed if p.rsplit("/", 1)[-1] == ".gitattributes"]
+        if named or not changed:
+            return named
+        drivers = {key.split(".", 1)[1].rsplit(".", 1)[0] for key, _ in self.filter_overrides}
+        # check-attr reads attributes only (work tree, info/attributes); it runs nothing.
+        listed = str(self.run("check-attr", "-z", "filter", "--", *changed)).split("\0")
+        return [path for path, value in zip(listed[0::3], listed[2::3]) if value in drivers]
+
     def fast_forward(self, target: str) -> None:
         """`git merge --ff-only target`, leaving ORIG_HEAD as it was if git refuses after all."""
         orig_head = self.git_dir / "ORIG_HEAD"
@@ -513,6 +528,11 @@ def why_not_fast_forward(checkout: GitCheckout, ref: str | None, remote: str, br
         return f"--ref {ref} is not the checked-out branch"
     if checkout.tracking() != (remote, branch):
         return f"branch {checkout.branch} does not track {remote}/{branch}"
+    filtered = checkout.filtered_paths("HEAD", target)
+    if filtered:
+        # sleuth runs no filter driver (git-lfs's included): checking these out unfiltered would leave other
+        # bytes (LFS pointers) in your work tree than git would.
+        return f"{filtered[0]} is under a filter driver, which sleuth does not run"
     dirty = checkout.dirty_reason()
     if dirty:
         return dirty

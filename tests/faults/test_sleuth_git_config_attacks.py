@@ -35,7 +35,7 @@ def no_real_http():
 def upstream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Upstream:
     up = Upstream(tmp_path)
     isolate(tmp_path, monkeypatch, url=up.url, allowed_hosts=ALLOWED)
-    up.commit({"README.md": b"stand-in\n", ".gitattributes": b"* filter=evil\n"}, "before DFlash")
+    up.commit({"README.md": b"stand-in\n", ".gitattributes": b"*.py filter=evil\n"}, "before DFlash")
     up.commit({p: stand_in(p) for p in NEEDED}, "add DFlash")
     return up
 
@@ -101,6 +101,16 @@ def plant_process_filter(user: Path, marker: Path) -> None:
         config.set_value('filter "evil"', "process", script)
 
 
+def plant_unused_filter(user: Path, marker: Path) -> None:
+    """A driver no attribute names (git-lfs installed globally, a repository without LFS files): it runs
+    nothing and stops nothing; the fast-forward still happens."""
+    script = program(user.parent / "lfs.sh", marker, "cat")
+    with git.Repo(user).config_writer() as config:
+        config.set_value('filter "lfs"', "smudge", script)
+        config.set_value('filter "lfs"', "process", script)
+        config.set_value('filter "lfs"', "required", "true")
+
+
 def plant_ssh_and_askpass(user: Path, marker: Path) -> None:
     script = program(user.parent / "anything.sh", marker)
     with git.Repo(user).config_writer() as config:
@@ -114,7 +124,7 @@ def plant_ssh_and_askpass(user: Path, marker: Path) -> None:
 
 
 ATTACKS = [plant_fsmonitor, plant_hooks, plant_hooks_path, plant_upload_pack, plant_filter, plant_process_filter,
-           plant_ssh_and_askpass]
+           plant_unused_filter, plant_ssh_and_askpass]
 
 
 def run_cli(command: str, user: Path, tmp_path: Path) -> tuple[int, str]:
@@ -149,9 +159,15 @@ def test_the_checkouts_config_runs_nothing_and_the_answer_is_still_right(tmp_pat
 
     assert not marker.exists(), f"{plant.__name__}: {marker.read_text()!r}"
     assert newer in reference_text(command, text), text[:2000]
-    # The fast-forward happened (git's own checkout, no filter): the working tree is the upstream's bytes.
-    assert git.Repo(user).head.commit.hexsha == newer
-    assert (user / NEEDED[1]).read_bytes() == stand_in(NEEDED[1], 2)
+    if plant in (plant_filter, plant_process_filter):
+        # No filter runs, so no fast-forward either (it would leave unfiltered bytes in the work tree): the
+        # files are read from the fetched objects and the checkout is left as it was.
+        assert git.Repo(user).head.commit.hexsha != newer
+        assert "is under a filter driver, which sleuth does not run" in text
+    else:
+        # The fast-forward happened (git's own checkout, no hook): the working tree is the upstream's bytes.
+        assert git.Repo(user).head.commit.hexsha == newer
+        assert (user / NEEDED[1]).read_bytes() == stand_in(NEEDED[1], 2)
 
 
 @pytest.mark.parametrize("command", ["fetch-reference", "diagnose"])
