@@ -128,9 +128,7 @@ def test_a_probe_interpreter_that_hangs_is_killed_with_its_group(tmp_path: Path)
 
     marker = f"sleuth-hung-{uuid.uuid4().hex}"
     fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\nsleep 300 {marker} &\nexec sleep 301 {marker}\n".replace(
-        f"sleep 300 {marker}", f"sh -c 'sleep 300; : {marker}'").replace(
-        f"exec sleep 301 {marker}", f"exec sh -c 'sleep 301; : {marker}'"))
+    fake.write_text(f"#!/bin/sh\nsh -c 'sleep 300; : {marker}' &\nexec sh -c 'sleep 301; : {marker}'\n")
     fake.chmod(0o755)
     start = time.monotonic()
     with pytest.raises(SandboxError, match="did not start within 1 s"):
@@ -156,3 +154,33 @@ def _pids_with(marker: str) -> list[int]:
             if marker.encode() in cmdline and ") Z " not in status:
                 found.append(int(entry))
     return found
+
+
+def test_the_cli_gives_up_on_a_hung_probe_python_and_leaves_no_process(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `sleuth probe init` (in-process, with the interpreter's deadline shortened): it says why the
+    pieces could not be called, goes on from the static reading, and the fake interpreter's whole group is gone."""
+    from sleuth_helpers import invoke
+
+    from sleuth.probes import sandbox
+
+    monkeypatch.setattr(sandbox, "FACTS_TIMEOUT_S", 1.0)
+    marker = f"sleuth-hung-cli-{uuid.uuid4().hex}"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nsh -c 'sleep 300; : {marker}' &\nexec sh -c 'sleep 301; : {marker}'\n")
+    fake.chmod(0o755)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "drafter.py").write_text("BLOCK_SIZE = 8\n")
+    start = time.monotonic()
+    exit_code, out, err, exc = invoke(["probe", "init", "--code", str(code), "--probe-python", str(fake),
+                                       "--out", str(tmp_path / "entry.py")])
+    elapsed = time.monotonic() - start
+    time.sleep(0.2)
+    left = _pids_with(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert exc is None, exc
+    assert "did not start within 1 s" in out + err and exit_code == 0, out + err
+    assert elapsed < 30
+    assert left == []
