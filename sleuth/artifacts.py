@@ -137,6 +137,54 @@ def regular_file(path: Path, *, within: Path | None = None) -> bool:
     return True
 
 
+def named_path_problem(path: Path, *, directory_ok: bool = True, file_ok: bool = True) -> str | None:
+    """What is wrong with a path the user named, in one phrase to follow the option and the path; None when
+    sleuth can read it. A FIFO, a device or a socket is refused before anything opens it (a FIFO with no
+    writer blocks an open forever; /dev/zero never ends); a file or folder sleuth may not read is "permission
+    denied", said as such, not taken for an empty or missing one."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return "does not exist"
+    except PermissionError:
+        return "permission denied"
+    except (OSError, ValueError) as exc:
+        return f"cannot be read: {getattr(exc, 'strerror', None) or exc}"
+    if stat.S_ISDIR(info.st_mode):
+        if not directory_ok:
+            return "is a directory, not a file"
+        return None if os.access(path, os.R_OK | os.X_OK) else "permission denied"
+    if not stat.S_ISREG(info.st_mode):
+        return f"is {_kind(info.st_mode)}; sleuth reads only regular files and directories"
+    if not file_ok:
+        return "is a file, not a directory"
+    return None if os.access(path, os.R_OK) else "permission denied"
+
+
+def denied(path: Path) -> str | None:
+    """"permission denied: PATH" when something is at `path` that sleuth may not read (a folder: list and
+    enter), so an unreadable run, code tree or checkpoint is said as such, never taken for a missing or
+    empty one; None otherwise (including when nothing is there)."""
+    try:
+        info = os.stat(path)
+    except PermissionError:
+        return f"permission denied: {shown(path)}"
+    except (OSError, ValueError):
+        return None
+    want = os.R_OK | os.X_OK if stat.S_ISDIR(info.st_mode) else os.R_OK
+    return None if os.access(path, want) else f"permission denied: {shown(path)}"
+
+
+def named_path_error(option: str, path: Path, *, directory_ok: bool = True, file_ok: bool = True) -> str | None:
+    """The one-line error for a path the user named with `option` ("--code"), or None when it is readable."""
+    problem = named_path_problem(path, directory_ok=directory_ok, file_ok=file_ok)
+    if problem is None:
+        return None
+    if problem == "permission denied":
+        return f"permission denied: {shown(path)} ({option})" if option else f"permission denied: {shown(path)}"
+    return f"{option} {shown(path)} {problem}".strip()
+
+
 def exists(path: Path) -> bool:
     """Whether anything is at `path` (a dangling link counts), without raising."""
     try:
@@ -205,6 +253,9 @@ def _open_regular(path: Path, within: Path | None) -> int:
     return fd
 
 
+_NOT_BLANK = re.compile(rb"[^ \t\r\n]")
+
+
 class BoundedLines:
     """The lines of a regular file, streamed: at most `max_bytes` read in all (`truncated` says the file went
     on), a line longer than `max_line` bytes yielded as None and never held whole (its bytes are read and
@@ -216,10 +267,12 @@ class BoundedLines:
 
     _CHUNK = 1 << 20
 
-    def __init__(self, path: Path, *, within: Path | None, max_line: int, max_bytes: int) -> None:
+    def __init__(self, path: Path, *, within: Path | None, max_line: int, max_bytes: int,
+                 skip_blank: bool = False) -> None:
         import hashlib
 
         self.path, self.within, self.max_line, self.max_bytes = path, within, max_line, max_bytes
+        self.skip_blank = skip_blank  # lines of only spaces, tabs and CRs are not yielded (numbers stay right)
         self.truncated = False
         self.size = 0
         self._hash = hashlib.sha256()
@@ -248,6 +301,14 @@ class BoundedLines:
             self._hash.update(chunk)
             start = 0
             while True:
+                if self.skip_blank and not pending and not overlong:
+                    # Runs of blank lines skipped in C (counted, never yielded): a file of a billion newlines
+                    # costs its read, not a billion Python iterations.
+                    text = _NOT_BLANK.search(chunk, start)
+                    last = chunk.rfind(b"\n", start, text.start() if text else len(chunk))
+                    if last >= 0:
+                        number += chunk.count(b"\n", start, last + 1)
+                        start = last + 1
                 end = chunk.find(b"\n", start)
                 piece = chunk[start:] if end < 0 else chunk[start:end]
                 if not overlong:
@@ -496,10 +557,15 @@ def prepare_dir(path: Path, *, allow_link: bool) -> Path:
     return Path(path)
 
 
-def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o666) -> None:
+def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o666, replace: str = "any") -> None:
     """Write `data` to `path` by rename: a fresh O_EXCL | O_NOFOLLOW temporary file in the same (real)
-    directory, then os.replace over the name. Whatever is at `path` (a link to ~/.bashrc, a FIFO) is
-    replaced, never followed; a directory there is refused."""
+    directory, then os.replace over the name. Nothing at `path` is ever opened, followed or written through.
+
+    `replace` says what may be at `path` already: "any" (sleuth's own output folder: a link to ~/.bashrc or a
+    FIFO planted there is replaced, the file it names untouched), "regular" (a file in a tree sleuth does not
+    own, such as `probe init --force` beside the user's code: only a regular file is replaced; a link, dangling
+    or not, a FIFO, a device or a socket is refused: sleuth did not put it there), "none" (nothing may be
+    there). A directory is always refused."""
     payload = data.encode("utf-8") if isinstance(data, str) else data
     path = Path(path)
     dir_flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
@@ -510,6 +576,10 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o666) -> None:
     try:
         if _is_directory_at(path.name, dir_fd):
             raise WriteRefused(f"{shown(path)} is a directory; not replaced")
+        if replace != "any":
+            there = _kind_at(path.name, dir_fd)
+            if there is not None and (replace == "none" or there != "a regular file"):
+                raise WriteRefused(f"{shown(path)} is {there}; sleuth did not create it and does not replace it")
         temporary = f".{path.name}.{secrets.token_hex(8)}.partial"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(temporary, flags, mode, dir_fd=dir_fd)
@@ -532,3 +602,14 @@ def _is_directory_at(name: str, dir_fd: int) -> bool:
         return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except FileNotFoundError:
         return False
+
+
+def _kind_at(name: str, dir_fd: int) -> str | None:
+    """What is at `name` in `dir_fd` (links not followed), in words; None when nothing is."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(mode):
+        return "a link"
+    return "a regular file" if stat.S_ISREG(mode) else _kind(mode)

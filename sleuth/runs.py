@@ -17,6 +17,7 @@ from typing import Any
 from sleuth.artifacts import (
     ArtifactError,
     BoundedLines,
+    denied,
     exists,
     is_dir,
     json_kind,
@@ -92,7 +93,9 @@ def list_run_dirs(runs_dir: Path) -> list[Path]:
 def read_run(path: Path) -> RunInfo:
     """Read everything sleuth uses from a run directory; damaged parts become `problems`, not errors."""
     if not is_dir(path):
-        raise RunError(f"run directory {shown(path)} does not exist")
+        raise RunError(denied(path) or f"run directory {shown(path)} does not exist")
+    if denied(path):
+        raise RunError(str(denied(path)))
     from sleuth.interop import read_foreign_run
 
     foreign = read_foreign_run(path)  # a speculators save directory or checkpoint, read in its own layout
@@ -119,7 +122,9 @@ def read_run(path: Path) -> RunInfo:
         return info
     _find_checkpoint(path / "checkpoints", info)
     code = path / "code"
-    if is_dir(code, within=path):
+    if is_dir(code, within=path) and denied(code):
+        info.problems.append(str(denied(code)))
+    elif is_dir(code, within=path):
         info.code_dir = code
     elif is_dir(code):
         # A shipped run can point code/ at any tree (the system's Python library): it is not this run's copy.
@@ -182,7 +187,8 @@ def _read_metrics(path: Path, info: RunInfo) -> None:
     """metrics.jsonl, streamed under three bounds (`_MAX_METRICS_FILE` bytes, `_MAX_METRICS_LINE` per line,
     `_MAX_METRICS_ROWS` rows kept): a damaged, huge or sparse file costs what a real one does, and everything
     skipped is said in one problem line."""
-    lines = BoundedLines(path, within=info.path, max_line=_MAX_METRICS_LINE, max_bytes=_MAX_METRICS_FILE)
+    lines = BoundedLines(path, within=info.path, max_line=_MAX_METRICS_LINE, max_bytes=_MAX_METRICS_FILE,
+                         skip_blank=True)
     skipped: list[int] = []
     too_long: list[int] = []
     dropped: list[str] = []
@@ -253,7 +259,10 @@ def _numbers(lines: list[int]) -> str:
 def _find_checkpoint(checkpoints: Path, info: RunInfo) -> None:
     """The newest complete checkpoint's drafter weights: `checkpoints/latest` names its directory."""
     if not is_dir(checkpoints, within=info.path):
-        info.problems.append("the run has no checkpoints/ directory")
+        info.problems.append(denied(checkpoints) or "the run has no checkpoints/ directory")
+        return
+    if denied(checkpoints):
+        info.problems.append(str(denied(checkpoints)))
         return
     latest_file = checkpoints / "latest"
     step_dir: Path | None = None
@@ -266,6 +275,9 @@ def _find_checkpoint(checkpoints: Path, info: RunInfo) -> None:
     if latest is not None:
         name = latest.decode("utf-8", errors="replace").strip()
         # `latest` names a directory inside checkpoints/, nothing else: a path in it could point anywhere.
+        if _CHECKPOINT_NAME.fullmatch(name) and name not in (".", "..") and denied(checkpoints / name):
+            info.problems.append(str(denied(checkpoints / name)))
+            return
         if _CHECKPOINT_NAME.fullmatch(name) and name not in (".", "..") and is_dir(checkpoints / name, within=info.path):
             step_dir = checkpoints / name
         else:
@@ -284,6 +296,9 @@ def _find_checkpoint(checkpoints: Path, info: RunInfo) -> None:
         else:
             info.problems.append(f"checkpoints/latest is missing; using {shown(step_dir.name)}")
     weights = step_dir / "drafter.safetensors"
+    if denied(weights):
+        info.problems.append(str(denied(weights)))
+        return
     if not _is_file(weights, info.path):
         info.problems.append(f"checkpoints/{shown(step_dir.name)} has no drafter.safetensors")
         return

@@ -35,7 +35,8 @@ def diagnose_command(
     ] = None,
     runs_dir: Annotated[
         Path | None,
-        typer.Option("--runs-dir", metavar="DIR", help="Where runs live (default ./runs, or the run path's parent)."),
+        typer.Option("--runs-dir", readable=False,
+                     metavar="DIR", help="Where runs live (default ./runs, or the run path's parent)."),
     ] = None,
     baseline: Annotated[
         str | None,
@@ -47,15 +48,18 @@ def diagnose_command(
     ] = None,
     reference_path: Annotated[
         Path | None,
-        typer.Option("--reference-path", metavar="CHECKOUT", help="A local git checkout of the reference."),
+        typer.Option("--reference-path", readable=False,
+                     metavar="CHECKOUT", help="A local git checkout of the reference."),
     ] = None,
     code: Annotated[
         Path | None,
-        typer.Option("--code", metavar="PATH", help="Diagnose this DFlash implementation (file or source tree)."),
+        typer.Option("--code", readable=False,
+                     metavar="PATH", help="Diagnose this DFlash implementation (file or source tree)."),
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option("--config", metavar="FILE", help="The run configuration (JSON/YAML) that goes with --code."),
+        typer.Option("--config", readable=False,
+                     metavar="FILE", help="The run configuration (JSON/YAML) that goes with --code."),
     ] = None,
     offline: Annotated[
         bool, typer.Option("--offline", help="Resolve the reference from local checkouts and the cache only.")
@@ -67,7 +71,8 @@ def diagnose_command(
         bool, typer.Option("--json", help="Print report.json on stdout (the same as --format json).")
     ] = False,
     out: Annotated[
-        Path | None, typer.Option("--out", metavar="DIR", help="Report directory (default: <run>/diagnosis/).")
+        Path | None, typer.Option("--out", readable=False,
+                                  metavar="DIR", help="Report directory (default: <run>/diagnosis/).")
     ] = None,
     probe: Annotated[
         bool | None,
@@ -84,11 +89,13 @@ def diagnose_command(
     ] = None,
     target: Annotated[
         Path | None,
-        typer.Option("--target", metavar="DIR", help="The target (verifier) model directory, when the run does not name one."),
+        typer.Option("--target", readable=False,
+                     metavar="DIR", help="The target (verifier) model directory, when the run does not name one."),
     ] = None,
     hidden_states: Annotated[
         Path | None,
-        typer.Option("--hidden-states", metavar="DIR", help="An offline hidden-state cache to recompute and compare."),
+        typer.Option("--hidden-states", readable=False,
+                     metavar="DIR", help="An offline hidden-state cache to recompute and compare."),
     ] = None,
 ) -> None:
     """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl.

@@ -23,7 +23,8 @@ def fetch_reference(
     name: Annotated[str, typer.Argument(help="Reference name, e.g. speculators (playbooks/references/NAME.yaml).")],
     ref: Annotated[str | None, typer.Option(
         "--ref", help="Branch, tag or commit SHA (default: the reference's default branch).")] = None,
-    path: Annotated[Path | None, typer.Option("--path", help="A local git checkout of the reference.")] = None,
+    path: Annotated[Path | None, typer.Option("--path", readable=False,
+                                              help="A local git checkout of the reference.")] = None,
     offline: Annotated[bool, typer.Option(
         "--offline", help="Read only local checkouts and the cache; open no socket.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,

@@ -53,6 +53,24 @@ def _config(path: Path | None) -> dict | None:
     return loaded
 
 
+def _what_is_at(path: Path) -> str | None:
+    """What is at `path`, links not followed, in words; None when nothing is (a dangling link is something)."""
+    import stat as stat_module
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _fail(f"{path}: {exc.strerror or exc}") from None
+    if stat_module.S_ISLNK(mode):
+        return "a link"
+    if stat_module.S_ISREG(mode):
+        return "a regular file"
+    return {stat_module.S_IFDIR: "a directory", stat_module.S_IFIFO: "a FIFO", stat_module.S_IFSOCK: "a socket"}.get(
+        stat_module.S_IFMT(mode), "a device")
+
+
 def _echo(line: str, err: bool = False) -> None:
     """One line of output: what the code under diagnosis answered (its errors, its check results) escaped for
     the terminal (sleuth.escape), so it can neither add lines nor send escape sequences."""
@@ -98,10 +116,12 @@ def _guard(fn):  # noqa: ANN001, ANN202 - a command body
 
 @app.command("init")
 def init_command(
-    code: Annotated[Path, typer.Option("--code", metavar="PATH", help="The trainer's source (a file or a tree).")],
-    out: Annotated[Path | None, typer.Option("--out", metavar="FILE", help="Where to write the entry "
+    code: Annotated[Path, typer.Option("--code", readable=False,
+                                       metavar="PATH", help="The trainer's source (a file or a tree).")],
+    out: Annotated[Path | None, typer.Option("--out", readable=False, metavar="FILE", help="Where to write the entry "
                                              "(default: probe_entry.py beside the code).")] = None,
-    config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help="The run configuration the pieces "
+    config: Annotated[Path | None, typer.Option("--config", readable=False,
+                                                metavar="FILE", help="The run configuration the pieces "
                                                 "are called with (JSON/YAML).")] = None,
     no_run: Annotated[bool, typer.Option("--no-run", help="Read the code only; do not call its pieces.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing entry file.")] = False,
@@ -116,10 +136,19 @@ def init_command(
         from sleuth.probes.runner import ProbeError, check_python, plan_for_located, run_plan
         from sleuth.probes.scaffold import write_entry
 
-        if not code.exists():
-            raise _fail(f"--code {code} does not exist")
+        from sleuth.artifacts import named_path_error
+
+        for option, path in (("--code", code), ("--config", config)):
+            error = path is not None and named_path_error(option, path, directory_ok=option == "--code")
+            if error:  # a FIFO or a device refused before anything opens it; "permission denied" said as such
+                raise _fail(error)
         target = out or ((code if code.is_dir() else code.parent) / "probe_entry.py")
-        if target.exists() and not force:
+        there = _what_is_at(target)
+        if there is not None and there != "a regular file":
+            # Checked before anything runs; the write itself refuses it too (a rename, never through it).
+            raise _fail(f"{target} is {there}; sleuth does not write through or replace it: remove it or "
+                        "pass --out FILE")
+        if there is not None and not force:
             raise _fail(f"{target} exists; pass --force to overwrite it, or --out FILE")
         if not target.stem.isidentifier():
             raise _fail(f"--out {target}: the file name must be a Python module name (e.g. probe_entry.py)")
@@ -138,7 +167,12 @@ def init_command(
                            err=True)
             else:
                 measured = outcome.info
-        status = write_entry(plan, measured, code, target)
+        from sleuth.artifacts import WriteRefused
+
+        try:
+            status = write_entry(plan, measured, code, target)
+        except WriteRefused as exc:
+            raise _fail(str(exc)) from None
         root = (code if code.is_dir() else code.parent).resolve()
         if target.resolve().parent != root:
             _echo(f"note: {target} is outside {root}, the import root its imports need: move it there", err=True)
@@ -160,9 +194,11 @@ def init_command(
 @app.command("check")
 def check_command(
     probe_entry: Annotated[str, typer.Option("--probe-entry", metavar="MODULE:FUNCTION", help="The entry to check.")],
-    code: Annotated[Path | None, typer.Option("--code", metavar="PATH", help="Import root for the entry "
+    code: Annotated[Path | None, typer.Option("--code", readable=False,
+                                              metavar="PATH", help="Import root for the entry "
                                               "(its directory, or the file's).")] = None,
-    config: Annotated[Path | None, typer.Option("--config", metavar="FILE", help="The run configuration handed to "
+    config: Annotated[Path | None, typer.Option("--config", readable=False,
+                                                metavar="FILE", help="The run configuration handed to "
                                                 "the entry (JSON/YAML).")] = None,
     probe_python: Annotated[str | None, typer.Option("--probe-python", metavar="PYTHON",
                                                      help="Interpreter the entry runs in.")] = None,
@@ -177,8 +213,12 @@ def check_command(
             check_options(probe_python, probe_entry)
         except ProbeError as exc:
             raise _fail(str(exc)) from None
-        if code is not None and not code.exists():
-            raise _fail(f"--code {code} does not exist")
+        from sleuth.artifacts import named_path_error
+
+        for option, path in (("--code", code), ("--config", config)):
+            error = path is not None and named_path_error(option, path, directory_ok=option == "--code")
+            if error:
+                raise _fail(error)
         plan = plan_for_entry(probe_entry, code, None, _config(config))
         plan.spec["mode"] = "check"
         outcome = run_plan(plan, python=probe_python, announce=_weak_isolation)

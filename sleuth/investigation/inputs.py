@@ -44,10 +44,13 @@ class InputDiscovery:
         for option, path in (("--code", request.code), ("--config", request.config),
                              ("--reference-path", request.reference_path), ("--target", request.target),
                              ("--hidden-states", request.hidden_states)):
-            if path is not None and not path.exists():
-                raise DiagnoseError(f"{option} {path} does not exist")
-        if request.config is not None and not request.config.is_file():
-            raise DiagnoseError(f"--config {request.config} is not a file")
+            if path is not None:
+                from sleuth.artifacts import named_path_error
+
+                # A FIFO or a device refused before anything opens it; an unreadable one is "permission denied".
+                error = named_path_error(option, path, directory_ok=option != "--config")
+                if error is not None:
+                    raise DiagnoseError(error)
         from sleuth.probes.runner import ProbeError, check_options
 
         try:
@@ -120,8 +123,15 @@ class InputDiscovery:
             if code.is_file():
                 step.outcome = f"one file, {_line_count(code)} lines"
             else:
-                count = sum(1 for p in _walk_files(code, _LOCATE_MAX_FILES, max_depth=None) if p.suffix == ".py")
+                unreadable: list[str] = []
+                count = sum(1 for p in _walk_files(code, _LOCATE_MAX_FILES, max_depth=None, unreadable=unreadable)
+                            if p.suffix == ".py")
                 step.outcome = f"{count}{'+' if count >= _LOCATE_MAX_FILES else ''} Python files"
+                if unreadable:
+                    from sleuth.artifacts import shown
+
+                    more = f" and {len(unreadable) - 1} more folder(s)" if len(unreadable) > 1 else ""
+                    step.outcome += f"; permission denied: {shown(unreadable[0])}{more} (not read)"
             self.code = code
 
 
@@ -184,13 +194,18 @@ def _nearby_files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
     )
 
 
-def _walk_files(root: Path, limit: int, *, max_depth: int | None) -> list[Path]:
-    """Files under `root`, skipping hidden and environment folders, at most `limit` of them."""
+def _walk_files(root: Path, limit: int, *, max_depth: int | None, unreadable: list[str] | None = None) -> list[Path]:
+    """Files under `root`, skipping hidden and environment folders, at most `limit` of them; the folders that
+    could not be listed for want of permission are added to `unreadable`."""
     import os
+
+    def refused(error: OSError) -> None:
+        if unreadable is not None and isinstance(error, PermissionError):
+            unreadable.append(str(error.filename))
 
     found: list[Path] = []
     base_depth = len(root.parts)
-    for folder, subfolders, files in os.walk(root):
+    for folder, subfolders, files in os.walk(root, onerror=refused):
         here = Path(folder)
         depth = len(here.parts) - base_depth
         subfolders[:] = sorted(

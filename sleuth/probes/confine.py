@@ -27,7 +27,11 @@ everything read-only but the box, and take away what a root-owned process would 
     crash), capabilities or not; nobody writes none of them;
   * the kernel keyrings: a fresh session keyring, and (in the fresh user namespace) a fresh user keyring,
     so the user's Kerberos / fscrypt keys are neither readable nor left with keys of the child's;
-  * the capability bounding set and every capability, then no_new_privs.
+  * the capability bounding set and every capability, then no_new_privs;
+  * every unix socket of the host: a seccomp filter refuses creating an AF_UNIX socket (and a datagram
+    socketpair, and an io_uring), since a socket file in a folder the view must show stays connectable
+    through a read-only bind (abstract sockets and TCP belong to the empty network namespace already).
+    Inside bubblewrap the `keyring` step installs the same filter.
 A JSON line on the marker descriptor says the set-up succeeded and what it got (sleuth falls back to weaker
 isolation only when nothing was written: code under diagnosis never runs before the marker, so it cannot
 force a fallback).
@@ -180,6 +184,77 @@ def drop_privileges() -> None:
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
+# The seccomp filter that keeps the child off every unix socket of the host. A socket file in a folder the view
+# must show (a PYTHONPATH entry, the interpreter's prefix) is reachable through a read-only bind: connect()
+# needs no write access to the mount. Abstract sockets and TCP belong to the network namespace, which is
+# empty; pathname sockets do not, so the child may not create an AF_UNIX socket at all (a connected
+# socketpair, which multiprocessing's pipes use, stays allowed, except the datagram kind, which can
+# sendto() any path), nor an io_uring (whose IORING_OP_SOCKET creates sockets without the socket syscall).
+AF_UNIX, SOCK_DGRAM, SOCK_TYPE_MASK = 1, 2, 0xF
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+EACCES, ENOSYS = 13, 38
+# machine: (AUDIT_ARCH, socket, socketpair, io_uring_setup, lowest number of a foreign ABI to refuse or None);
+# little-endian only: the filter reads the low half of a 64-bit argument at offset 16 + 8 * index.
+_SECCOMP_ARCH = {
+    "x86_64": (0xC000003E, 41, 53, 425, 0x40000000),  # x32 system calls (bit 30) refused outright
+    "aarch64": (0xC00000B7, 198, 199, 425, None),
+    "arm64": (0xC00000B7, 198, 199, 425, None),
+    "riscv64": (0xC00000F3, 198, 199, 425, None),
+}
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _assemble(program: list) -> list[tuple[int, int, int, int]]:
+    """Classic BPF from (op, k, jump-if-true label, jump-if-false label) tuples and "label:" strings."""
+    ops = {"ld": 0x20, "jeq": 0x15, "jge": 0x35, "and": 0x54, "ret": 0x06}
+    labels, index = {}, 0
+    for item in program:
+        if isinstance(item, str):
+            labels[item.rstrip(":")] = index
+        else:
+            index += 1
+    out, index = [], 0
+    for item in program:
+        if isinstance(item, str):
+            continue
+        op, k, *jumps = item
+        jt, jf = [(labels[j] - index - 1) if j else 0 for j in (jumps + [None, None])[:2]]
+        out.append((ops[op], jt, jf, k))
+        index += 1
+    return out
+
+
+def refuse_unix_sockets() -> str:
+    """Install the filter (no_new_privs must be set); what the child got, in words."""
+    arch = _SECCOMP_ARCH.get(platform.machine())
+    if arch is None:
+        return f"not refused (no seccomp filter known for {platform.machine()})"
+    audit_arch, nr_socket, nr_socketpair, nr_io_uring, foreign_abi = arch
+    refuse, missing = SECCOMP_RET_ERRNO | EACCES, SECCOMP_RET_ERRNO | ENOSYS
+    program: list = [("ld", 4), ("jeq", audit_arch, None, "missing"), ("ld", 0)]
+    if foreign_abi is not None:
+        program.append(("jge", foreign_abi, "missing", None))
+    program += [("jeq", nr_socket, "socket", None), ("jeq", nr_socketpair, "socketpair", None),
+                ("jeq", nr_io_uring, "missing", None), ("ret", SECCOMP_RET_ALLOW),
+                "socket:", ("ld", 16), ("jeq", AF_UNIX, "refuse", None), ("ret", SECCOMP_RET_ALLOW),
+                "socketpair:", ("ld", 16), ("jeq", AF_UNIX, None, "allow"), ("ld", 24), ("and", SOCK_TYPE_MASK),
+                ("jeq", SOCK_DGRAM, "refuse", None), "allow:", ("ret", SECCOMP_RET_ALLOW),
+                "refuse:", ("ret", refuse), "missing:", ("ret", missing)]
+    code = _assemble(program)
+    filters = (_SockFilter * len(code))(*[_SockFilter(*op) for op in code])
+    fprog = _SockFprog(len(code), filters)
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp filter")
+    return "refused (seccomp: no AF_UNIX socket)"
+
+
 def apply_limits(limits: dict) -> None:
     import resource
     import signal
@@ -203,6 +278,11 @@ def main(argv: list[str]) -> int:
     if step == "keyring":  # inside bubblewrap, which leaves the user's session keyring attached
         # Where keyctl itself is refused (a seccomp filter), the child cannot reach any keyring either.
         new_session_keyring()
+        try:  # bubblewrap has set no_new_privs already
+            refuse_unix_sockets()
+        except OSError as exc:
+            print(f"sleuth-confine: cannot isolate the probe: {exc}", file=sys.stderr)
+            return 125
         command = argv[1:]  # after "--"
         try:
             os.execv(command[0], command)
@@ -237,6 +317,7 @@ def main(argv: list[str]) -> int:
         got["session_keyring"] = "fresh" if problem is None else f"the user's ({problem})"
         got["uid"] = os.getuid()
         drop_privileges()
+        got["unix_sockets"] = refuse_unix_sockets()
         os.chdir(plan["cwd"])
     except OSError as exc:
         print(f"sleuth-confine: cannot isolate the probe: {exc}", file=sys.stderr)

@@ -15,6 +15,10 @@ Whatever code a probe runs (the user's own trainer or a stranger's `code/`), the
   * the strongest isolation the machine allows (`ISOLATION_LEVELS`), recorded in `Isolation` for the report:
       - `bwrap`: bubblewrap, where installed: new user/PID/network/IPC/UTS namespaces, a read-only
         allowlist view of the file system with the box the only writable path, all capabilities dropped;
+        devices only the harmless few in its own /dev (every bind is nodev), and no unix socket: a socket
+        file in a folder the view must show is reachable through a read-only bind, so a seccomp filter
+        (confine.refuse_unix_sockets) refuses every AF_UNIX socket (abstract ones and TCP are the empty
+        network namespace's);
       - `namespaces`: the same with util-linux `unshare` and sleuth's own set-up step (confine.py): as
         root, or as a user where unprivileged user namespaces are enabled; the child is never global
         root (nobody, in a user namespace of its own), /proc's host-global parts are read-only and the
@@ -146,9 +150,11 @@ def describe_level(level: str, limits: Limits, fallback: str | None = None,
                          keyring="fresh" if identity is not None else "the user's")
     shown["scratch_bytes"] = limits.scratch_bytes
     if level == "bwrap":  # only ever as a user (see _unavailable): bwrap's own user namespace, the user's uid
-        got = {"user_namespace": "own", "session_keyring": "fresh", **got}
+        got = {"user_namespace": "own", "session_keyring": "fresh",
+               "unix_sockets": "refused (seccomp: no AF_UNIX socket)", **got}
     host_uid = identity[0] if identity else os.getuid()
-    return Isolation(level, network="closed (own network namespace, no interface up)",
+    unix = got.get("unix_sockets", "unknown")
+    return Isolation(level, network=f"closed (own network namespace, no interface up); unix sockets: {unix}",
                      filesystem="read-only view of the system and the probe interpreter (host-global /proc parts "
                                 "read-only); a size-capped scratch tmpfs and the answer file the only writable "
                                 "paths; home, run and other files not visible",
@@ -318,22 +324,47 @@ class InterpreterFacts:
     torch: str | None  # where `import torch` would load from; None: it would fail
 
 
-def interpreter_facts(python: str, env: dict[str, str], cwd: Path, timeout_s: float = 60.0) -> InterpreterFacts:
+FACTS_TIMEOUT_S = 60.0  # how long the probe interpreter may take to say where it imports from
+
+
+def interpreter_facts(python: str, env: dict[str, str], cwd: Path, timeout_s: float | None = None) -> InterpreterFacts:
     """Where the probe interpreter imports from (its prefixes and sys.path under the child's environment),
-    without importing anything: the directories its read-only view must hold."""
+    without importing anything: the directories its read-only view must hold. An interpreter that does not
+    answer in time is killed with its whole process group (a wrapper script's children hold its pipes)."""
+    timeout_s = FACTS_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        done = subprocess.run([python, "-c", _FACTS_SCRIPT], env=env, cwd=cwd, capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise SandboxError(f"the probe interpreter {python} did not start within {timeout_s:g} s") from None
+        process = subprocess.Popen([python, "-c", _FACTS_SCRIPT], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         raise SandboxError(f"cannot start {python}: {exc.strerror or exc}") from None
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
+        raise SandboxError(f"the probe interpreter {python} did not start within {timeout_s:g} s") from None
+    except BaseException:
+        _kill_group(process)
+        raise
+    done = subprocess.CompletedProcess(process.args, process.returncode, out.decode("utf-8", "replace")[-65536:],
+                                       err.decode("utf-8", "replace")[-65536:])
     try:
         facts = json.loads(done.stdout.strip().splitlines()[-1])
         return InterpreterFacts(**facts)
     except (ValueError, IndexError, TypeError):
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         raise SandboxError(f"{python} is not a working Python interpreter ({last[:200]})") from None
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        process.communicate(timeout=5)  # its pipes: nothing of the group holds them now
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        process.kill()
+        process.wait()
 
 
 # --- the read-only view ----------------------------------------------------------------------------------

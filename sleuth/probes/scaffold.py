@@ -532,5 +532,9 @@ def write_entry(located: dict[str, Any], measured: dict[str, Any] | None, code: 
     writer = Writer(located, measured, code, out.stem)
     source = writer.source()
     compile(source, str(out), "exec")  # the scaffold is always valid Python
-    out.write_text(source)
+    from sleuth.artifacts import write_atomic
+
+    # By rename, never through what is there: a link planted in the code tree (to the user's file, or
+    # dangling out of the tree) or a FIFO is refused; --force replaces only a regular file.
+    write_atomic(out, source, replace="regular")
     return writer.status

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 
 from sleuth.redact import redact
@@ -36,15 +34,13 @@ def sha256_hex(data: bytes) -> str:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    """sleuth's one writer (sleuth.artifacts.write_atomic): a fresh O_EXCL | O_NOFOLLOW file, renamed over the
+    name, in a folder opened without following a link; whatever was planted at the name is replaced, never
+    written through."""
+    from sleuth.artifacts import write_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, data)
 
 
 class ReferenceCache:

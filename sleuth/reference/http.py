@@ -10,6 +10,7 @@ The optional GITHUB_TOKEN goes only to GitHub's API and raw hosts and never into
 
 from __future__ import annotations
 
+import contextvars
 import email.utils
 import os
 import time
@@ -76,8 +77,75 @@ class Body:
 def new_client(policy: HttpPolicy) -> httpx.Client:
     import httpx
 
-    return httpx.Client(timeout=policy.request_timeout_s, follow_redirects=False,
-                        headers={"User-Agent": USER_AGENT, "Accept-Encoding": "gzip, deflate"})
+    client = httpx.Client(timeout=policy.request_timeout_s, follow_redirects=False,
+                          headers={"User-Agent": USER_AGENT, "Accept-Encoding": "gzip, deflate"})
+    bound_by_deadline(client)
+    return client
+
+
+# The deadline of the `get` running in this thread (or task): every socket read and write of its exchange
+# is bounded by it, not only the body's chunks. httpx's timeouts are per read: a server that drips its status
+# line or headers a byte at a time, or sends `100 Continue` forever, never trips one.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("sleuth_http_deadline", default=None)
+
+
+def _bounded(timeout: float | None, kind: str) -> float | None:
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return timeout
+    remaining = deadline - monotonic()
+    if remaining <= 0:
+        import httpcore
+
+        raise {"read": httpcore.ReadTimeout, "write": httpcore.WriteTimeout,
+               "connect": httpcore.ConnectTimeout}[kind]("the tier's time bound is reached")
+    return remaining if timeout is None else min(timeout, remaining)
+
+
+def bound_by_deadline(client: httpx.Client) -> None:
+    """Make every connection of `client` (its proxies' too) answer to the deadline of the running `get`."""
+    import httpcore
+
+    class DeadlineStream(httpcore.NetworkStream):
+        def __init__(self, inner: httpcore.NetworkStream) -> None:
+            self._inner = inner
+
+        def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+            return self._inner.read(max_bytes, _bounded(timeout, "read"))
+
+        def write(self, buffer: bytes, timeout: float | None = None) -> None:
+            self._inner.write(buffer, _bounded(timeout, "write"))
+
+        def close(self) -> None:
+            self._inner.close()
+
+        def start_tls(self, ssl_context, server_hostname=None, timeout=None):  # noqa: ANN001, ANN201 - httpcore's
+            return DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, _bounded(timeout, "connect")))
+
+        def get_extra_info(self, info: str):  # noqa: ANN201 - httpcore's signature
+            return self._inner.get_extra_info(info)
+
+    class DeadlineBackend(httpcore.NetworkBackend):
+        def __init__(self, inner: httpcore.NetworkBackend) -> None:
+            self._inner = inner
+
+        def connect_tcp(self, host, port, timeout=None, local_address=None,  # noqa: ANN001, ANN201
+                        socket_options=None):  # noqa: ANN001
+            return DeadlineStream(self._inner.connect_tcp(host, port, _bounded(timeout, "connect"), local_address,
+                                                          socket_options))
+
+        def connect_unix_socket(self, path, timeout=None, socket_options=None):  # noqa: ANN001, ANN201
+            return DeadlineStream(self._inner.connect_unix_socket(path, _bounded(timeout, "connect"), socket_options))
+
+        def sleep(self, seconds: float) -> None:
+            self._inner.sleep(seconds)
+
+    transports = [getattr(client, "_transport", None), *getattr(client, "_mounts", {}).values()]
+    for transport in transports:
+        pool = getattr(transport, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if backend is not None and not isinstance(backend, DeadlineBackend):
+            pool._network_backend = DeadlineBackend(backend)  # type: ignore[union-attr]
 
 
 def _auth_headers(host: str) -> dict[str, str]:
@@ -139,13 +207,10 @@ def get(client: httpx.Client, url: str, *, allowed_hosts: list[str], deadline: f
         timeout = httpx.Timeout(min(policy.request_timeout_s, remaining),
                                 connect=min(policy.connect_timeout_s, remaining))
         try:
-            with client.stream("GET", url, headers={**(headers or {}), **_auth_headers(host)},
-                               timeout=timeout) as response:
-                status = response.status_code
-                if status == 200:
-                    return _read_body(response, url, deadline, policy)
-                location = response.headers.get("location")
-                retry_after = _retry_after_s(response)
+            answer = _exchange(client, url, {**(headers or {}), **_auth_headers(host)}, timeout, deadline, policy)
+            if isinstance(answer, Body):
+                return answer
+            status, location, retry_after = answer
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             if isinstance(exc, httpx.ConnectTimeout) and remaining < policy.connect_timeout_s:
                 raise FetchFailure(f"time bound reached while connecting to {host}") from None
@@ -176,6 +241,20 @@ def get(client: httpx.Client, url: str, *, allowed_hosts: list[str], deadline: f
             raise FetchFailure(f"{last_reason}; retrying after {wait:.0f}s would pass the time bound")
         sleep(wait)
     raise FetchFailure(f"{last_reason} after {attempt} attempts")
+
+
+def _exchange(client: httpx.Client, url: str, headers: dict[str, str], timeout: httpx.Timeout, deadline: float,
+              policy: HttpPolicy) -> Body | tuple[int, str | None, float | None]:
+    """One request under the deadline (every socket read and write of it): the 200 body, or (status,
+    Location, Retry-After) of any other reply."""
+    bound = _DEADLINE.set(deadline)
+    try:
+        with client.stream("GET", url, headers=headers, timeout=timeout) as response:
+            if response.status_code == 200:
+                return _read_body(response, url, deadline, policy)
+            return response.status_code, response.headers.get("location"), _retry_after_s(response)
+    finally:
+        _DEADLINE.reset(bound)
 
 
 class _Inflater:

@@ -4,7 +4,10 @@ The user's checkout is theirs. We read files from git objects (never the working
 commit to cite), fetch only into remote-tracking refs, and change their branch only by a fast-forward that
 is provably safe: clean tree and index, HEAD on the branch that tracks the fetched upstream, no merge or
 rebase in progress, and the upstream a descendant of HEAD. Otherwise the files come from the fetched
-objects and the checkout is left as it was. Every git call is non-interactive and time-bounded.
+objects and the checkout is left as it was. Every git call goes through sleuth.reference.gitsafe.run_git:
+non-interactive, time-bounded, with a scrubbed environment, and with the repository's own configuration
+unable to run anything (hooks, fsmonitor, filters, upload-pack, helpers). A checkout someone else owns, or
+one whose `.git` file names a git directory outside it, is read and never written.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from sleuth.redact import redact
+from sleuth.reference.gitsafe import GIT_TIMEOUT_S, TRUSTED_UPLOAD_PACK, GitFailure, owned_by_someone_else, run_git
 from sleuth.reference.model import ReferenceError
 
-GIT_TIMEOUT_S = 120.0
+__all__ = ["GIT_TIMEOUT_S", "GitCheckout", "GitFailure", "looks_like_sha", "open_cache_clone", "pull"]
+
 _SHA_RE = re.compile(r"^[0-9a-fA-F]{7,40}$")
 
 
@@ -27,58 +32,81 @@ def looks_like_sha(ref: str | None) -> bool:
     return bool(ref and _SHA_RE.match(ref))
 
 
-class GitFailure(Exception):
-    """A git command failed or timed out; the message is one short line."""
+def locate_repository(path: Path) -> tuple[Path, Path | None] | None:
+    """(git dir, work tree or None when bare) of the repository at `path`, found without running git and
+    without searching parent directories; None when `path` is no repository."""
+    path = Path(os.path.abspath(path))
+    dot_git = path / ".git"
+    if dot_git.is_dir():
+        return dot_git, path
+    if dot_git.is_file():  # a linked worktree or a submodule: "gitdir: PATH"
+        try:
+            first = dot_git.read_text(encoding="utf-8", errors="replace")[:4096].splitlines()[0]
+        except (OSError, IndexError):
+            return None
+        if first.startswith("gitdir:"):
+            target = Path(first[len("gitdir:"):].strip())
+            git_dir = target if target.is_absolute() else path / target
+            if (git_dir / "HEAD").is_file():
+                return Path(os.path.abspath(git_dir)), path
+        return None
+    if (path / "HEAD").is_file() and (path / "objects").is_dir() and (path / "refs").is_dir():
+        return path, None  # a bare repository (the cache clone), or a .git directory named directly
+    return None
 
 
-# GIT_ALLOW_PROTOCOL names the transports git may use; a name no transport has allows none, so a git
-# call that would reach a network (a fetch, or a partial clone's lazy fetch of a missing blob inside
-# `cat-file`, `log`, `ls-tree`) fails at once instead. GIT_NO_LAZY_FETCH says the same to git >= 2.44.
-_NO_TRANSPORT = "sleuth-no-network"
-
-
-def _git_env(network: bool) -> dict[str, str]:
-    env = {
-        # Never wait for a human: no credential prompts, no ssh passphrase or host-key questions.
-        "GIT_TERMINAL_PROMPT": "0",
-        "GCM_INTERACTIVE": "never",
-        "GIT_SSH_COMMAND": "ssh -o BatchMode=yes -o ConnectTimeout=5",
-        "GIT_OPTIONAL_LOCKS": "0",  # a status/diff must not rewrite the user's index stat cache
-        "LC_ALL": "C",
-    }
-    if not network:
-        env["GIT_ALLOW_PROTOCOL"] = _NO_TRANSPORT
-        env["GIT_NO_LAZY_FETCH"] = "1"
-    return env
+def _inside(path: Path, root: Path) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
 
 class GitCheckout:
-    """A thin, time-bounded wrapper over one repository (a user checkout or the cache's bare clone)."""
+    """A thin, time-bounded wrapper over one repository (a user checkout or the cache's bare clone); every git
+    command goes through gitsafe.run_git (see there for what a repository's configuration can no longer do)."""
 
     def __init__(self, path: Path, *, offline: bool, is_cache: bool = False,
                  allowed_hosts: list[str] | None = None) -> None:
-        import git  # gitpython; imported here so `import sleuth.reference` stays light
-
-        self._git = git
         self.path = Path(path)
         self.offline = offline
         self.is_cache = is_cache
         self.allowed_hosts = [h.lower() for h in allowed_hosts or []]
-        try:
-            self.repo = git.Repo(self.path)
-        except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-            raise ReferenceError(f"{self.path} is not a git checkout") from None
+        found = locate_repository(self.path)
+        if found is None:
+            raise ReferenceError(f"{self.path} is not a git checkout")
+        self.git_dir, self.work_tree = found
+        if self.work_tree is None and self.git_dir.name == ".git":
+            self.work_tree = self.git_dir.parent
+        # git's safe.directory rule: a repository someone else owns is theirs; it is read (its configuration
+        # can run nothing here), never fetched into or fast-forwarded.
+        self.foreign_owner = None if is_cache else owned_by_someone_else(
+            *filter(None, [self.work_tree, self.git_dir]))
+        # Why this repository is read only (None: it may be fetched into and fast-forwarded). A `.git` file
+        # can name any git directory (a linked worktree's, or another repository of the user's): moving
+        # that one's branch would change a repository nobody handed to sleuth.
+        self.read_only: str | None = None
+        if self.foreign_owner is not None:
+            self.read_only = f"{self.path} belongs to uid {self.foreign_owner}, not to you"
+        elif self.work_tree is not None and not _inside(self.git_dir, self.work_tree):
+            self.read_only = f"its git directory {self.git_dir} lies outside {self.path} (a .git file)"
         # Every call starts without network; network is allowed only once every remote that git could
         # contact on its own (a partial clone's promisor remotes) is known to be on an allowed host.
-        self.env = _git_env(network=False)
-        self.repo.git.update_environment(**self.env)
+        self.network = False
+        self.filter_overrides: list[tuple[str, str]] = []
+        self.filter_overrides = self._filter_overrides()
         self.network_refusal = "--offline" if offline else self._promisor_refusal()
         if self.network_refusal is None:
-            self.env = _git_env(network=True)
-            # gitpython keeps earlier settings unless told to drop them (None unsets).
-            self.repo.git.update_environment(GIT_ALLOW_PROTOCOL=None, GIT_NO_LAZY_FETCH=None)
-        # gitpython's own helpers (is_dirty, config reads) must run under the same rules as `run`.
-        self.repo.git.update_environment(**self.env)
+            self.network = True
+
+    def _filter_overrides(self) -> list[tuple[str, str]]:
+        """Every filter driver any configuration names, emptied: git then checks out and hashes the bytes as
+        they are (an empty smudge/clean/process is no filter; required=false keeps an emptied one legal)."""
+        try:
+            keys = str(self.run("config", "--name-only", "--get-regexp", r"^filter\.")).splitlines()
+        except GitFailure:
+            return []  # exit 1: no filter configured
+        names = {key[len("filter."):].rsplit(".", 1)[0] for key in keys if key.count(".") >= 2}
+        return [(f"filter.{name}.{field}", "false" if field == "required" else "")
+                for name in sorted(names) for field in ("smudge", "clean", "process", "required")]
 
     def _promisor_refusal(self) -> str | None:
         """Why git may not reach a network from this repository, or None when it may."""
@@ -110,19 +138,9 @@ class GitCheckout:
 
     # low level ----------------------------------------------------------------------------------------
     def run(self, *args: str, binary: bool = False, timeout: float = GIT_TIMEOUT_S) -> str | bytes:
-        try:
-            return self.repo.git.execute(
-                ["git", *args],
-                env={**os.environ, **self.env},
-                kill_after_timeout=timeout,
-                stdout_as_string=not binary,
-                strip_newline_in_stdout=not binary,
-            )
-        except self._git.GitCommandError as exc:
-            stderr = (exc.stderr or "").strip().replace("stderr:", "").strip(" '\n")
-            last = [line.strip() for line in stderr.splitlines() if line.strip()]
-            # git's stderr names the remote URL, token included when the user put one there.
-            raise GitFailure(redact(f"git {args[0]} failed: {last[-1] if last else exc.status}")) from None
+        return run_git(list(args), git_dir=self.git_dir, work_tree=self.work_tree, network=self.network,
+                       binary=binary, timeout=timeout, extra_config=self.filter_overrides,
+                       safe_directory=Path("*") if self.foreign_owner is not None else None)
 
     def rev(self, revision: str) -> str | None:
         try:
@@ -146,32 +164,41 @@ class GitCheckout:
 
     def first_commit_adding(self, commit: str, directory: str) -> str | None:
         """The oldest commit reachable from `commit` that added a file under `directory`."""
-        out = str(self.run("log", "--diff-filter=A", "--format=%H", "--reverse", commit, "--", directory))
+        out = str(self.run("log", "--no-show-signature", "--diff-filter=A", "--format=%H", "--reverse", commit,
+                           "--", directory))
         lines = out.split()
         return lines[0] if lines else None
 
     # state --------------------------------------------------------------------------------------------
     @property
     def branch(self) -> str | None:
-        return None if self.repo.head.is_detached else self.repo.head.ref.name
+        try:
+            ref = str(self.run("symbolic-ref", "-q", "HEAD")).strip()
+        except GitFailure:
+            return None  # detached (or no HEAD at all)
+        return ref.removeprefix("refs/heads/") if ref.startswith("refs/heads/") else None
+
+    def _config(self, key: str) -> str | None:
+        try:
+            return str(self.run("config", "--get", key)).strip()
+        except GitFailure:
+            return None  # exit 1: not set
 
     def tracking(self) -> tuple[str, str] | None:
         """(remote, branch) the current branch tracks, from the branch's own config."""
         branch = self.branch
         if branch is None:
             return None
-        reader = self.repo.config_reader()
-        section = f'branch "{branch}"'
-        if not reader.has_option(section, "remote") or not reader.has_option(section, "merge"):
-            return None
-        remote = str(reader.get_value(section, "remote"))
-        merge = str(reader.get_value(section, "merge"))
-        if remote == ".":  # tracks a local branch: there is no upstream to fetch
+        remote, merge = self._config(f"branch.{branch}.remote"), self._config(f"branch.{branch}.merge")
+        if not remote or not merge or remote == ".":  # tracks a local branch: there is no upstream to fetch
             return None
         return remote, merge.removeprefix("refs/heads/")
 
     def remote_names(self) -> list[str]:
-        return [r.name for r in self.repo.remotes]
+        try:
+            return [name for name in str(self.run("remote")).splitlines() if name.strip()]
+        except GitFailure:
+            return []
 
     def remote_url(self, remote: str) -> str:
         """The URL git would contact (insteadOf applied), userinfo redacted: it is printed and written."""
@@ -181,10 +208,10 @@ class GitCheckout:
             return "?"
 
     def is_shallow(self) -> bool:
-        return (Path(self.repo.git_dir) / "shallow").is_file()
+        return (self.git_dir / "shallow").is_file()
 
     def dirty_reason(self) -> str | None:
-        git_dir = Path(self.repo.git_dir)
+        git_dir = self.git_dir
         for marker, what in (
             ("MERGE_HEAD", "a merge"),
             ("rebase-merge", "a rebase"),
@@ -195,7 +222,7 @@ class GitCheckout:
             if (git_dir / marker).exists():
                 return f"{what} is in progress"
         # `git status` honours GIT_OPTIONAL_LOCKS=0 and so never rewrites the user's index; `git diff`
-        # (behind gitpython's is_dirty) may refresh and write it, which would break our promise.
+        # may refresh and write it, which would break our promise.
         try:
             status = str(self.run("status", "--porcelain", "--untracked-files=no"))
         except GitFailure as exc:
@@ -207,8 +234,9 @@ class GitCheckout:
     def paths_in_the_way(self, target: str) -> list[str]:
         """Files the fast-forward to `target` would create but that already exist untracked (or ignored,
         which git overwrites silently): the user's, so the fast-forward is not done."""
-        added = str(self.run("diff", "-z", "--name-only", "--no-renames", "--diff-filter=A", "HEAD", target, "--"))
-        work_tree = Path(self.repo.working_tree_dir or self.path)
+        added = str(self.run("diff", "-z", "--name-only", "--no-renames", "--no-ext-diff", "--no-textconv",
+                             "--diff-filter=A", "HEAD", target, "--"))
+        work_tree = self.work_tree or self.path
         in_the_way = []
         for relative in filter(None, added.split("\0")):  # -z: names as they are, never quoted
             path = work_tree / relative
@@ -218,9 +246,24 @@ class GitCheckout:
                 in_the_way.append(relative)
         return in_the_way
 
+    def filtered_paths(self, older: str, newer: str) -> list[str]:
+        """Paths a checkout from `older` to `newer` writes that a configured filter driver would process (or
+        a .gitattributes that could name one); empty when no filter driver is configured at all."""
+        if not self.filter_overrides:
+            return []
+        changed = [p for p in str(self.run("diff", "-z", "--name-only", "--no-renames", "--no-ext-diff",
+                                           "--no-textconv", older, newer, "--")).split("\0") if p]
+        named = [p for p in changed if p.rsplit("/", 1)[-1] == ".gitattributes"]
+        if named or not changed:
+            return named
+        drivers = {key.split(".", 1)[1].rsplit(".", 1)[0] for key, _ in self.filter_overrides}
+        # check-attr reads attributes only (work tree, info/attributes); it runs nothing.
+        listed = str(self.run("check-attr", "-z", "filter", "--", *changed)).split("\0")
+        return [path for path, value in zip(listed[0::3], listed[2::3]) if value in drivers]
+
     def fast_forward(self, target: str) -> None:
         """`git merge --ff-only target`, leaving ORIG_HEAD as it was if git refuses after all."""
-        orig_head = Path(self.repo.git_dir) / "ORIG_HEAD"
+        orig_head = self.git_dir / "ORIG_HEAD"
         before = orig_head.read_bytes() if orig_head.is_file() else None
         try:
             self.run("merge", "--ff-only", "--quiet", target)
@@ -235,7 +278,11 @@ class GitCheckout:
     def fetch(self, remote: str, branch: str) -> None:
         if self.network_refusal is not None:
             raise GitFailure(f"not fetched: {self.network_refusal}")
-        args = ["fetch", "--no-tags", "--no-write-fetch-head", "--quiet"]
+        if self.read_only is not None:
+            raise GitFailure(f"not fetched: {self.read_only}")
+        # An explicit upload-pack: remote.*.uploadpack in the repository's config is a command line.
+        args = ["fetch", "--no-tags", "--no-write-fetch-head", "--quiet", "--no-recurse-submodules",
+                f"--upload-pack={TRUSTED_UPLOAD_PACK}"]
         if self.is_cache:
             args.append("--filter=blob:none")
         self.run(*args, remote, f"+refs/heads/{branch}:refs/remotes/{remote}/{branch}")
@@ -247,11 +294,14 @@ def open_cache_clone(clone_dir: Path, url: str, *, offline: bool, create: bool,
     if not (clone_dir / "HEAD").is_file():
         if not create:
             return None
-        import git
-
         shutil.rmtree(clone_dir, ignore_errors=True)
         clone_dir.parent.mkdir(parents=True, exist_ok=True)
-        git.Repo.init(clone_dir, bare=True)
+        # No template: a template directory (GIT_TEMPLATE_DIR, init.templateDir) would bring hooks with it.
+        try:
+            run_git(["init", "--bare", "--quiet", "--template=", str(clone_dir)], git_dir=None, work_tree=None,
+                    network=False, cwd=clone_dir.parent)
+        except GitFailure as exc:
+            raise ReferenceError(f"cannot create the cache clone {clone_dir}: {exc}") from None
     checkout = GitCheckout(clone_dir, offline=offline, is_cache=True, allowed_hosts=allowed_hosts)
     if create:
         if "origin" in checkout.remote_names():
@@ -395,6 +445,10 @@ def pull(state: LocalState, needed: list[str], ref: str | None, default_branch: 
     if upstream is None:
         return PullResult("miss", "the checkout has no remote to fetch from", use_local=state.complete)
     remote, branch = upstream
+    if checkout.read_only is not None:
+        # git's safe.directory reasoning: someone else's repository is read, never written.
+        return PullResult("skipped", f"{checkout.read_only}: read, never fetched into or fast-forwarded",
+                          use_local=state.complete)
     host = remote_host(checkout.remote_url(remote))
     if host is not None and allowed_hosts is not None and host.lower() not in {h.lower() for h in allowed_hosts}:
         # A network remote the reference does not name: a fork or a mirror would be reported as the
@@ -474,6 +528,11 @@ def why_not_fast_forward(checkout: GitCheckout, ref: str | None, remote: str, br
         return f"--ref {ref} is not the checked-out branch"
     if checkout.tracking() != (remote, branch):
         return f"branch {checkout.branch} does not track {remote}/{branch}"
+    filtered = checkout.filtered_paths("HEAD", target)
+    if filtered:
+        # sleuth runs no filter driver (git-lfs's included): checking these out unfiltered would leave other
+        # bytes (LFS pointers) in your work tree than git would.
+        return f"{filtered[0]} is under a filter driver, which sleuth does not run"
     dirty = checkout.dirty_reason()
     if dirty:
         return dirty
