@@ -1,0 +1,460 @@
+"""The observer inside the user's training process: torch instrumented, names never read.
+
+Installed by site/sitecustomize.py before the user's code runs, it watches what any trainer reduces to:
+  * module calls (a global forward hook): which modules ran, in which order, the identity of each output, the
+    vocabulary sizes of the embeddings called, and a gradient hook on every output that could be draft logits
+    (it requires grad and its last dimension is an embedding's vocabulary);
+  * the gathering of target features: a `torch.cat` / `torch.stack` whose inputs are all outputs of modules
+    that did not train at that call (no grad through them) becomes a gradient leaf (same values), so after
+    `backward` the gradient at each input block says which target layer reaches the loss;
+  * `Tensor.backward` / `torch.autograd.backward`: the loss, and where it was called;
+  * `Optimizer.__init__` and the global optimizer step hooks: the parameter groups (lr, weight decay, which
+    parameters), and, around the observed step, which parameters of the embeddings and draft head changed;
+  * LR schedulers: the real object, whose trajectory is read by stepping a deep copy.
+After N optimizer steps (SLEUTH_OBSERVE_STEPS, default 1) it measures on that step's own tensors, writes the
+observation (JSON) to the answer file and ends the process (os._exit: nothing of the run goes on). A process
+that ends before writes what it saw (atexit), so sleuth can say which link was missing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import json
+import math
+import os
+import sys
+import time
+import weakref
+from typing import Any
+
+ANSWER_ENV = "SLEUTH_OBSERVE_ANSWER"
+STEPS_ENV = "SLEUTH_OBSERVE_STEPS"
+WORKDIR_ENV = "SLEUTH_OBSERVE_WORKDIR"
+SCHEDULE_STEPS = 64  # how far each scheduler's copy is stepped
+MAX_WEIGHTS = 4096  # per-position weights sent back
+MAX_GATHERED = 8  # gatherings of target features kept (the latest)
+_THIS = os.path.abspath(__file__)
+
+_OBSERVER: Observer | None = None
+
+
+def install() -> None:
+    global _OBSERVER
+    if _OBSERVER is not None:
+        return
+    answer = os.environ.get(ANSWER_ENV)
+    if not answer:
+        return
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - the command's interpreter has no working torch
+        _write(answer, {"ended": "no_torch", "error": f"torch cannot be imported in the command's Python ({exc})"},
+               only_if_empty=True)
+        return
+    _OBSERVER = Observer(answer, int(os.environ.get(STEPS_ENV, "1") or 1))
+    _OBSERVER.patch()
+
+
+def _write(path: str, data: dict[str, Any], *, only_if_empty: bool = False) -> None:
+    try:
+        if only_if_empty and os.path.getsize(path) > 0:
+            return
+        text = json.dumps(data, default=str, allow_nan=False)
+    except (OSError, ValueError):
+        text = json.dumps({"ended": "error", "error": "the observation could not be serialised"})
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def _finite(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
+def _site() -> str:
+    """file:line of the user's code that made the current call (the first frame outside torch, installed
+    packages and the observer)."""
+    frame = sys._getframe(2)
+    root = os.environ.get(WORKDIR_ENV, "")
+    while frame is not None:
+        name = frame.f_code.co_filename
+        internal = (name == _THIS or name.startswith("<") or "site-packages" in name or "dist-packages" in name
+                    or "/lib/python" in name)
+        if not internal:
+            shown = os.path.relpath(name, root) if root and name.startswith(root) else os.path.basename(name)
+            return f"{shown}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+class Observer:
+    def __init__(self, answer: str, steps: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.answer, self.steps_wanted = answer, max(1, steps)
+        self.started = time.perf_counter()
+        self.seq = 0
+        self.outputs: dict[int, tuple[Any, Any, int, bool]] = {}  # id(tensor) -> (ref, module ref, seq, trained)
+        self.first_seen: dict[int, tuple[int, Any]] = {}  # id(module) -> (order, module ref)
+        self.vocab: set[int] = set()
+        self.gathered: list[dict[str, Any]] = []
+        self.optimizers: list[dict[str, Any]] = []
+        self.schedulers: list[dict[str, Any]] = []
+        self.step_counts: dict[int, int] = {}
+        self.due = False
+        self.done = False
+        self.new_window()
+        self.observed: dict[str, Any] = {"frozen": {}}
+
+    def new_window(self) -> None:
+        """What belongs to one optimizer step: reset after each step but the last."""
+        self.logits: list[dict[str, Any]] = []
+        self.embeddings: dict[int, Any] = {}
+        self.losses: list[dict[str, Any]] = []
+        self.called: set[int] = set()
+        self.snapshots: dict[int, Any] = {}
+
+    # --- instrumentation --------------------------------------------------------------------------------
+
+    def patch(self) -> None:
+        torch = self.torch
+        from torch.nn.modules import module as module_mod
+        from torch.optim import lr_scheduler, optimizer
+
+        module_mod.register_module_forward_pre_hook(self.on_pre_forward)
+        module_mod.register_module_forward_hook(self.on_forward)
+        for name in ("cat", "concat", "concatenate", "stack"):
+            original = getattr(torch, name, None)
+            if original is not None:
+                setattr(torch, name, self.gathering(original, name))
+        original_backward = torch.Tensor.backward
+        original_autograd = torch.autograd.backward
+        observer = self
+
+        def backward(tensor, *args, **kwargs):  # noqa: ANN001, ANN202
+            observer.on_backward([tensor])
+            return original_backward(tensor, *args, **kwargs)
+
+        def autograd_backward(tensors, *args, **kwargs):  # noqa: ANN001, ANN202
+            observer.on_backward(list(tensors) if isinstance(tensors, (list, tuple)) else [tensors])
+            return original_autograd(tensors, *args, **kwargs)
+
+        torch.Tensor.backward = backward
+        torch.autograd.backward = autograd_backward
+        original_init = optimizer.Optimizer.__init__
+
+        def optimizer_init(opt, *args, **kwargs):  # noqa: ANN001, ANN202
+            original_init(opt, *args, **kwargs)
+            observer.optimizers.append({"ref": weakref.ref(opt), "site": _site(), "class": type(opt).__name__})
+
+        optimizer.Optimizer.__init__ = optimizer_init
+        optimizer.register_optimizer_step_pre_hook(self.on_pre_step)
+        optimizer.register_optimizer_step_post_hook(self.on_post_step)
+        original_sched_init = lr_scheduler.LRScheduler.__init__
+
+        def scheduler_init(sched, *args, **kwargs):  # noqa: ANN001, ANN202
+            original_sched_init(sched, *args, **kwargs)
+            observer.schedulers.append({"ref": weakref.ref(sched), "site": _site(), "class": type(sched).__name__})
+
+        lr_scheduler.LRScheduler.__init__ = scheduler_init
+        atexit.register(self.at_exit)
+
+    def on_pre_forward(self, module, args) -> None:  # noqa: ANN001
+        if self.due:
+            self.finish("the next forward after the observed step")
+        if id(module) not in self.first_seen:
+            self.first_seen[id(module)] = (len(self.first_seen), weakref.ref(module))
+
+    def on_forward(self, module, args, output) -> None:  # noqa: ANN001
+        torch = self.torch
+        self.seq += 1
+        self.called.add(id(module))
+        tensor = output if isinstance(output, torch.Tensor) else (
+            output[0] if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) else None)
+        if isinstance(module, torch.nn.Embedding):
+            self.vocab.add(int(module.num_embeddings))
+            self.embeddings[id(module)] = weakref.ref(module)
+        if tensor is None:
+            return
+        trained = tensor.requires_grad and any(p.requires_grad for p in module.parameters(recurse=True))
+        self.outputs[id(tensor)] = (weakref.ref(tensor), weakref.ref(module), self.seq, trained)
+        if len(self.outputs) > 50_000:
+            self.outputs = {k: v for k, v in self.outputs.items() if v[0]() is not None}
+        if (tensor.requires_grad and torch.is_grad_enabled() and tensor.dim() >= 2 and tensor.shape[-1] in self.vocab
+                and tensor.is_floating_point()):
+            holder: dict[str, Any] = {"module": weakref.ref(module), "logits": tensor.detach(),
+                                      "shape": list(tensor.shape)}
+            tensor.register_hook(lambda grad, holder=holder: holder.__setitem__("grad", grad.detach()))
+            self.logits = [*self.logits[-3:], holder]
+
+    def gathering(self, original, name: str):  # noqa: ANN001, ANN201
+        observer = self
+
+        def gather(tensors, *args, **kwargs):  # noqa: ANN001, ANN202
+            if not isinstance(tensors, (list, tuple)):
+                tensors = list(tensors)
+            out = original(tensors, *args, **kwargs)
+            try:
+                return observer.on_gather(name, tensors, args, kwargs, out)
+            except Exception:  # noqa: BLE001 - the observer never breaks the user's run
+                return out
+
+        gather.__wrapped__ = original
+        return gather
+
+    def on_gather(self, name: str, tensors, args, kwargs, out):  # noqa: ANN001, ANN201
+        torch = self.torch
+        if len(tensors) < 2 or kwargs.get("out") is not None or not isinstance(out, torch.Tensor):
+            return out
+        sources = []
+        for tensor in tensors:
+            found = self.outputs.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+            if found is None or found[0]() is not tensor or found[3] or tensor.requires_grad:
+                return out  # not all of them are outputs of modules that did not train: not target features
+            sources.append((found[1], found[2], int(tensor.shape[kwargs.get("dim", args[0] if args else 0)]
+                                                     if name != "stack" else 1)))
+        dim = kwargs.get("dim", args[0] if args else 0)
+        dim = dim % out.dim() if isinstance(dim, int) else dim
+        if not isinstance(dim, int):
+            return out
+        leaf = out.detach().requires_grad_(True) if not out.requires_grad else out
+        record = {"kind": name, "dim": dim, "sources": sources, "site": _site(), "shape": list(out.shape),
+                  "leaf": leaf, "grad_enabled": torch.is_grad_enabled()}
+        self.gathered = [*self.gathered[-(MAX_GATHERED - 1):], record]
+        return leaf
+
+    def on_backward(self, tensors: list[Any]) -> None:
+        torch = self.torch
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                value = float(tensor.detach().float().sum()) if tensor.numel() == 1 else None
+                self.losses.append({"site": _site(), "shape": list(tensor.shape), "value": value,
+                                    "grad_fn": type(tensor.grad_fn).__name__ if tensor.grad_fn else None})
+        self.losses = self.losses[-8:]
+
+    def on_pre_step(self, opt, args, kwargs) -> None:  # noqa: ANN001
+        if self.due and self.step_counts.get(id(opt), 0) >= self.steps_wanted:
+            self.finish("the next optimizer step after the observed one")
+        if self.step_counts.get(id(opt), 0) + 1 < self.steps_wanted:
+            return
+        # Before the observed step: the parameters whose change decides "frozen" (embeddings and draft heads).
+        for module in self.watched_modules():
+            for param in module.parameters():
+                if id(param) not in self.snapshots:
+                    self.snapshots[id(param)] = (weakref.ref(param), param.detach().clone(),
+                                                 param.grad is not None and bool(param.grad.abs().sum() > 0))
+
+    def on_post_step(self, opt, args, kwargs) -> None:  # noqa: ANN001
+        self.step_counts[id(opt)] = self.step_counts.get(id(opt), 0) + 1
+        if self.step_counts[id(opt)] < self.steps_wanted:
+            self.new_window()
+            return
+        changed = self.observed["frozen"]
+        for key, (ref, before, had_grad) in self.snapshots.items():
+            param = ref()
+            if param is not None and key not in changed:
+                changed[key] = {"changed": not self.torch.equal(param.detach(), before), "had_grad": had_grad}
+        self.due = True
+
+    def watched_modules(self) -> list[Any]:
+        modules = [ref() for ref in self.embeddings.values()]
+        modules += [holder["module"]() for holder in self.logits]
+        return [m for m in dict.fromkeys(modules) if m is not None]
+
+    def at_exit(self) -> None:
+        if not self.done:
+            self.finish("the command ended", exiting=True)
+
+    # --- the observation --------------------------------------------------------------------------------
+
+    def finish(self, when: str, *, exiting: bool = False) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            data = self.observation(when)
+        except Exception as exc:  # noqa: BLE001 - reported, never a traceback in the user's run
+            data = {"ended": "observer_error", "error": f"the observer failed: {type(exc).__name__}: {exc}"}
+        steps = max(self.step_counts.values(), default=0)
+        if exiting and steps < self.steps_wanted:
+            data["ended"] = data.get("ended") or "command_ended"
+            _write(self.answer, data, only_if_empty=True)
+            return
+        _write(self.answer, data)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def observation(self, when: str) -> dict[str, Any]:
+        names = self.names()
+        steps = max(self.step_counts.values(), default=0)
+        return {
+            "ended": "observed" if steps >= self.steps_wanted else "command_ended",
+            "when": when,
+            "steps_wanted": self.steps_wanted,
+            "steps": steps,
+            "seconds": round(time.perf_counter() - self.started, 3),
+            "torch": self.torch.__version__,
+            "modules_called": len(self.first_seen),
+            "features": [self.describe_gathering(g, names) for g in self.gathered],
+            "logits": self.describe_logits(names),
+            "loss": self.losses[-1] if self.losses else None,
+            "optimizers": [self.describe_optimizer(o, names) for o in self.optimizers if o["ref"]() is not None],
+            "frozen": self.describe_frozen(names),
+            "schedulers": [self.describe_scheduler(s) for s in self.schedulers if s["ref"]() is not None],
+        }
+
+    def names(self) -> dict[str, dict[int, Any]]:
+        """Qualified names of modules and parameters, from the outermost modules that ran (first seen first);
+        also where each module sits in a ModuleList (its index and the list's length and owner)."""
+        torch = self.torch
+        modules: dict[int, str] = {}
+        params: dict[int, str] = {}
+        in_list: dict[int, tuple[int, int, str]] = {}
+        roots: dict[int, str] = {}
+        for _order, ref in sorted(self.first_seen.values(), key=lambda item: item[0]):
+            root = ref()
+            if root is None or id(root) in modules:
+                continue
+            label = type(root).__name__
+            stack = [(root, label)]
+            while stack:
+                module, name = stack.pop()
+                if id(module) in modules:
+                    continue
+                modules[id(module)] = name
+                roots[id(module)] = label
+                for pname, param in module.named_parameters(recurse=False):
+                    params.setdefault(id(param), f"{name}.{pname}")
+                for cname, child in module.named_children():
+                    if isinstance(module, torch.nn.ModuleList) and cname.isdigit():
+                        in_list[id(child)] = (int(cname), len(module), name)
+                    stack.append((child, f"{name}.{cname}"))
+        return {"modules": modules, "params": params, "in_list": in_list, "roots": roots}
+
+    def describe_gathering(self, record: dict[str, Any], names: dict[str, dict[int, Any]]) -> dict[str, Any]:
+        leaf = record["leaf"]
+        grad = leaf.grad
+        chunks, offset = [], 0
+        for ref, seq, size in record["sources"]:
+            module = ref()
+            entry: dict[str, Any] = {"module": names["modules"].get(id(module), type(module).__name__ if module
+                                                                     is not None else "?"),
+                                     "class": type(module).__name__ if module is not None else "?", "seq": seq}
+            position = names["in_list"].get(id(module)) if module is not None else None
+            if position is not None:
+                entry.update(layer=position[0], layers=position[1], stack=position[2])
+            if module is not None and isinstance(module, self.torch.nn.Embedding):
+                entry["embeddings"] = True
+            if grad is not None:
+                part = grad.narrow(record["dim"], offset, size)
+                entry["grad_abs_sum"] = _finite(float(part.detach().abs().double().sum()))
+            chunks.append(entry)
+            offset += size
+        return {"kind": record["kind"], "site": record["site"], "dim": record["dim"], "shape": record["shape"],
+                "reached_backward": grad is not None, "made_under_no_grad": not record["grad_enabled"],
+                "chunks": chunks}
+
+    def describe_logits(self, names: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
+        torch = self.torch
+        holder = next((h for h in reversed(self.logits) if "grad" in h), None)
+        if holder is None:
+            return None
+        grad = holder["grad"].double().reshape(-1, holder["shape"][-1])
+        logits = holder["logits"].double().reshape(-1, holder["shape"][-1])
+        negatives = (grad < 0).sum(-1)
+        active = grad.abs().sum(-1) > 0
+        hard = bool(((negatives == 1) | ~active).all())
+        weights: list[float] | None = None
+        if hard:
+            label = grad.argmin(-1)
+            prob = torch.softmax(logits, -1).gather(1, label[:, None]).squeeze(1)
+            value = -grad.gather(1, label[:, None]).squeeze(1) / (1 - prob).clamp(min=1e-12)
+            weights = [float(w) for w in torch.where(active, value, torch.zeros_like(value))[:MAX_WEIGHTS]]
+        module = holder["module"]()
+        return {"module": names["modules"].get(id(module), type(module).__name__) if module is not None else "?",
+                "class": type(module).__name__ if module is not None else "?", "shape": holder["shape"],
+                "positions": int(grad.shape[0]), "active_positions": int(active.sum()),
+                "hard_labels": hard, "weights": weights, "truncated": int(grad.shape[0]) > MAX_WEIGHTS}
+
+    def describe_optimizer(self, record: dict[str, Any], names: dict[str, dict[int, Any]]) -> dict[str, Any]:
+        opt = record["ref"]()
+        groups = []
+        for group in opt.param_groups:
+            owners: dict[str, int] = {}
+            for param in group["params"]:
+                name = names["params"].get(id(param), f"an unnamed parameter {tuple(param.shape)}")
+                owner = name.rsplit(".", 1)[0] if "." in name else name
+                owners[owner] = owners.get(owner, 0) + 1
+            scalars = {k: (_finite(float(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+                       for k, v in group.items() if k != "params" and isinstance(v, (int, float, bool, str))}
+            groups.append({"hyper": scalars, "params": len(group["params"]),
+                           "numel": int(sum(p.numel() for p in group["params"])),
+                           "trainable": sum(1 for p in group["params"] if p.requires_grad),
+                           "owners": sorted(owners)[:40], "owners_total": len(owners)})
+        return {"class": record["class"], "site": record["site"], "groups": groups,
+                "steps": self.step_counts.get(id(opt), 0)}
+
+    def optimized(self) -> dict[int, float]:
+        """id(param) -> the learning rate of the group that holds it, over every optimizer."""
+        found: dict[int, float] = {}
+        for record in self.optimizers:
+            opt = record["ref"]()
+            for group in opt.param_groups if opt is not None else []:
+                for param in group["params"]:
+                    lr = group.get("lr", 0.0)
+                    found[id(param)] = float(lr) if isinstance(lr, (int, float)) else float("nan")
+        return found
+
+    def describe_frozen(self, names: dict[str, dict[int, Any]]) -> list[dict[str, Any]]:
+        torch = self.torch
+        optimized = self.optimized()
+        head_ids = {id(h["module"]()) for h in self.logits if "grad" in h}
+        rows = []
+        for module in self.watched_modules():
+            role = "embeddings" if isinstance(module, torch.nn.Embedding) else "draft head"
+            if role == "draft head" and id(module) not in head_ids:
+                continue
+            for pname, param in module.named_parameters():
+                step = self.observed["frozen"].get(id(param))
+                rows.append({"role": role, "module": names["modules"].get(id(module), type(module).__name__),
+                             "param": names["params"].get(id(param), pname), "shape": list(param.shape),
+                             "root": names["roots"].get(id(module)), "requires_grad": bool(param.requires_grad),
+                             "in_optimizer": id(param) in optimized,
+                             "lr": _finite(optimized[id(param)]) if id(param) in optimized else None,
+                             "changed_by_step": None if step is None else step["changed"],
+                             "had_grad": None if step is None else step["had_grad"]})
+        return rows
+
+    def describe_scheduler(self, record: dict[str, Any]) -> dict[str, Any]:
+        sched = record["ref"]()
+        out: dict[str, Any] = {"class": record["class"], "site": record["site"]}
+        try:
+            opt = sched.optimizer
+
+            class _Stand:  # the optimizer as the copy sees it: the groups' values, no parameters
+                pass
+
+            stand = _Stand()
+            stand.param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
+                                  for g in opt.param_groups]
+            stand.defaults = dict(getattr(opt, "defaults", {}))
+            stand.state = {}
+
+            def step() -> None:
+                return None
+
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+            stand.step = step
+            stand._opt_called = True
+            clone = copy.deepcopy(sched, {id(opt): stand})
+            trajectory = [float(g["lr"]) for g in stand.param_groups[:1]]
+            for _ in range(SCHEDULE_STEPS):
+                clone.step()
+                trajectory.append(float(stand.param_groups[0]["lr"]))
+            out.update(last_epoch=int(getattr(sched, "last_epoch", -1)),
+                       trajectory=[_finite(v) for v in trajectory])
+        except Exception as exc:  # noqa: BLE001
+            out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        return out
