@@ -143,7 +143,7 @@ def _frozen(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
                                    "heads": [_text(r.get("param")) for r in heads]})]
     if not rows:
         return [_unknown(invariant, f"{NOT_EXERCISED}: no embedding or draft head ran in the observed step")]
-    unknown_change = [r for r in rows if r.get("changed_by_step") is None]
+    unknown_change = [r for r in rows if r.get("changed_by_step") is not False]
     missing = []
     if not embeddings:
         missing.append("no embedding module ran (token embeddings computed without nn.Embedding)")

@@ -124,6 +124,10 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
         ended = observation.get("ended")
         if ended != "observed":
             why = observation.get("error")
+            if not why and ended == "no_observation":
+                why = (f"the command ended (exit status {observation.get('returncode')}) and sleuth's observer never "
+                       "reported: not a Python command, a Python started with -I, -E or -S (which skip the observer), "
+                       "or a process killed before it could" + (f"; last output: {last}" if last else ""))
             if not why:
                 code_text = observation.get("returncode")
                 steps_done = observation.get("steps") or 0

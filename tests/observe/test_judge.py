@@ -1,0 +1,103 @@
+"""The observation -> verdict rules (torch-free): exercised parts decide, the rest stays unknown."""
+
+from __future__ import annotations
+
+import math
+
+from sleuth.observe.judge import OBSERVED_INVARIANTS, block_pattern, judge
+from sleuth.observe.reference import target_layer_ids
+from sleuth.probes.verdict import Expectations
+
+
+def features(layers: list[int], grads: list[float], depth: int = 12) -> dict:
+    return {"kind": "cat", "site": "train.py:10", "dim": 2, "shape": [2, 8, 32 * len(layers)], "reached_backward": True,
+            "chunks": [{"module": f"M.layers.{i}", "layer": i, "layers": depth, "stack": "M.layers",
+                        "grad_abs_sum": g} for i, g in zip(layers, grads)]}
+
+
+def weights(block: int, gamma: float, blocks: int = 3, slot0: float = 0.0, scale: float = 0.01) -> list[float]:
+    one = [slot0] + [math.exp(-(k - 1) / gamma) for k in range(1, block)]
+    return [w * scale * (1 + b) for b in range(blocks) for w in one]  # each block its own normalisation
+
+
+def observation(**parts: object) -> dict:
+    base = {"ended": "observed", "steps": 1, "steps_wanted": 1, "features": [], "logits": None, "frozen": []}
+    return {**base, **parts}
+
+
+def by_id(obs: dict, expectations: Expectations | None = None) -> dict:
+    verdicts, _notes = judge(obs, expectations or Expectations())
+    return {v.invariant: v for v in verdicts}
+
+
+def test_reference_layer_rule() -> None:
+    assert target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert target_layer_ids(12, 1) == [6]
+
+
+def test_layers_all_reaching_the_loss_match_and_an_unread_layer_is_a_mismatch() -> None:
+    clean = by_id(observation(features=[features([1, 3, 5, 7, 9], [1.0, 2.0, 1.0, 1.0, 0.5])]))
+    assert clean["dflash.fc_input_layers"].status == "match"
+    assert clean["dflash.target_layer_ids"].status == "match"
+    unread = by_id(observation(features=[features([1, 3, 5, 7, 9], [1.0, 2.0, 1.0, 1.0, 0.0])]))
+    assert unread["dflash.fc_input_layers"].status == "mismatch"
+    assert "[9]" in unread["dflash.fc_input_layers"].observed
+    shifted = by_id(observation(features=[features([0, 2, 4, 6, 8], [1.0] * 5)]))
+    assert shifted["dflash.target_layer_ids"].status == "mismatch"
+
+
+def test_features_that_never_reach_the_loss_are_not_exercised() -> None:
+    found = by_id(observation(features=[{**features([1, 3], [0.0, 0.0]), "reached_backward": False}]))
+    for invariant in ("dflash.fc_input_layers", "dflash.target_layer_ids"):
+        assert found[invariant].status == "unknown"
+        assert found[invariant].reason.startswith("not exercised by the observed step")
+
+
+def test_gamma_and_slot_zero_recovered_from_the_weights() -> None:
+    logits = {"module": "lm_head", "class": "Linear", "shape": [2, 3, 4, 64], "hard_labels": True}
+    four = by_id(observation(logits={**logits, "weights": weights(4, 4.0)}))
+    assert four["dflash.loss_decay_gamma"].status == "match"
+    assert four["dflash.anchor_slot_untrained"].status == "match"
+    seven = by_id(observation(logits={**logits, "weights": weights(4, 7.0, slot0=1.0)}))
+    assert seven["dflash.loss_decay_gamma"].status == "mismatch" and "7.000" in seven["dflash.loss_decay_gamma"].observed
+    assert seven["dflash.anchor_slot_untrained"].status == "mismatch"
+    # block 16 accepts the paper's 7 (the playbook's conditional value)
+    sixteen = {**logits, "shape": [2, 32, 64], "weights": weights(16, 7.0, blocks=2)}
+    assert by_id(observation(logits=sixteen))["dflash.loss_decay_gamma"].status == "match"
+
+
+def test_block_size_found_without_a_block_dimension() -> None:
+    found = block_pattern(weights(6, 4.0, blocks=4), [2, 12, 64])
+    assert found is not None and found[0] == 6
+
+
+def test_soft_targets_and_missing_logits_claim_nothing() -> None:
+    soft = {"module": "lm_head", "class": "Linear", "shape": [2, 8, 64], "hard_labels": False, "weights": None}
+    for obs in (observation(logits=soft), observation()):
+        found = by_id(obs)
+        assert found["dflash.loss_decay_gamma"].status == "unknown"
+        assert found["dflash.anchor_slot_untrained"].status == "unknown"
+
+
+def test_frozen_rows() -> None:
+    row = {"role": "embeddings", "param": "T.embed.weight", "requires_grad": False, "in_optimizer": True, "lr": 1e-3,
+           "changed_by_step": False}
+    head = {**row, "role": "draft head", "param": "T.lm_head.weight", "in_optimizer": False}
+    assert by_id(observation(frozen=[row, head]))["dflash.frozen_embed_head"].status == "match"
+    trained = by_id(observation(frozen=[{**row, "requires_grad": True, "changed_by_step": True}, head]))
+    assert trained["dflash.frozen_embed_head"].status == "mismatch"
+    # the head was not watched: what was not exercised is no match
+    alone = by_id(observation(frozen=[row]))["dflash.frozen_embed_head"]
+    assert alone.status == "unknown" and "draft logits" in alone.reason
+
+
+def test_a_malformed_observation_is_unknown_never_a_crash() -> None:
+    for broken in (observation(features=[{"reached_backward": True, "chunks": "x"}]),
+                   observation(logits={"hard_labels": True, "weights": ["a"], "shape": [1]}),
+                   observation(frozen=[{"role": "embeddings", "changed_by_step": "yes"}]),
+                   {"features": 3, "frozen": 4, "logits": 5}):
+        verdicts, _notes = judge(broken, Expectations())
+        assert {v.invariant for v in verdicts} == set(OBSERVED_INVARIANTS)
+        assert all(v.status in ("unknown", "match", "mismatch") for v in verdicts)
+        assert not any(v.status == "match" for v in verdicts)
