@@ -168,20 +168,27 @@ def _frozen(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
 
 
 def block_pattern(weights: list[float], shape: list[int]) -> tuple[int, list[list[float]]] | None:
-    """The block size whose blocks all carry the same relative weights (normalised by slot 1), and the usable
-    blocks; None when no period fits."""
+    """The block size: the shortest period whose blocks all carry the same relative weights (normalised by slot 1),
+    and the usable blocks; None when no period fits. A flat pattern (no decay, slot 0 trained) repeats at every
+    period: the logits' own block dimension decides it, or nothing does."""
     total = len(weights)
-    preferred = [d for d in reversed(shape[:-1]) if isinstance(d, int) and 2 <= d <= MAX_BLOCK]
-    for size in dict.fromkeys([*preferred, *range(2, min(MAX_BLOCK, total) + 1)]):
+    shaped = [d for d in reversed(shape[1:-1]) if isinstance(d, int) and 2 <= d <= MAX_BLOCK]
+    for size in range(2, min(MAX_BLOCK, total) + 1):
         if total % size:
             continue
         blocks = [weights[i:i + size] for i in range(0, total, size)]
         usable = [b for b in blocks if all(w > 0 for w in b[1:])]
-        if not usable or (size not in preferred and len(usable) < 2):
+        if not usable or (size not in shaped and len(usable) < 2):
             continue
         reference = [w / usable[0][1] for w in usable[0]]
-        if all(abs(w / b[1] - r) <= PATTERN_TOLERANCE * max(1.0, abs(r)) for b in usable for w, r in zip(b, reference)):
-            return size, usable
+        if not all(abs(w / b[1] - r) <= PATTERN_TOLERANCE * max(1.0, abs(r)) for b in usable for w, r in zip(b, reference)):
+            continue
+        if all(abs(r - 1.0) <= PATTERN_TOLERANCE for r in reference):  # flat: any period fits
+            inner = shaped[0] if shaped else None
+            if inner is None or inner == size:
+                return (size, usable) if inner == size else None
+            continue
+        return size, usable
     return None
 
 

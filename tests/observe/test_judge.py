@@ -101,3 +101,12 @@ def test_a_malformed_observation_is_unknown_never_a_crash() -> None:
         assert {v.invariant for v in verdicts} == set(OBSERVED_INVARIANTS)
         assert all(v.status in ("unknown", "match", "mismatch") for v in verdicts)
         assert not any(v.status == "match" for v in verdicts)
+
+
+def test_the_shortest_period_wins_over_a_row_dimension() -> None:
+    # t02's layout: logits (rows, anchors * block, vocab), slot 0 trained: the row (36) is no block
+    found = block_pattern(weights(6, 7.0, blocks=18, slot0=1.0), [3, 36, 96])
+    assert found is not None and found[0] == 6
+    flat = [1.0] * 24
+    assert block_pattern(flat, [2, 3, 4, 64])[0] == 4
+    assert block_pattern(flat, [24, 64]) is None
