@@ -65,11 +65,15 @@ def _layers(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
     features = gathered[-1]
     chunks = [c for c in features["chunks"] if isinstance(c, dict)]
     layers: list[int] = []
+    normed = False
     for chunk in chunks:
         if isinstance(chunk.get("layer"), int):
             layers.append(int(chunk["layer"]))
         elif chunk.get("embeddings"):
-            layers.append(-1)
+            layers.append(-1)  # HF hidden_states[0]
+        elif chunk.get("after_last_layer") and isinstance(chunk.get("layers"), int):
+            layers.append(int(chunk["layers"]) - 1)  # HF hidden_states[L]: the last layer's output after the norm
+            normed = True
         else:
             why = (f"the features gathered at {_text(features.get('site'))} hold the output of "
                    f"{_text(chunk.get('module'))}, which is not a layer of a layer stack: link not followed")
@@ -108,7 +112,8 @@ def _layers(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
         return verdicts
     rule = target_layer_ids(depth, len(chosen))
     status = "match" if sorted(chosen) == rule else "mismatch"
-    observed = f"{chosen} of a {depth}-layer target (id i = output of decoder layer i)"
+    observed = f"{chosen} of a {depth}-layer target (id i = output of decoder layer i)" + (
+        f"; layer {depth - 1} read after the target's final norm" if normed else "")
     verdicts.append(_verdict(ids[0], status, hypothesis="the drafter reads the reference's layers", measurement=measurement,
                              observed=observed, expected=f"{rule} (evenly from 1 to L-3)",
                              fix="" if status == "match" else f"read decoder layers {rule} (HF hidden_states[i + 1])",

@@ -347,6 +347,14 @@ class Observer:
                 entry.update(layer=position[0], layers=position[1], stack=position[2])
             if module is not None and isinstance(module, self.torch.nn.Embedding):
                 entry["embeddings"] = True
+            elif position is None and module is not None:
+                # The module that ran right after the last layer of a stack (a final norm: HF's last hidden_states
+                # entry is its output): the last layer's output, normalised.
+                before = next((ref() for _t, ref, seq_before, _tr in self.outputs.values() if seq_before == seq - 1),
+                              None)
+                last = names["in_list"].get(id(before)) if before is not None else None
+                if last is not None and last[0] == last[1] - 1:
+                    entry.update(after_last_layer=True, layers=last[1], stack=last[2])
             if grad is not None:
                 part = grad.narrow(record["dim"], offset, size)
                 entry["grad_abs_sum"] = _finite(float(part.detach().abs().double().sum()))

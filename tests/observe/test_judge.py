@@ -110,3 +110,11 @@ def test_the_shortest_period_wins_over_a_row_dimension() -> None:
     flat = [1.0] * 24
     assert block_pattern(flat, [2, 3, 4, 64])[0] == 4
     assert block_pattern(flat, [24, 64]) is None
+
+
+def test_the_final_norms_output_counts_as_the_last_layer_read_after_the_norm() -> None:
+    chunks = features([1, 3, 5, 7], [1.0] * 4, depth=12)
+    chunks["chunks"].append({"module": "M.norm", "after_last_layer": True, "layers": 12, "stack": "M.layers",
+                             "grad_abs_sum": 1.0})
+    found = by_id(observation(features=[chunks]))["dflash.target_layer_ids"]
+    assert found.status == "mismatch" and "[1, 3, 5, 7, 11]" in found.observed and "final norm" in found.observed
