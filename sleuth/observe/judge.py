@@ -307,9 +307,13 @@ def describe(observation: dict[str, Any]) -> list[str]:
         for sched in observation.get("schedulers") or []:
             path = sched.get("trajectory")
             shown = ", ".join(_num(v) for v in path[:12]) + (" ..." if len(path) > 12 else "") if path else None
+            ends = "; ".join(f"{label} lr {_num((sched.get(key) or {}).get('lr'))} at step "
+                             f"{_text((sched.get(key) or {}).get('step'))}"
+                             for key, label in (("peak", "peak"), ("floor", "lowest"), ("end", "copy's last"))
+                             if isinstance(sched.get(key), dict))
             lines.append(f"scheduler {_text(sched.get('class'))} at {_text(sched.get('site'))}: "
-                         + (f"lr over the next {len(path) - 1} steps (a copy stepped): {shown}" if shown else
-                            f"trajectory not read ({_text(sched.get('error'))})"))
+                         + (f"lr from the observed step on (a copy of the real scheduler stepped): {shown}; {ends}"
+                            if shown else f"trajectory not read ({_text(sched.get('error'))})"))
     except (TypeError, ValueError, AttributeError):
         lines.append("part of the observation is malformed and was not shown")
     return lines

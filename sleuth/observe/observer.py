@@ -31,7 +31,8 @@ from typing import Any
 ANSWER_ENV = "SLEUTH_OBSERVE_ANSWER"
 STEPS_ENV = "SLEUTH_OBSERVE_STEPS"
 WORKDIR_ENV = "SLEUTH_OBSERVE_WORKDIR"
-SCHEDULE_STEPS = 64  # how far each scheduler's copy is stepped
+SCHEDULE_STEPS = 4096  # how far each scheduler's copy is stepped
+SCHEDULE_SHOWN = 32  # the first steps sent back one by one (the rest as peak, floor and end)
 MAX_WEIGHTS = 4096  # per-position weights sent back
 MAX_GATHERED = 8  # gatherings of target features kept (the latest)
 _THIS = os.path.abspath(__file__)
@@ -40,20 +41,61 @@ _OBSERVER: Observer | None = None
 
 
 def install() -> None:
+    """Start observing as soon as the command imports torch (at once if it already has): a process that never
+    does (a data-preparation step, a launcher) is not slowed down, and says so if it is the one that ends."""
+    answer = os.environ.get(ANSWER_ENV)
+    if not answer or _OBSERVER is not None:
+        return
+    if "torch" in sys.modules:
+        _start(answer)
+        return
+    sys.meta_path.insert(0, _TorchWatch(answer))
+    atexit.register(_never_started, answer)
+
+
+def _never_started(answer: str) -> None:
+    if _OBSERVER is None:
+        _write(answer, {"ended": "no_torch", "error": "the command ended without importing torch: no training step "
+                        "to observe"}, only_if_empty=True)
+
+
+class _TorchWatch:
+    """A meta path finder that lets `import torch` run as usual, then starts the observer."""
+
+    def __init__(self, answer: str) -> None:
+        self.answer = answer
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+        answer = self.answer
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            _start(answer)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def _start(answer: str) -> None:
     global _OBSERVER
     if _OBSERVER is not None:
         return
-    answer = os.environ.get(ANSWER_ENV)
-    if not answer:
-        return
     try:
-        import torch  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - the command's interpreter has no working torch
-        _write(answer, {"ended": "no_torch", "error": f"torch cannot be imported in the command's Python ({exc})"},
-               only_if_empty=True)
-        return
-    _OBSERVER = Observer(answer, int(os.environ.get(STEPS_ENV, "1") or 1))
-    _OBSERVER.patch()
+        _OBSERVER = Observer(answer, int(os.environ.get(STEPS_ENV, "1") or 1))
+        _OBSERVER.patch()
+    except Exception as exc:  # noqa: BLE001 - reported; the user's run goes on unobserved and says so
+        _write(answer, {"ended": "observer_error", "error": f"sleuth's observer could not start: "
+                        f"{type(exc).__name__}: {exc}"})
 
 
 def _write(path: str, data: dict[str, Any], *, only_if_empty: bool = False) -> None:
@@ -145,6 +187,7 @@ class Observer:
         original_init = optimizer.Optimizer.__init__
 
         def optimizer_init(opt, *args, **kwargs):  # noqa: ANN001, ANN202
+            observer.note_container(args[0] if args else kwargs.get("params"))
             original_init(opt, *args, **kwargs)
             observer.optimizers.append({"ref": weakref.ref(opt), "site": _site(), "class": type(opt).__name__})
 
@@ -159,6 +202,14 @@ class Observer:
 
         lr_scheduler.LRScheduler.__init__ = scheduler_init
         atexit.register(self.at_exit)
+
+    def note_container(self, params: Any) -> None:
+        """The module whose `.parameters()` generator the optimizer is given: a container (a ModuleDict, a
+        drafter class) that may never be called itself, walked first so its parameters get their names."""
+        frame = getattr(params, "gi_frame", None)
+        owner = frame.f_locals.get("self") if frame is not None else None
+        if isinstance(owner, self.torch.nn.Module) and id(owner) not in self.first_seen:
+            self.first_seen[id(owner)] = (-1 - len(self.first_seen), weakref.ref(owner))
 
     def on_pre_forward(self, module, args) -> None:  # noqa: ANN001
         if self.due:
@@ -379,7 +430,7 @@ class Observer:
             label = grad.argmin(-1)
             prob = torch.softmax(logits, -1).gather(1, label[:, None]).squeeze(1)
             value = -grad.gather(1, label[:, None]).squeeze(1) / (1 - prob).clamp(min=1e-12)
-            weights = [float(w) for w in torch.where(active, value, torch.zeros_like(value))[:MAX_WEIGHTS]]
+            weights = [_finite(float(w)) for w in torch.where(active, value, torch.zeros_like(value))[:MAX_WEIGHTS]]
         module = holder["module"]()
         return {"module": names["modules"].get(id(module), type(module).__name__) if module is not None else "?",
                 "class": type(module).__name__ if module is not None else "?", "shape": holder["shape"],
@@ -461,8 +512,13 @@ class Observer:
             for _ in range(SCHEDULE_STEPS):
                 clone.step()
                 trajectory.append(float(stand.param_groups[0]["lr"]))
+            peak = max(range(len(trajectory)), key=lambda i: trajectory[i])
+            floor = min(range(len(trajectory)), key=lambda i: trajectory[i])
             out.update(last_epoch=int(getattr(sched, "last_epoch", -1)),
-                       trajectory=[_finite(v) for v in trajectory])
+                       trajectory=[_finite(v) for v in trajectory[:SCHEDULE_SHOWN + 1]],
+                       peak={"step": peak, "lr": _finite(trajectory[peak])},
+                       floor={"step": floor, "lr": _finite(trajectory[floor])},
+                       end={"step": len(trajectory) - 1, "lr": _finite(trajectory[-1])})
         except Exception as exc:  # noqa: BLE001
             out["error"] = f"{type(exc).__name__}: {exc}"[:300]
         return out

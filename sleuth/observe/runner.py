@@ -161,7 +161,24 @@ def _read_observation(path: Path, limit: int) -> dict[str, Any] | str:
         value = json.loads(data, parse_constant=lambda name: name)
     except (ValueError, RecursionError):
         return "its answer is not JSON"
-    return value if isinstance(value, dict) else "its answer is not a JSON object"
+    if not isinstance(value, dict):
+        return "its answer is not a JSON object"
+    try:
+        return _clean(value)
+    except RecursionError:
+        return "its answer is nested too deeply"
+
+
+def _clean(value: Any) -> Any:
+    """Every string of the observation made safe to print (no escapes, no line breaks, bounded): the observation
+    comes from the user's process, and its text ends up in verdicts and reports."""
+    if isinstance(value, str):
+        return safe_text(value, limit=2000)
+    if isinstance(value, list):
+        return [_clean(item) for item in value]
+    if isinstance(value, dict):
+        return {safe_text(str(key), limit=200): _clean(item) for key, item in value.items()}
+    return value
 
 
 def observe_findings(findings: list[Any], *, trace: Any, playbook: Any, command: list[str], code: Path,

@@ -118,3 +118,17 @@ def test_the_final_norms_output_counts_as_the_last_layer_read_after_the_norm() -
                              "grad_abs_sum": 1.0})
     found = by_id(observation(features=[chunks]))["dflash.target_layer_ids"]
     assert found.status == "mismatch" and "[1, 3, 5, 7, 11]" in found.observed and "final norm" in found.observed
+
+
+def test_the_observation_is_read_like_hostile_input(tmp_path) -> None:  # noqa: ANN001
+    from sleuth.observe.runner import _read_observation
+
+    answer = tmp_path / "answer.json"
+    answer.write_text('{"ended": "observed", "when": "\\u001b[31mred\\nline", "features": [{"site": "\\u202etxt"}]}')
+    data = _read_observation(answer, 4096)
+    assert isinstance(data, dict) and "\x1b" not in data["when"] and "\n" not in data["when"]
+    assert "\u202e" not in data["features"][0]["site"]
+    answer.write_text("[" * 100_000 + "]" * 100_000)
+    assert isinstance(_read_observation(answer, 2**20), str)
+    answer.write_text("x" * 5000)
+    assert "under" in _read_observation(answer, 4096)
