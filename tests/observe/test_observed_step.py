@@ -113,7 +113,10 @@ def test_clean_class_trainer_its_frozen_embedding_is_no_false_alarm(tmp_path: Pa
     for invariant, finding in found.items():
         assert finding["status"] == "match", (invariant, finding)
     assert "requires_grad False" in probe_value(found["dflash.frozen_embed_head"])
-    assert "stack at drafttrain/trainer.py:" in " ".join(report["probes"]["notes"])
+    notes = " ".join(report["probes"]["notes"])
+    assert "stack at drafttrain/trainer.py:" in notes
+    # the real CosineAnnealingLR (T_max = the run's 3 steps), read by stepping a copy: its floor is the run's horizon
+    assert "scheduler CosineAnnealingLR at drafttrain/trainer.py:" in notes and "lowest lr 0 at step 2" in notes
 
 
 def test_trainable_target_embedding_found_and_nothing_unexercised_matches(tmp_path: Path, tiny_target: Path) -> None:
