@@ -144,6 +144,7 @@ class Observer:
         self.optimizers: list[dict[str, Any]] = []
         self.schedulers: list[dict[str, Any]] = []
         self.step_counts: dict[int, int] = {}
+        self.backward_calls = 0
         self.due = False
         self.done = False
         self.new_window()
@@ -234,8 +235,10 @@ class Observer:
             self.outputs = {k: v for k, v in self.outputs.items() if v[0]() is not None}
         if (tensor.requires_grad and torch.is_grad_enabled() and tensor.dim() >= 2 and tensor.shape[-1] in self.vocab
                 and tensor.is_floating_point()):
+            if any(h["tensor"]() is tensor for h in self.logits):
+                return  # a module that returns its head's output (a drafter class): the head is the innermost
             holder: dict[str, Any] = {"module": weakref.ref(module), "logits": tensor.detach(),
-                                      "shape": list(tensor.shape)}
+                                      "shape": list(tensor.shape), "tensor": weakref.ref(tensor)}
             tensor.register_hook(lambda grad, holder=holder: holder.__setitem__("grad", grad.detach()))
             self.logits = [*self.logits[-3:], holder]
 
@@ -277,6 +280,7 @@ class Observer:
 
     def on_backward(self, tensors: list[Any]) -> None:
         torch = self.torch
+        self.backward_calls += 1
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
                 value = float(tensor.detach().float().sum()) if tensor.numel() == 1 else None
@@ -345,6 +349,7 @@ class Observer:
             "when": when,
             "steps_wanted": self.steps_wanted,
             "steps": steps,
+            "backward_calls": self.backward_calls,
             "seconds": round(time.perf_counter() - self.started, 3),
             "torch": self.torch.__version__,
             "modules_called": len(self.first_seen),
@@ -469,7 +474,12 @@ class Observer:
     def describe_frozen(self, names: dict[str, dict[int, Any]]) -> list[dict[str, Any]]:
         torch = self.torch
         optimized = self.optimized()
-        head_ids = {id(h["module"]()) for h in self.logits if "grad" in h}
+        # The head is the smallest module that produced the draft logits (a drafter class returning its head's
+        # output, reshaped, produced them too: its parameters are not the head's).
+        producers = [m for m in (h["module"]() for h in self.logits if "grad" in h) if m is not None]
+        sized = [(sum(p.numel() for p in m.parameters()), m) for m in producers]
+        head_ids = {id(min((item for item in sized if item[0] > 0), key=lambda item: item[0])[1])} \
+            if any(item[0] > 0 for item in sized) else set()
         rows = []
         for module in self.watched_modules():
             role = "embeddings" if isinstance(module, torch.nn.Embedding) else "draft head"

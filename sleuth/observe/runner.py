@@ -128,6 +128,10 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
                 why = (f"the command ended (exit status {observation.get('returncode')}) and sleuth's observer never "
                        "reported: not a Python command, a Python started with -I, -E or -S (which skip the observer), "
                        "or a process killed before it could" + (f"; last output: {last}" if last else ""))
+            if not why and ended == "command_ended" and not observation.get("optimizers"):
+                why = (f"the command ended (exit status {observation.get('returncode')}) without a torch.optim "
+                       f"optimizer ({observation.get('backward_calls') or 0} backward call(s) seen): a hand-written "
+                       "update or torch.func transforms are not observed yet" + (f"; last output: {last}" if last else ""))
             if not why:
                 code_text = observation.get("returncode")
                 steps_done = observation.get("steps") or 0
