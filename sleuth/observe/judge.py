@@ -18,7 +18,8 @@ EXPERIMENT = "observed-step"
 NOT_EXERCISED = "not exercised by the observed step"
 # Invariants the observation decides (each gets a verdict, unknown where the step did not exercise it).
 OBSERVED_INVARIANTS = ("dflash.target_layer_ids", "dflash.fc_input_layers", "dflash.frozen_embed_head",
-                       "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained")
+                       "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained", "dflash.target_shift")
+SHIFTS = (0, 1, 2)  # label of slot j = the teacher's top-1 at anchor + j - shift; the reference's shift is 1
 PATTERN_TOLERANCE = 1e-3
 MAX_BLOCK = 128
 
@@ -198,32 +199,32 @@ def block_pattern(weights: list[float], shape: list[int]) -> tuple[int, list[lis
 
 
 def _weights(observation: dict[str, Any], expectations: Expectations) -> list[Verdict]:
-    gamma_id, anchor_id = OBSERVED_INVARIANTS[3:]
+    gamma_id, anchor_id, shift_id = OBSERVED_INVARIANTS[3:]
     logits = observation.get("logits")
     if not isinstance(logits, dict):
         why = (f"{NOT_EXERCISED}: no module output with the vocabulary's width received a gradient (draft logits "
                "computed functionally or through a reduced vocabulary: link not followed)")
-        return [_unknown(gamma_id, why), _unknown(anchor_id, why)]
+        return [_unknown(gamma_id, why), _unknown(anchor_id, why), _unknown(shift_id, why)]
     where = f"{_text(logits.get('module'))} output {logits.get('shape')}"
     weights = logits.get("weights")
     if not logits.get("hard_labels") or not isinstance(weights, list):
         why = (f"the gradient at the draft logits ({where}) is not that of a cross-entropy against one label per "
                "position: per-slot weights are not recovered for soft targets yet")
-        return [_unknown(gamma_id, why), _unknown(anchor_id, why)]
+        return [_unknown(gamma_id, why), _unknown(anchor_id, why), _unknown(shift_id, why)]
     values = [float(w) for w in weights]
     found = block_pattern(values, [int(d) for d in logits.get("shape") or []])
     if found is None:
         why = (f"the per-position weights recovered at {where} repeat in no block pattern (data-dependent weights "
                "such as D-PACE, or blocks of several sizes)")
-        return [_unknown(gamma_id, why), _unknown(anchor_id, why)]
+        return [_unknown(gamma_id, why), _unknown(anchor_id, why), _unknown(shift_id, why)]
     size, blocks = found
+    verdicts = [_shift(logits, values, size, where)]
     pattern = [sum(b[k] / b[1] for b in blocks) / len(blocks) for k in range(size)]
     shown = "[" + ", ".join(f"{w:.4f}" for w in pattern) + "]"
     measurement = (f"per-slot weights recovered from the gradient of the loss at the draft logits ({where}), "
                    f"{len(blocks)} block(s) of {size} slots, relative to slot 1: {shown}")
     coverage = {"draft_logits": where, "block_size": size, "blocks": len(blocks),
                 "loss": _text((observation.get("loss") or {}).get("site"))}
-    verdicts = []
     slot0 = [b[0] / b[1] for b in blocks]
     if any(w > PATTERN_TOLERANCE for w in slot0):
         verdicts.append(_verdict(anchor_id, "mismatch", hypothesis="slot 0 (the anchor) carries no loss",
@@ -262,6 +263,61 @@ def _weights(observation: dict[str, Any], expectations: Expectations) -> list[Ve
                              fix="" if ok else f"use gamma {accepted[0]:g} (loss_decay_gamma) for block size {size}"
                              if accepted else "", coverage=coverage))
     return verdicts
+
+
+def _shift(logits: dict[str, Any], weights: list[float], size: int, where: str) -> Verdict:
+    """Which position of the target's output each slot is trained toward: the labels (recovered from the gradient)
+    against the top-1 of each captured target output, at the anchor the block's slot 0 holds."""
+    invariant = OBSERVED_INVARIANTS[5]
+    labels, block_ids, teachers = logits.get("labels"), logits.get("block_ids"), logits.get("teachers") or []
+    if not isinstance(labels, list) or not isinstance(block_ids, list) or len(block_ids) != len(labels) or not teachers:
+        return _unknown(invariant, f"{NOT_EXERCISED}: the block's input tokens or a target output of the vocabulary's "
+                        "width were not captured (link not followed)")
+    starts = [i for i in range(0, len(labels) - size + 1, size) if all(weights[i + k] > 0 for k in range(1, size))]
+    for teacher in reversed([t for t in teachers if isinstance(t, dict)]):
+        top1, ids = teacher.get("top1"), teacher.get("ids")
+        where_anchor: dict[Any, list[tuple[int, int]]] = {}
+        for row, tokens in enumerate(ids):
+            for position, token in enumerate(tokens):
+                where_anchor.setdefault(token, []).append((row, position))
+        counts = dict.fromkeys(SHIFTS, 0)
+        decided = 0
+        for start in starts:
+            fits = set()
+            for row, anchor in where_anchor.get(block_ids[start], []):
+                line = top1[row]
+                for shift in SHIFTS:
+                    if all(0 <= anchor + j - shift < len(line) and line[anchor + j - shift] == labels[start + j]
+                           for j in range(1, size)):
+                        fits.add(shift)
+            decided += bool(fits)
+            for shift in fits:
+                counts[shift] += 1
+        if not decided:
+            continue
+        source = _text(teacher.get("module"))
+        measurement = (f"labels recovered from the gradient at {where} against the top-1 of {source}'s output at "
+                       f"the position of each block's anchor token: {decided} of {len(starts)} block(s) placed")
+        coverage = {"teacher": source, "blocks_placed": decided, "blocks": len(starts)}
+        # A shift is decided when it alone explains every placed block (a repetitive target output fits several)
+        explains = [shift for shift in SHIFTS if counts[shift] == decided]
+        if explains == [1]:
+            return _verdict(invariant, "match", hypothesis="slot j is trained toward the target's prediction at "
+                            "anchor + j - 1", measurement=measurement, observed=f"shift 1 in all {decided} placed "
+                            "block(s)", expected="slot j <- target output at anchor + j - 1", coverage=coverage)
+        wrong = [shift for shift in explains if shift != 1]
+        if 1 not in explains and wrong:
+            return _verdict(invariant, "mismatch", hypothesis="slot j is trained toward the target's prediction at "
+                            "anchor + j - 1", measurement=measurement,
+                            observed=f"slot j is trained toward the target's output at anchor + j - {wrong[0]}"
+                            if wrong[0] else "slot j is trained toward the target's output at anchor + j",
+                            expected="anchor + j - 1 (the distribution of token anchor + j)",
+                            fix="gather the target's prediction at anchor + j - 1 for slot j", coverage=coverage)
+        return _unknown(invariant, f"no single shift explains every placed block (blocks fitting shift 0, 1, 2: "
+                        f"{counts[0]}, {counts[1]}, {counts[2]} of {decided}): a repetitive target output or repeated "
+                        "anchor tokens leave it ambiguous")
+    return _unknown(invariant, "the labels of the observed blocks are the top-1 of no captured target output at their "
+                    "anchors (labels from data or another model): the shift is not decided by this step")
 
 
 # --- what the report says of the observation ------------------------------------------------------------------

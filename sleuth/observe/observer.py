@@ -35,6 +35,7 @@ SCHEDULE_STEPS = 4096  # how far each scheduler's copy is stepped
 SCHEDULE_SHOWN = 32  # the first steps sent back one by one (the rest as peak, floor and end)
 MAX_WEIGHTS = 4096  # per-position weights sent back
 MAX_GATHERED = 8  # gatherings of target features kept (the latest)
+MAX_TEACHER = 65_536  # positions of a teacher candidate's top-1 sent back
 _THIS = os.path.abspath(__file__)
 
 _OBSERVER: Observer | None = None
@@ -145,6 +146,8 @@ class Observer:
         self.schedulers: list[dict[str, Any]] = []
         self.step_counts: dict[int, int] = {}
         self.backward_calls = 0
+        self.token_ids: list[dict[str, Any]] = []
+        self.teachers: list[dict[str, Any]] = []
         self.due = False
         self.done = False
         self.new_window()
@@ -227,8 +230,18 @@ class Observer:
         if isinstance(module, torch.nn.Embedding):
             self.vocab.add(int(module.num_embeddings))
             self.embeddings[id(module)] = weakref.ref(module)
+            ids = args[0] if args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point() else None
+            if ids is not None:  # token ids, as the module was called: the target's input, or a draft block's
+                self.token_ids = [*self.token_ids[-7:], {"ids": ids.detach(), "seq": self.seq}]
         if tensor is None:
             return
+        if (not tensor.requires_grad and tensor.dim() >= 2 and tensor.shape[-1] in self.vocab
+                and tensor.is_floating_point() and self.token_ids
+                and tuple(self.token_ids[-1]["ids"].shape) == tuple(tensor.shape[:-1])):
+            # An output of the vocabulary's width that trains nothing, from the forward that embedded these ids:
+            # a teacher candidate (the target's logits), kept as its top-1 per position.
+            self.teachers = [*self.teachers[-2:], {"module": weakref.ref(module), "top1": tensor.detach().argmax(-1),
+                                                   "ids": self.token_ids[-1]["ids"]}]
         trained = tensor.requires_grad and any(p.requires_grad for p in module.parameters(recurse=True))
         self.outputs[id(tensor)] = (weakref.ref(tensor), weakref.ref(module), self.seq, trained)
         if len(self.outputs) > 50_000:
@@ -437,7 +450,16 @@ class Observer:
             value = -grad.gather(1, label[:, None]).squeeze(1) / (1 - prob).clamp(min=1e-12)
             weights = [_finite(float(w)) for w in torch.where(active, value, torch.zeros_like(value))[:MAX_WEIGHTS]]
         module = holder["module"]()
-        return {"module": names["modules"].get(id(module), type(module).__name__) if module is not None else "?",
+        labels = None
+        if hard and grad.shape[0] <= MAX_WEIGHTS:
+            labels = [int(t) for t in torch.where(active, grad.argmin(-1), torch.full_like(grad.argmin(-1), -1))]
+        block_ids = next((entry["ids"].reshape(-1).tolist() for entry in reversed(self.token_ids)
+                          if entry["ids"].numel() == grad.shape[0]), None)
+        teachers = [{"module": names["modules"].get(id(t["module"]()), "?"), "top1": t["top1"].reshape(
+                        -1, t["top1"].shape[-1]).tolist(), "ids": t["ids"].reshape(-1, t["ids"].shape[-1]).tolist()}
+                    for t in self.teachers if t["top1"].numel() <= MAX_TEACHER]
+        return {"labels": labels, "block_ids": block_ids if labels is not None else None, "teachers": teachers,
+                "module": names["modules"].get(id(module), type(module).__name__) if module is not None else "?",
                 "class": type(module).__name__ if module is not None else "?", "shape": holder["shape"],
                 "positions": int(grad.shape[0]), "active_positions": int(active.sum()),
                 "hard_labels": hard, "weights": weights, "truncated": int(grad.shape[0]) > MAX_WEIGHTS}

@@ -132,3 +132,24 @@ def test_the_observation_is_read_like_hostile_input(tmp_path) -> None:  # noqa: 
     assert isinstance(_read_observation(answer, 2**20), str)
     answer.write_text("x" * 5000)
     assert "under" in _read_observation(answer, 4096)
+
+
+def test_the_shift_is_read_from_labels_against_the_targets_top1_at_each_anchor() -> None:
+    top1 = [[(7 * p + 3) % 50 for p in range(20)]]
+    ids = [[(11 * p + 5) % 47 for p in range(20)]]
+    anchors, block = [3, 9, 14], 4
+
+    def logits(shift: int) -> dict:
+        labels, block_ids = [], []
+        for a in anchors:
+            block_ids += [ids[0][a]] + [49] * (block - 1)
+            labels += [-1] + [top1[0][a + j - shift] for j in range(1, block)]
+        return {"module": "lm_head", "class": "Linear", "shape": [1, 3, 4, 64], "hard_labels": True,
+                "weights": weights(block, 4.0, blocks=3), "labels": labels, "block_ids": block_ids,
+                "teachers": [{"module": "T.lm_head", "top1": top1, "ids": ids}]}
+
+    assert by_id(observation(logits=logits(1)))["dflash.target_shift"].status == "match"
+    wrong = by_id(observation(logits=logits(0)))["dflash.target_shift"]
+    assert wrong.status == "mismatch" and "anchor + j" in wrong.observed
+    no_teacher = {**logits(1), "teachers": []}
+    assert by_id(observation(logits=no_teacher))["dflash.target_shift"].status == "unknown"

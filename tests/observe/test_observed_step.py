@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "observe"
 OBSERVED = ("dflash.target_layer_ids", "dflash.fc_input_layers", "dflash.frozen_embed_head",
-            "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained")
+            "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained", "dflash.target_shift")
 
 
 @pytest.fixture(scope="module")
