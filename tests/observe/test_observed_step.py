@@ -88,10 +88,12 @@ def test_clean_functional_trainer_matches_on_what_its_step_exercised(tmp_path: P
     assert not [f["id"] for f in report["findings"] if f["status"] == "mismatch"], report["summary"]
 
 
-def test_planted_fc_and_gamma_defects_are_measured_mismatches(tmp_path: Path, tiny_target: Path) -> None:
+def test_planted_fc_gamma_and_shift_defects_are_measured_mismatches(tmp_path: Path, tiny_target: Path) -> None:
     plants = [("train.py", "fc = nn.Linear(len(taps) * hidden", "fc = nn.Linear((len(taps) - 1) * hidden"),
               ("train.py", 'drafter["fc"](feats)', 'drafter["fc"](feats[..., : (len(taps) - 1) * hidden])'),
-              ("train.py", "def slot_weights(block_size, gamma=4.0):", "def slot_weights(block_size, gamma=7.0):")]
+              ("train.py", "def slot_weights(block_size, gamma=4.0):", "def slot_weights(block_size, gamma=7.0):"),
+              ("train.py", "label_pos = (anchors[:, None] + torch.arange(block) - 1)",
+               "label_pos = (anchors[:, None] + torch.arange(block))")]
     done, report = diagnose(project(tmp_path, "functional", tiny_target, plants), "--code", ".", "--probe",
                             *FUNCTIONAL)
     assert report is not None, done.stderr
@@ -101,9 +103,12 @@ def test_planted_fc_and_gamma_defects_are_measured_mismatches(tmp_path: Path, ti
     assert "layers [9] of the gathered [1, 3, 5, 7, 9] never reach the loss" in probe_value(found["dflash.fc_input_layers"])
     assert found["dflash.loss_decay_gamma"]["status"] == "mismatch"
     assert "gamma 7.000" in probe_value(found["dflash.loss_decay_gamma"])
+    assert found["dflash.target_shift"]["status"] == "mismatch"
+    assert "anchor + j;" in probe_value(found["dflash.target_shift"])
     # What the run gathered is the reference's selection; slot 0 still carries no loss.
     assert found["dflash.target_layer_ids"]["status"] == "match"
     assert found["dflash.anchor_slot_untrained"]["status"] == "match"
+    assert "[1, 3, 5, 7, 9]" in probe_value(found["dflash.target_layer_ids"])
 
 
 def test_clean_class_trainer_its_frozen_embedding_is_no_false_alarm(tmp_path: Path, tiny_target: Path) -> None:
