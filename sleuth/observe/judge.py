@@ -60,8 +60,16 @@ def _layers(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
     ids = OBSERVED_INVARIANTS[:2]
     gathered = [g for g in observation.get("features") or [] if isinstance(g, dict) and g.get("reached_backward")]
     if not gathered:
-        why = (f"{NOT_EXERCISED}: no concatenation of target layer outputs reached the loss (features read from a "
-               "cache, precomputed in another process, or gathered without torch.cat/stack: link not followed)")
+        seen = [g for g in observation.get("features") or [] if isinstance(g, dict)]
+        if seen:
+            last = seen[-1]
+            taken = [c.get("layer", c.get("module")) for c in last.get("chunks") or [] if isinstance(c, dict)]
+            why = (f"{NOT_EXERCISED}: the target features gathered at {_text(last.get('site'))} (layers "
+                   f"{_text(taken)}) never reached the loss's backward: transformed further under no_grad, detached, "
+                   "or copied before the drafter read them (link not followed)")
+        else:
+            why = (f"{NOT_EXERCISED}: no concatenation of target layer outputs reached the loss (features read from "
+                   "a cache, precomputed in another process, or gathered without torch.cat/stack: link not followed)")
         return [_unknown(i, why) for i in ids]
     features = gathered[-1]
     chunks = [c for c in features["chunks"] if isinstance(c, dict)]
@@ -295,6 +303,9 @@ def _shift(logits: dict[str, Any], weights: list[float], size: int, where: str) 
                 counts[shift] += 1
         if not decided:
             continue
+        if 2 * decided <= len(starts):  # most blocks found no place in this output: it is not their teacher
+            return _unknown(invariant, f"only {decided} of {len(starts)} observed block(s) could be placed in a "
+                            "captured target output (labels from data or several target forwards): not decided")
         source = _text(teacher.get("module"))
         measurement = (f"labels recovered from the gradient at {where} against the top-1 of {source}'s output at "
                        f"the position of each block's anchor token: {decided} of {len(starts)} block(s) placed")
