@@ -18,7 +18,8 @@ EXPERIMENT = "observed-step"
 NOT_EXERCISED = "not exercised by the observed step"
 # Invariants the observation decides (each gets a verdict, unknown where the step did not exercise it).
 OBSERVED_INVARIANTS = ("dflash.target_layer_ids", "dflash.fc_input_layers", "dflash.frozen_embed_head",
-                       "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained", "dflash.target_shift")
+                       "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained", "dflash.target_shift",
+                       "dflash.target_logits_source")
 SHIFTS = (0, 1, 2)  # label of slot j = the teacher's top-1 at anchor + j - shift; the reference's shift is 1
 PATTERN_TOLERANCE = 1e-3
 MAX_BLOCK = 128
@@ -207,26 +208,26 @@ def block_pattern(weights: list[float], shape: list[int]) -> tuple[int, list[lis
 
 
 def _weights(observation: dict[str, Any], expectations: Expectations) -> list[Verdict]:
-    gamma_id, anchor_id, shift_id = OBSERVED_INVARIANTS[3:]
+    gamma_id, anchor_id, shift_id, source_id = OBSERVED_INVARIANTS[3:]
     logits = observation.get("logits")
     if not isinstance(logits, dict):
         why = (f"{NOT_EXERCISED}: no module output with the vocabulary's width received a gradient (draft logits "
                "computed functionally or through a reduced vocabulary: link not followed)")
-        return [_unknown(gamma_id, why), _unknown(anchor_id, why), _unknown(shift_id, why)]
+        return [_unknown(i, why) for i in (gamma_id, anchor_id, shift_id, source_id)]
     where = f"{_text(logits.get('module'))} output {logits.get('shape')}"
     weights = logits.get("weights")
     if not logits.get("hard_labels") or not isinstance(weights, list):
         why = (f"the gradient at the draft logits ({where}) is not that of a cross-entropy against one label per "
                "position: per-slot weights are not recovered for soft targets yet")
-        return [_unknown(gamma_id, why), _unknown(anchor_id, why), _unknown(shift_id, why)]
+        return [_unknown(i, why) for i in (gamma_id, anchor_id, shift_id, source_id)]
     values = [float(w) for w in weights]
     found = block_pattern(values, [int(d) for d in logits.get("shape") or []])
     if found is None:
         why = (f"the per-position weights recovered at {where} repeat in no block pattern (data-dependent weights "
                "such as D-PACE, or blocks of several sizes)")
-        return [_unknown(gamma_id, why), _unknown(anchor_id, why), _unknown(shift_id, why)]
+        return [_unknown(i, why) for i in (gamma_id, anchor_id, shift_id, source_id)]
     size, blocks = found
-    verdicts = [_shift(logits, values, size, where)]
+    verdicts = _shift(logits, values, size, where)
     pattern = [sum(b[k] / b[1] for b in blocks) / len(blocks) for k in range(size)]
     shown = "[" + ", ".join(f"{w:.4f}" for w in pattern) + "]"
     measurement = (f"per-slot weights recovered from the gradient of the loss at the draft logits ({where}), "
@@ -273,14 +274,50 @@ def _weights(observation: dict[str, Any], expectations: Expectations) -> list[Ve
     return verdicts
 
 
-def _shift(logits: dict[str, Any], weights: list[float], size: int, where: str) -> Verdict:
+def _shift(logits: dict[str, Any], weights: list[float], size: int, where: str) -> list[Verdict]:
+    """The shift verdict, and where the teacher that placed the blocks came from (target_logits_source)."""
+    found, teacher = _placed(logits, weights, size, where)
+    if teacher is None:
+        return [found, _unknown(OBSERVED_INVARIANTS[6], found.reason or "no captured target output placed the labels")]
+    return [found, _source(teacher)]
+
+
+def _source(teacher: dict[str, Any]) -> Verdict:
+    """The teacher whose top-1 the labels are: the target's final output is lm_head(final_norm(last layer))."""
+    invariant = OBSERVED_INVARIANTS[6]
+    source = teacher.get("source") if isinstance(teacher.get("source"), dict) else {}
+    head = _text(teacher.get("module"))
+    through, before = _text(source.get("through", "?")), _text(source.get("before", "?"))
+    layer, layers = source.get("before_layer"), source.get("before_layers")
+    coverage = {"teacher": head, "head_input_from": through, "before_that": before}
+    measurement = f"the labels are the top-1 of {head}, whose input came from {through}, fed by {before}"
+    if isinstance(source.get("through_layer"), int):
+        return _verdict(invariant, "mismatch", hypothesis="targets are the target's final output",
+                        measurement=measurement, observed=f"the head reads layer {source['through_layer']}'s output "
+                        "directly (no final norm)", expected="lm_head(final_norm(h_L))",
+                        fix="train toward the target's own logits (its output), not a head over a layer", coverage=coverage)
+    if isinstance(layer, int) and isinstance(layers, int):
+        if layer == layers - 1:
+            return _verdict(invariant, "match", hypothesis="targets are the target's final output",
+                            measurement=measurement, observed=f"{head} over {through} over the last layer ({layer} of "
+                            f"{layers})", expected="lm_head(final_norm(h_L))", coverage=coverage)
+        return _verdict(invariant, "mismatch", hypothesis="targets are the target's final output", measurement=measurement,
+                        observed=f"targets from layer {layer} of {layers} (through {through})",
+                        expected="lm_head(final_norm(h_L)), h_L the last layer's output",
+                        fix="train toward the target's own logits (its output), not a head over an intermediate layer",
+                        coverage=coverage)
+    return _unknown(invariant, f"the source of the labels' teacher {head} could not be followed to a layer ({through}, "
+                    f"{before}): link not followed")
+
+
+def _placed(logits: dict[str, Any], weights: list[float], size: int, where: str) -> tuple[Verdict, Any]:
     """Which position of the target's output each slot is trained toward: the labels (recovered from the gradient)
     against the top-1 of each captured target output, at the anchor the block's slot 0 holds."""
     invariant = OBSERVED_INVARIANTS[5]
     labels, block_ids, teachers = logits.get("labels"), logits.get("block_ids"), logits.get("teachers") or []
     if not isinstance(labels, list) or not isinstance(block_ids, list) or len(block_ids) != len(labels) or not teachers:
         return _unknown(invariant, f"{NOT_EXERCISED}: the block's input tokens or a target output of the vocabulary's "
-                        "width were not captured (link not followed)")
+                        "width were not captured (link not followed)"), None
     starts = [i for i in range(0, len(labels) - size + 1, size) if all(weights[i + k] > 0 for k in range(1, size))]
     for teacher in reversed([t for t in teachers if isinstance(t, dict)]):
         top1, ids = teacher.get("top1"), teacher.get("ids")
@@ -305,7 +342,7 @@ def _shift(logits: dict[str, Any], weights: list[float], size: int, where: str) 
             continue
         if 2 * decided <= len(starts):  # most blocks found no place in this output: it is not their teacher
             return _unknown(invariant, f"only {decided} of {len(starts)} observed block(s) could be placed in a "
-                            "captured target output (labels from data or several target forwards): not decided")
+                            "captured target output (labels from data or several target forwards): not decided"), None
         source = _text(teacher.get("module"))
         measurement = (f"labels recovered from the gradient at {where} against the top-1 of {source}'s output at "
                        f"the position of each block's anchor token: {decided} of {len(starts)} block(s) placed")
@@ -315,7 +352,7 @@ def _shift(logits: dict[str, Any], weights: list[float], size: int, where: str) 
         if explains == [1]:
             return _verdict(invariant, "match", hypothesis="slot j is trained toward the target's prediction at "
                             "anchor + j - 1", measurement=measurement, observed=f"shift 1 in all {decided} placed "
-                            "block(s)", expected="slot j <- target output at anchor + j - 1", coverage=coverage)
+                            "block(s)", expected="slot j <- target output at anchor + j - 1", coverage=coverage), teacher
         wrong = [shift for shift in explains if shift != 1]
         if 1 not in explains and wrong:
             return _verdict(invariant, "mismatch", hypothesis="slot j is trained toward the target's prediction at "
@@ -323,12 +360,12 @@ def _shift(logits: dict[str, Any], weights: list[float], size: int, where: str) 
                             observed=f"slot j is trained toward the target's output at anchor + j - {wrong[0]}"
                             if wrong[0] else "slot j is trained toward the target's output at anchor + j",
                             expected="anchor + j - 1 (the distribution of token anchor + j)",
-                            fix="gather the target's prediction at anchor + j - 1 for slot j", coverage=coverage)
+                            fix="gather the target's prediction at anchor + j - 1 for slot j", coverage=coverage), teacher
         return _unknown(invariant, f"no single shift explains every placed block (blocks fitting shift 0, 1, 2: "
                         f"{counts[0]}, {counts[1]}, {counts[2]} of {decided}): a repetitive target output or repeated "
-                        "anchor tokens leave it ambiguous")
+                        "anchor tokens leave it ambiguous"), teacher
     return _unknown(invariant, "the labels of the observed blocks are the top-1 of no captured target output at their "
-                    "anchors (labels from data or another model): the shift is not decided by this step")
+                    "anchors (labels from data or another model): the shift is not decided by this step"), None
 
 
 # --- what the report says of the observation ------------------------------------------------------------------

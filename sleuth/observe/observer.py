@@ -114,6 +114,13 @@ def _finite(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
+def _storage(tensor: Any) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse, subclasses)
+        return 0
+
+
 def _site() -> str:
     """file:line of the user's code that made the current call (the first frame outside torch, installed
     packages and the observer)."""
@@ -138,7 +145,9 @@ class Observer:
         self.answer, self.steps_wanted = answer, max(1, steps)
         self.started = time.perf_counter()
         self.seq = 0
-        self.outputs: dict[int, tuple[Any, Any, int, bool]] = {}  # id(tensor) -> (ref, module ref, seq, trained)
+        # id(tensor) -> (ref, module ref, seq, trained, ref of the module whose output was this call's first input)
+        self.outputs: dict[int, tuple[Any, Any, int, bool, Any]] = {}
+        self.by_storage: dict[int, tuple[Any, Any, int, bool, Any]] = {}  # the same, by the output's storage
         self.first_seen: dict[int, tuple[int, Any]] = {}  # id(module) -> (order, module ref)
         self.vocab: set[int] = set()
         self.gathered: list[dict[str, Any]] = []
@@ -235,17 +244,28 @@ class Observer:
                 self.token_ids = [*self.token_ids[-7:], {"ids": ids.detach(), "seq": self.seq}]
         if tensor is None:
             return
+        trained = tensor.requires_grad and any(p.requires_grad for p in module.parameters(recurse=True))
+        # Which module's output this call took as its first input (a view of it counts: HF heads take a slice):
+        # two hops of it say where a head's input came from (the final norm over the last layer, or not).
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        source = self.producer(first) if first is not None else None
+        fed_by = source[1] if source is not None else None
+        entry = (weakref.ref(tensor), weakref.ref(module), self.seq, trained, fed_by)
+        self.outputs[id(tensor)] = entry
+        pointer = _storage(tensor)
+        if pointer:
+            self.by_storage[pointer] = entry
+        if len(self.outputs) > 50_000:
+            self.outputs = {k: v for k, v in self.outputs.items() if v[0]() is not None}
+            self.by_storage = {k: v for k, v in self.by_storage.items() if v[0]() is not None}
         if (not tensor.requires_grad and tensor.dim() >= 2 and tensor.shape[-1] in self.vocab
                 and tensor.is_floating_point() and self.token_ids
                 and tuple(self.token_ids[-1]["ids"].shape) == tuple(tensor.shape[:-1])):
             # An output of the vocabulary's width that trains nothing, from the forward that embedded these ids:
             # a teacher candidate (the target's logits), kept as its top-1 per position.
             self.teachers = [*self.teachers[-2:], {"module": weakref.ref(module), "top1": tensor.detach().argmax(-1),
-                                                   "ids": self.token_ids[-1]["ids"]}]
-        trained = tensor.requires_grad and any(p.requires_grad for p in module.parameters(recurse=True))
-        self.outputs[id(tensor)] = (weakref.ref(tensor), weakref.ref(module), self.seq, trained)
-        if len(self.outputs) > 50_000:
-            self.outputs = {k: v for k, v in self.outputs.items() if v[0]() is not None}
+                                                   "ids": self.token_ids[-1]["ids"], "through": fed_by,
+                                                   "before": source[4] if source is not None else None}]
         if (tensor.requires_grad and torch.is_grad_enabled() and tensor.dim() >= 2 and tensor.shape[-1] in self.vocab
                 and tensor.is_floating_point()):
             if any(h["tensor"]() is tensor for h in self.logits):
@@ -254,6 +274,16 @@ class Observer:
                                       "shape": list(tensor.shape), "tensor": weakref.ref(tensor)}
             tensor.register_hook(lambda grad, holder=holder: holder.__setitem__("grad", grad.detach()))
             self.logits = [*self.logits[-3:], holder]
+
+    def producer(self, tensor: Any) -> tuple[Any, ...] | None:
+        """The output entry of the module call that produced `tensor`, or the tensor it is a view of."""
+        found = self.outputs.get(id(tensor))
+        if found is not None and found[0]() is tensor:
+            return found
+        pointer = _storage(tensor)
+        found = self.by_storage.get(pointer) if pointer else None
+        alive = found[0]() if found is not None else None
+        return found if alive is not None and _storage(alive) == pointer else None
 
     def gathering(self, original, name: str):  # noqa: ANN001, ANN201
         observer = self
@@ -430,7 +460,7 @@ class Observer:
             elif position is None and module is not None:
                 # The module that ran right after the last layer of a stack (a final norm: HF's last hidden_states
                 # entry is its output): the last layer's output, normalised.
-                before = next((ref() for _t, ref, seq_before, _tr in self.outputs.values() if seq_before == seq - 1),
+                before = next((entry[1]() for entry in self.outputs.values() if entry[2] == seq - 1),
                               None)
                 last = names["in_list"].get(id(before)) if before is not None else None
                 if last is not None and last[0] == last[1] - 1:
@@ -466,7 +496,8 @@ class Observer:
             labels = [int(t) for t in torch.where(active, grad.argmin(-1), torch.full_like(grad.argmin(-1), -1))]
         block_ids = next((entry["ids"].reshape(-1).tolist() for entry in reversed(self.token_ids)
                           if entry["ids"].numel() == grad.shape[0]), None)
-        teachers = [{"module": names["modules"].get(id(t["module"]()), "?"), "top1": t["top1"].reshape(
+        teachers = [{"module": names["modules"].get(id(t["module"]()), "?"), "source": self.head_source(t, names),
+                     "top1": t["top1"].reshape(
                         -1, t["top1"].shape[-1]).tolist(), "ids": t["ids"].reshape(-1, t["ids"].shape[-1]).tolist()}
                     for t in self.teachers if t["top1"].numel() <= MAX_TEACHER]
         return {"labels": labels, "block_ids": block_ids if labels is not None else None, "teachers": teachers,
@@ -474,6 +505,20 @@ class Observer:
                 "class": type(module).__name__ if module is not None else "?", "shape": holder["shape"],
                 "positions": int(grad.shape[0]), "active_positions": int(active.sum()),
                 "hard_labels": hard, "weights": weights, "truncated": int(grad.shape[0]) > MAX_WEIGHTS}
+
+    def head_source(self, teacher: dict[str, Any], names: dict[str, dict[int, Any]]) -> dict[str, Any]:
+        """Where a teacher head's input came from: the module that produced it and the one before that, each with
+        its place in a layer stack when it has one."""
+        found: dict[str, Any] = {}
+        for key in ("through", "before"):
+            module = teacher[key]() if teacher.get(key) is not None else None
+            if module is None:
+                continue
+            found[key] = names["modules"].get(id(module), type(module).__name__)
+            place = names["in_list"].get(id(module))
+            if place is not None:
+                found[f"{key}_layer"], found[f"{key}_layers"] = place[0], place[1]
+        return found
 
     def describe_optimizer(self, record: dict[str, Any], names: dict[str, dict[int, Any]]) -> dict[str, Any]:
         opt = record["ref"]()

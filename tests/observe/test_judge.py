@@ -139,17 +139,26 @@ def test_the_shift_is_read_from_labels_against_the_targets_top1_at_each_anchor()
     ids = [[(11 * p + 5) % 47 for p in range(20)]]
     anchors, block = [3, 9, 14], 4
 
-    def logits(shift: int) -> dict:
+    def logits(shift: int, source: dict | None = None) -> dict:
+        source = source or {"through": "T.model.norm", "before": "T.model.layers.11", "before_layer": 11,
+                            "before_layers": 12}
         labels, block_ids = [], []
         for a in anchors:
             block_ids += [ids[0][a]] + [49] * (block - 1)
             labels += [-1] + [top1[0][a + j - shift] for j in range(1, block)]
         return {"module": "lm_head", "class": "Linear", "shape": [1, 3, 4, 64], "hard_labels": True,
                 "weights": weights(block, 4.0, blocks=3), "labels": labels, "block_ids": block_ids,
-                "teachers": [{"module": "T.lm_head", "top1": top1, "ids": ids}]}
+                "teachers": [{"module": "T.lm_head", "top1": top1, "ids": ids, "source": source}]}
 
     assert by_id(observation(logits=logits(1)))["dflash.target_shift"].status == "match"
     wrong = by_id(observation(logits=logits(0)))["dflash.target_shift"]
     assert wrong.status == "mismatch" and "anchor + j" in wrong.observed
     no_teacher = {**logits(1), "teachers": []}
     assert by_id(observation(logits=no_teacher))["dflash.target_shift"].status == "unknown"
+    found = by_id(observation(logits=logits(1)))
+    assert found["dflash.target_logits_source"].status == "match"
+    middle = {"through": "T.model.norm", "before": "T.model.layers.9", "before_layer": 9, "before_layers": 12}
+    assert by_id(observation(logits=logits(1, middle)))["dflash.target_logits_source"].status == "mismatch"
+    bare = {"through": "T.model.layers.11", "through_layer": 11, "through_layers": 12}
+    assert by_id(observation(logits=logits(1, bare)))["dflash.target_logits_source"].status == "mismatch"
+    assert by_id(observation(logits=logits(1, {"through": "?"})))["dflash.target_logits_source"].status == "unknown"

@@ -19,7 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "observe"
 OBSERVED = ("dflash.target_layer_ids", "dflash.fc_input_layers", "dflash.frozen_embed_head",
-            "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained", "dflash.target_shift")
+            "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained", "dflash.target_shift",
+            "dflash.target_logits_source")
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +89,14 @@ def test_clean_functional_trainer_matches_on_what_its_step_exercised(tmp_path: P
     assert not [f["id"] for f in report["findings"] if f["status"] == "mismatch"], report["summary"]
 
 
-def test_planted_fc_gamma_and_shift_defects_are_measured_mismatches(tmp_path: Path, tiny_target: Path) -> None:
+def test_planted_fc_gamma_shift_and_teacher_defects_are_measured_mismatches(tmp_path: Path, tiny_target: Path) -> None:
     plants = [("train.py", "fc = nn.Linear(len(taps) * hidden", "fc = nn.Linear((len(taps) - 1) * hidden"),
               ("train.py", 'drafter["fc"](feats)', 'drafter["fc"](feats[..., : (len(taps) - 1) * hidden])'),
               ("train.py", "def slot_weights(block_size, gamma=4.0):", "def slot_weights(block_size, gamma=7.0):"),
               ("train.py", "label_pos = (anchors[:, None] + torch.arange(block) - 1)",
-               "label_pos = (anchors[:, None] + torch.arange(block))")]
+               "label_pos = (anchors[:, None] + torch.arange(block))"),
+              ("train.py", "teacher = out.logits.argmax(-1)",
+               "teacher = target.lm_head(target.model.norm(out.hidden_states[taps[-1] + 1])).argmax(-1)")]
     done, report = diagnose(project(tmp_path, "functional", tiny_target, plants), "--code", ".", "--probe",
                             *FUNCTIONAL)
     assert report is not None, done.stderr
@@ -104,6 +107,8 @@ def test_planted_fc_gamma_and_shift_defects_are_measured_mismatches(tmp_path: Pa
     assert found["dflash.loss_decay_gamma"]["status"] == "mismatch"
     assert "gamma 7.000" in probe_value(found["dflash.loss_decay_gamma"])
     assert found["dflash.target_shift"]["status"] == "mismatch"
+    assert found["dflash.target_logits_source"]["status"] == "mismatch"
+    assert "targets from layer 9 of 12" in probe_value(found["dflash.target_logits_source"])
     assert "anchor + j;" in probe_value(found["dflash.target_shift"])
     # What the run gathered is the reference's selection; slot 0 still carries no loss.
     assert found["dflash.target_layer_ids"]["status"] == "match"
