@@ -211,8 +211,8 @@ def _weights(observation: dict[str, Any], expectations: Expectations) -> list[Ve
     gamma_id, anchor_id, shift_id, source_id = OBSERVED_INVARIANTS[3:]
     logits = observation.get("logits")
     if not isinstance(logits, dict):
-        why = (f"{NOT_EXERCISED}: no module output with the vocabulary's width received a gradient (draft logits "
-               "computed functionally or through a reduced vocabulary: link not followed)")
+        why = (f"{NOT_EXERCISED}: no module output with the vocabulary's width received a softmax loss's gradient "
+               "(draft logits computed functionally or through a reduced vocabulary: link not followed)")
         return [_unknown(i, why) for i in (gamma_id, anchor_id, shift_id, source_id)]
     where = f"{_text(logits.get('module'))} output {logits.get('shape')}"
     weights = logits.get("weights")

@@ -474,9 +474,21 @@ class Observer:
                 "reached_backward": grad is not None, "made_under_no_grad": not record["grad_enabled"],
                 "chunks": chunks}
 
+    def draft_logits(self) -> dict[str, Any] | None:
+        """The last output of the vocabulary's width whose gradient is a softmax loss's: each position's gradient
+        sums to zero over the vocabulary (cross-entropy and KL alike); a layer that is merely as wide is not."""
+        for holder in reversed(self.logits):
+            grad = holder.get("grad")
+            if grad is None:
+                continue
+            rows = grad.double().reshape(-1, grad.shape[-1])
+            if bool((rows.sum(-1).abs() <= 1e-4 * rows.abs().sum(-1) + 1e-12).all()) and bool(rows.abs().sum() > 0):
+                return holder
+        return None
+
     def describe_logits(self, names: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
         torch = self.torch
-        holder = next((h for h in reversed(self.logits) if "grad" in h), None)
+        holder = self.draft_logits()
         if holder is None:
             return None
         grad = holder["grad"].double().reshape(-1, holder["shape"][-1])
@@ -554,7 +566,12 @@ class Observer:
         optimized = self.optimized()
         # The head is the smallest module that produced the draft logits (a drafter class returning its head's
         # output, reshaped, produced them too: its parameters are not the head's).
-        producers = [m for m in (h["module"]() for h in self.logits if "grad" in h) if m is not None]
+        # Only modules whose output is the draft logits themselves (the last output of the vocabulary's width that
+        # got a gradient, or a view of the same storage): a layer of the same width earlier is not the head.
+        last = self.draft_logits()
+        same = [h for h in self.logits if "grad" in h and last is not None
+                and _storage(h["logits"]) == _storage(last["logits"])]
+        producers = [m for m in (h["module"]() for h in same) if m is not None]
         sized = [(sum(p.numel() for p in m.parameters()), m) for m in producers]
         head_ids = {id(min((item for item in sized if item[0] > 0), key=lambda item: item[0])[1])} \
             if any(item[0] > 0 for item in sized) else set()
