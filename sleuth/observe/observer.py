@@ -155,6 +155,7 @@ class Observer:
         self.schedulers: list[dict[str, Any]] = []
         self.step_counts: dict[int, int] = {}
         self.backward_calls = 0
+        self.last_backward: Any = None
         self.token_ids: list[dict[str, Any]] = []
         self.teachers: list[dict[str, Any]] = []
         self.due = False
@@ -202,7 +203,8 @@ class Observer:
         def optimizer_init(opt, *args, **kwargs):  # noqa: ANN001, ANN202
             observer.note_container(args[0] if args else kwargs.get("params"))
             original_init(opt, *args, **kwargs)
-            observer.optimizers.append({"ref": weakref.ref(opt), "site": _site(), "class": type(opt).__name__})
+            # held, not weakly: a run that ends early has freed its optimizer by the time atexit reports it
+            observer.optimizers.append({"ref": (lambda held=opt: held), "site": _site(), "class": type(opt).__name__})
 
         optimizer.Optimizer.__init__ = optimizer_init
         optimizer.register_optimizer_step_pre_hook(self.on_pre_step)
@@ -323,6 +325,9 @@ class Observer:
 
     def on_backward(self, tensors: list[Any]) -> None:
         torch = self.torch
+        if tensors and self.last_backward is not None and self.last_backward() is tensors[0]:
+            return  # Tensor.backward goes through torch.autograd.backward: one call, seen twice
+        self.last_backward = weakref.ref(tensors[0]) if tensors and isinstance(tensors[0], torch.Tensor) else None
         self.backward_calls += 1
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):

@@ -165,3 +165,16 @@ def test_a_command_that_cannot_run_here_fails_in_one_line(tmp_path: Path) -> Non
     errors = [line for line in done.stderr.strip().splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "needs a CUDA device" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_several_steps_are_observed_and_judged_on_the_last(tmp_path: Path, tiny_target: Path) -> None:
+    done, report = diagnose(project(tmp_path, "functional", tiny_target), "--code", ".", "--probe",
+                            "--observe-steps", "2", *FUNCTIONAL)
+    assert report is not None, done.stderr
+    assert "observed 2 optimizer step(s)" in report["probes"]["notes"][0]
+    assert all(f["status"] == "match" for f in observed(report).values())
+    # a run shorter than asked says so in one line instead of judging a step it never took
+    done, _report = diagnose(project(tmp_path / "short", "functional", tiny_target), "--code", ".", "--probe",
+                             "--observe-steps", "5", *FUNCTIONAL)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "after 3 optimizer step(s), before the 5 observed" in errors[0]
