@@ -15,6 +15,7 @@ so tests can drive the agent with fakes; by default the real ones are imported l
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,8 +100,8 @@ def diagnose(
         if not request.probe:
             raise DiagnoseError("sleuth runs your command (after --) only with --probe: running it is your decision "
                                 "(sleuth diagnose --code . --probe -- " + " ".join(request.command[:3]) + " ...)")
-        if request.code is None:
-            request.code = Path.cwd()
+        if request.code is None:  # the command runs where the user stands: that directory is the code
+            request = dataclasses.replace(request, code=Path.cwd())
     if request.run is None and request.code is None:
         raise DiagnoseError("nothing to diagnose: give --run NAME|PATH, or --code PATH for any DFlash implementation")
     investigation = _Investigation(request, engine, Trace(listener), announce)
