@@ -15,6 +15,7 @@ so tests can drive the agent with fakes; by default the real ones are imported l
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,6 +96,12 @@ def diagnose(
     Raises DiagnoseError (one line) for a user's mistake; damaged inputs become `unknown` findings instead.
     `announce` hears, before any code under diagnosis runs, what will run and how it is isolated.
     """
+    if request.command:
+        if not request.probe:
+            raise DiagnoseError("sleuth runs your command (after --) only with --probe: running it is your decision "
+                                "(sleuth diagnose --code . --probe -- " + " ".join(request.command[:3]) + " ...)")
+        if request.code is None:  # the command runs where the user stands: that directory is the code
+            request = dataclasses.replace(request, code=Path.cwd())
     if request.run is None and request.code is None:
         raise DiagnoseError("nothing to diagnose: give --run NAME|PATH, or --code PATH for any DFlash implementation")
     investigation = _Investigation(request, engine, Trace(listener), announce)
@@ -113,7 +120,7 @@ AGENT_STEPS = frozenset({
     "read-run", "regression", "load-playbook", "resolve-reference", "read-config", "locate-checkpoint",
     "locate-code", "check-invariants", "look-for-evidence", "recheck-invariants", "merge-findings",
     "check-contract", "rank-findings", "draw-chart", "write-report", "run-probes", "apply-probes",
-    "check-speculators-config", "located-piece",
+    "check-speculators-config", "located-piece", "observe-command", "observed",
 })
 
 
@@ -343,6 +350,16 @@ class _Investigation(InputDiscovery):
         from sleuth.probes.agent import probe_findings
 
         request, info = self.request, self.run_info
+        if request.command:  # the user's own command, observed (sleuth/observe): no located pieces, no adapter
+            from sleuth.observe.runner import observe_findings
+
+            assert request.code is not None
+            findings, self.probe_outcome = observe_findings(
+                findings, trace=self.trace, playbook=self.playbook, command=list(request.command), code=request.code,
+                python=request.probe_python, timeout_s=request.probe_timeout_s, announce=self.announce,
+                steps=request.observe_steps)
+            self.probe_policy = "--probe: your command, observed"
+            return findings
         findings, self.probe_outcome, self.probe_policy = probe_findings(
             findings, trace=self.trace, playbook=self.playbook, probe=request.probe, entry=request.probe_entry,
             python=request.probe_python, run_dir=info.path if info is not None else None,

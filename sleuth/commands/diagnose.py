@@ -97,8 +97,21 @@ def diagnose_command(
         typer.Option("--hidden-states", readable=False,
                      metavar="DIR", help="An offline hidden-state cache to recompute and compare."),
     ] = None,
+    observe_steps: Annotated[
+        int,
+        typer.Option("--observe-steps", min=1, max=100, help="Optimizer steps of your command to observe."),
+    ] = 1,
+    command: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="[-- COMMAND...]", show_default=False,
+                       help="Your own training command, run with --probe in a copy of --code (default: the current "
+                            "directory) and observed for --observe-steps optimizer steps, then stopped."),
+    ] = None,
 ) -> None:
     """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl.
+
+    With a command after `--` (and --probe), sleuth runs your own trainer for a step and judges what it
+    observed: `sleuth diagnose --code . --probe -- python train.py --config small.yaml`.
 
     Exit codes: 0 no mismatch; 1 mismatches, or not a clean bill (the run's config unreadable, or the
     run's own code/ not probed); 2 an error, or probes asked for (--probe, --probe-entry) with no
@@ -131,6 +144,8 @@ def diagnose_command(
         probe_entry=probe_entry,
         target=target,
         hidden_states=hidden_states,
+        command=list(command) if command else None,
+        observe_steps=observe_steps,
     )
     listener = live_listener(errors) if sys.stderr.isatty() else None
 

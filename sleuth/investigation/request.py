@@ -35,3 +35,7 @@ class DiagnoseRequest:
     probe_timeout_s: float = 300.0
     target: Path | None = None  # the target / verifier directory, for the train-to-serve contract checks
     hidden_states: Path | None = None  # an offline hidden-state cache (dflash.hidden_state_capture)
+    # The user's own training command (after `--`): run with --probe, observed for `observe_steps` optimizer
+    # steps (sleuth/observe); its verdicts replace the probes'.
+    command: list[str] | None = None
+    observe_steps: int = 1
