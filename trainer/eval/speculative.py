@@ -638,3 +638,34 @@ def evaluate(
         ) if len(lengths) == sum(len(r.context_lengths) for r in spec_results) else None,
         served_as=engine.engine,
     )
+
+
+def evaluate_served_by_engine(drafter: nn.Module, ours: EvalReport,
+                              decode_as: Callable[[Any], EvalReport]) -> dict[str, ServedEngineReport] | None:
+    """A sliding-window drafter decoded as each engine of playbooks/serving/engines.yaml builds it: one decoding
+    per distinct semantics (`ours` is the default's, speculators / vLLM), reported per engine. None for a
+    full-attention drafter, which every engine serves as trained.
+
+    decode_as(engine) runs `evaluate(..., served_as=engine)` on the same prompts.
+    """
+    from trainer.model.served import engine_names, served_as
+
+    attention = getattr(drafter, "attention", None)
+    if attention is None or not attention.slides:
+        return None
+    default = served_as(None)
+    groups: dict[tuple[str, bool], list[Any]] = {}
+    for name in engine_names(emulated_only=True):
+        row = served_as(name)
+        groups.setdefault(row.semantics(attention), []).append(row)
+    out: dict[str, ServedEngineReport] = {}
+    for semantics, rows in groups.items():
+        report = ours if semantics == default.semantics(attention) else decode_as(rows[0])
+        for row in rows:
+            out[row.engine] = ServedEngineReport(
+                engine=row.engine, same_semantics_as=[r.engine for r in rows if r is not row], tau=report.tau,
+                verify_steps=report.verify_steps, verify_steps_per_prompt=report.verify_steps_per_prompt,
+                tau_per_prompt=report.tau_per_prompt, per_position_acceptance=report.per_position_acceptance,
+                lossless=report.lossless, serves_as_trained=row.serves_as_trained(attention),
+            )
+    return out
