@@ -87,6 +87,12 @@ def diagnose_command(
         Path | None,
         typer.Option("--hidden-states", metavar="DIR", help="An offline hidden-state cache to recompute and compare."),
     ] = None,
+    served_by: Annotated[
+        str | None,
+        typer.Option("--served-by", metavar="ENGINE", help="The engine you serve the drafter with: vllm | speculators "
+                     "| zlab | sglang | specforge | ik_llama.cpp (playbooks/serving/engines.yaml); a sliding-window "
+                     "drafter it does not build as trained is a mismatch."),
+    ] = None,
 ) -> None:
     """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl.
 
@@ -116,6 +122,7 @@ def diagnose_command(
         probe_entry=probe_entry,
         target=target,
         hidden_states=hidden_states,
+        served_by=served_by,
     )
     listener = live_listener(errors) if sys.stderr.isatty() else None
 

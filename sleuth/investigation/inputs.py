@@ -48,6 +48,13 @@ class InputDiscovery:
                 raise DiagnoseError(f"{option} {path} does not exist")
         if request.config is not None and not request.config.is_file():
             raise DiagnoseError(f"--config {request.config} is not a file")
+        if request.served_by is not None:
+            from sleuth.checks.engines import EngineError, resolve_engine
+
+            try:
+                resolve_engine(request.served_by)
+            except EngineError as exc:
+                raise DiagnoseError(f"--served-by: {exc}") from None
         from sleuth.probes.runner import ProbeError, check_options
 
         try:

@@ -35,3 +35,4 @@ class DiagnoseRequest:
     probe_timeout_s: float = 300.0
     target: Path | None = None  # the target / verifier directory, for the train-to-serve contract checks
     hidden_states: Path | None = None  # an offline hidden-state cache (dflash.hidden_state_capture)
+    served_by: str | None = None  # the serving engine the user serves with (dflash.sliding_window_served)

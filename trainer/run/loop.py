@@ -21,6 +21,7 @@ import torch
 from trainer.config import ConfigError, TrainConfig, resolve_for_target
 from trainer.data.datasets import batch_for_step, chat_rendering, load_documents, pack_documents
 from trainer.data.draft_vocab import VOCAB_FILE, draft_token_ids, load_vocab, save_vocab, token_frequencies
+from trainer.model.attention_mask import WINDOW_FROM_ANCHOR
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import loss_chunk_slots, metrics_from_counts
 from trainer.run.memory import check_fits_memory
@@ -520,6 +521,10 @@ def drafter_rotary_record(drafter: DFlashDrafter) -> dict[str, Any]:
         "layer_windows": windows,
         "sliding_window": next((w for w in windows if w is not None), None),
         "sliding_window_non_causal": drafter.attention.sliding_window_non_causal if any(windows) else None,
+        # Where the training mask counts a sliding window from (trainer/model/attention_mask.py): every slot
+        # of a block sees the W positions before the ANCHOR, as speculators / vLLM serve it; z-lab 0.1.0 and
+        # SGLang count from each query (playbooks/serving/engines.yaml).
+        "window_origin": WINDOW_FROM_ANCHOR if any(windows) else None,
         "draft_config": {key: getattr(config, key, None) for key in (
             "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types",
             "sliding_window", "use_sliding_window", "max_window_layers", "rope_parameters")},
