@@ -158,8 +158,9 @@ def _engine_verdicts(ctx: ContractContext, record: dict[str, Any] | None, traine
         return out
     loss = _loss(measured.get(engine.key), baseline, window)
     out.measured = engine.key in measured and baseline is not None
-    out.problem = (f"served by {engine.title} ({engine.version}): {'; '.join(differences)}{loss}"
-                   f" [read from: {engine.read_from}]")
+    out.problem = f"served by {engine.title}, {engine.version}: {'; '.join(differences)}{loss}"
+    out.evidence.append(Evidence(kind="reference", location=f"playbooks/serving/engines.yaml: {engine.key}",
+                                 value=f"{engine.read_from} (basis: {engine.basis})"))
     alternatives = ", ".join(f"{e.title} ({e.version})" for e in as_trained) or "no engine in the table"
     out.fix = (f"{engine.title}: {engine.fix}. " if engine.fix else
                f"{engine.title} has no setting that builds the window as trained (none exists). ") + \

@@ -63,6 +63,7 @@ def test_an_engine_that_counts_from_the_query_is_flagged_with_the_measured_loss(
     finding = check(export_config(measured=MEASURED), "zlab")
     assert finding.status == "mismatch"
     assert "served by z-lab dflash" in finding.observed and "dflash 0.1.0" in finding.observed
+    assert any(e.kind == "reference" and "_attention_mask" in e.value for e in finding.evidence)  # the code read
     assert "counts the window from each query" in finding.observed
     assert "tau 3.25 vs 3.84 as trained, 151 vs 134 verify steps" in finding.observed
     assert "none exists" in finding.fix.code_hint and "vLLM / speculators" in finding.fix.code_hint

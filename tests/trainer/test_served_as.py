@@ -125,3 +125,54 @@ def test_an_unknown_engine_is_one_line_and_exit_2(tmp_path):
     assert result.exit_code == 2
     assert "--served-as: unknown serving engine 'trt'; choose from speculators, zlab, sglang, specforge" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_runs_eval_json_and_export_carry_every_engine_and_sleuth_flags_the_one_named(tmp_path):
+    """The issue's structure (`--preset zlab-qwen3.6`: four sliding layers + one full) on an attention-only target:
+    the run's eval.json decodes it as each engine, the export carries those numbers, and `sleuth diagnose
+    --served-by` flags z-lab's package and stays silent for vLLM."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.trainer.tiny_targets import save_tiny_qwen3
+    from trainer.config import build_config
+    from trainer.export import export_run
+    from trainer.run.loop import train
+    from trainer.run.rundir import RunDir
+    from trainer.target.embedded import build_embedded_tokenizer
+
+    target = save_tiny_qwen3(tmp_path / "target", build_embedded_tokenizer(small=True), layers=8)
+    config = build_config(preset="zlab-qwen3.6", extra=dict(
+        target=str(target), steps=2, batch_size=2, seq_len=64, max_anchors=2, eval_every=None, eval_prompts=1,
+        eval_max_new_tokens=8, warmup_steps=0, checkpoint_every=2))
+    run = RunDir(tmp_path / "runs" / "r")
+    train(run, config, preset=None, device="cpu", progress=False)
+    report = json.loads((run.path / "eval.json").read_text())
+    engines = report["served_by_engine"]
+    assert set(engines) == {"speculators", "zlab", "sglang", "specforge"}
+    assert engines["speculators"]["tau"] == report["tau"] and engines["speculators"]["serves_as_trained"]
+    assert not engines["zlab"]["serves_as_trained"] and engines["zlab"]["same_semantics_as"] == ["sglang"]
+    assert all(row["lossless"] for row in engines.values())
+    assert json.loads((run.path / "run.json").read_text())["drafter"]["window_origin"] == "anchor"
+    export = export_run(run.path, tmp_path / "export", "zlab").path
+    carried = json.loads((export / "config.json").read_text())["dflash_training"]["served_by_engine"]
+    assert carried["specforge"]["verify_steps"] == engines["specforge"]["verify_steps"]
+
+    repo = Path(__file__).resolve().parents[2]
+
+    def diagnose(engine: str) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-m", "sleuth.cli", "diagnose", "--run", str(export), "--target", str(target), "--offline",
+             "--no-probe", "--format", "json", "--out", str(tmp_path / f"d-{engine}"), "--served-by", engine],
+            cwd=repo, env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}, capture_output=True,
+            text=True, timeout=600)
+        assert done.returncode in (0, 1), done.stderr
+        return {f["id"]: f for f in json.loads(done.stdout)["findings"]}["dflash.sliding_window_served"]
+
+    flagged = diagnose("zlab")
+    assert flagged["status"] == "mismatch" and "counts the window from each query" in flagged["observed"]
+    assert f"tau {engines['zlab']['tau']:.2f} vs {engines['speculators']['tau']:.2f}" in flagged["observed"]
+    assert diagnose("vllm")["status"] == "match"
