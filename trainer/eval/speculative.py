@@ -530,11 +530,13 @@ def evaluate(
     from trainer.model.served import ServedAs, served_as as engine_row
 
     engine = served_as if isinstance(served_as, ServedAs) else engine_row(served_as)
-    if isinstance(drafter, nn.Module):
+    if served_as is None:
+        pass  # the drafter's own attention: our training mask, speculators' / vLLM's
+    elif isinstance(drafter, nn.Module):
         drafter = DFlashProposer(drafter, target, served_as=engine)
     elif isinstance(drafter, DFlashProposer):
         drafter = DFlashProposer(drafter.drafter, drafter.target, drafter.vocab_ids, served_as=engine)
-    elif served_as is not None:
+    else:
         raise EvalError(f"--served-as needs a DFlash drafter; {type(drafter).__name__} builds its own attention")
     if check_lossless is None:
         check_lossless = temperature == 0
