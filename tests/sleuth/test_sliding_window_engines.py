@@ -113,3 +113,11 @@ def test_an_unknown_engine_is_one_line_and_exit_2(tmp_path):
                           timeout=120)
     assert done.returncode == 2
     assert "--served-by: unknown serving engine 'trt'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_measurement_without_loss_is_quoted_as_such_and_weighs_less():
+    measured = copy.deepcopy(MEASURED)
+    measured["zlab"].update(tau=3.84, verify_steps=134)
+    finding = check(export_config(measured=measured), "zlab")
+    assert finding.status == "mismatch" and "no loss on those prompts" in finding.observed
+    assert finding.confidence < check(export_config(measured=MEASURED), "zlab").confidence
