@@ -83,7 +83,8 @@ def sliding(tmp_path_factory, target_dir):
 def full(tmp_path_factory, target_dir):
     # The same structure with every layer full attention: all engines serve it as trained.
     draft = {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 272,
-             "layer_types": ["full_attention"] * 5, "sliding_window": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7}}
+             "layer_types": ["full_attention"] * 5, "sliding_window": None,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1e7}}
     return _train_and_export(tmp_path_factory.mktemp("full"), target_dir, draft)
 
 

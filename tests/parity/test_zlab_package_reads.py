@@ -60,7 +60,8 @@ def test_the_package_builds_the_published_drafter_from_our_export(model_class):
 
 
 def test_zlab_0_1_0_makes_the_sliding_layers_causal_and_specforge_does_not():
-    ours = exported_config("zlab-qwen3.6-27b", real_target_config(), PUBLISHED["drafter"]["dflash_config"]["mask_token_id"])
+    mask = PUBLISHED["drafter"]["dflash_config"]["mask_token_id"]
+    ours = exported_config("zlab-qwen3.6-27b", real_target_config(), mask)
     assert built(ZlabDraftModel, ours)["layer_causal"] == [True] * 4 + [False]
     assert built(SpecForgeDraftModel, ours)["layer_causal"] == [False] * 5
 

@@ -123,7 +123,8 @@ def test_an_unknown_engine_is_one_line_and_exit_2(tmp_path):
 
     result = CliRunner().invoke(app, ["eval", "no-such-run", "--runs-dir", str(tmp_path), "--served-as", "trt"])
     assert result.exit_code == 2
-    assert "--served-as: unknown serving engine 'trt'; choose from speculators, zlab, sglang, specforge" in result.output
+    expected = "--served-as: unknown serving engine 'trt'; choose from speculators, zlab, sglang, specforge"
+    assert expected in result.output
     assert "Traceback" not in result.output
 
 
