@@ -16,10 +16,13 @@ TORCH_VERSION="${TORCH_CPU_VERSION:-2.13.0}"
 SPECULATORS_VERSION="${SPECULATORS_VERSION:-0.9.0}"
 SPECFORGE_VERSION="${SPECFORGE_VERSION:-0.2.0}"
 SPECFORGE_EXTRAS="accelerate==1.15.0 psutil==7.2.2 yunchang==0.6.4"
+# z-lab's own inference package (DFlashDraftModel, dflash_generate): the parity suite runs our exports through it.
+# --no-deps: it pins tqdm / datasets / requests / huggingface_hub versions its model code never imports.
+DFLASH_VERSION="${DFLASH_VERSION:-0.1.0}"
 PIP="$VENV/bin/python -m pip"
 # The marker holds what was installed: an environment built with other pins (or before SpecForge was
 # added) is brought up to date in place instead of being taken as ready.
-STAMP="torch $TORCH_VERSION speculators $SPECULATORS_VERSION specforge $SPECFORGE_VERSION $SPECFORGE_EXTRAS"
+STAMP="torch $TORCH_VERSION speculators $SPECULATORS_VERSION specforge $SPECFORGE_VERSION $SPECFORGE_EXTRAS dflash $DFLASH_VERSION"
 
 if [ -f "$VENV/.installed" ] && [ "$(cat "$VENV/.installed")" = "$STAMP" ]; then
     echo "speculators environment ready: $VENV"
@@ -42,6 +45,7 @@ $PIP install -q pytest platformdirs tensorboard  # tensorboard: `speculators tra
 # SpecForge without its dependency pins (CUDA torch, sglang); its DFlash training code needs only these on CPU
 # (pinned to what the reference environment was measured with: BENCHMARKS.md, the probes catalog).
 $PIP install -q --no-deps "specforge==$SPECFORGE_VERSION" $SPECFORGE_EXTRAS
+$PIP install -q --no-deps "dflash==$DFLASH_VERSION"
 
 # Fail here, not in CI, if the environment cannot import what the parity tests need.
 PYTHONPATH=. "$VENV/bin/python" - <<'PY'
@@ -51,8 +55,10 @@ from speculators.losses import resolve_loss_config
 resolve_loss_config("ce", "eager")
 import trainer.run.step  # noqa: F401  (our side of the comparison)
 import specforge.algorithms.common.dflash_family_model  # noqa: F401  (the probes' SpecForge adapter)
+from dflash.model import DFlashDraftModel, dflash_generate  # noqa: F401  (z-lab's package: tests/parity/test_served_engines.py)
 from importlib.metadata import version
-print(f"speculators {version('speculators')}, specforge {version('specforge')}, torch {torch.__version__}, "
+print(f"speculators {version('speculators')}, specforge {version('specforge')}, dflash {version('dflash')}, "
+      f"torch {torch.__version__}, "
       f"transformers {transformers.__version__}")
 PY
 echo "$STAMP" > "$VENV/.installed"

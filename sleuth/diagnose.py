@@ -294,7 +294,7 @@ class _Investigation(InputDiscovery):
             rules = {inv.id: inv for inv in getattr(self.playbook, "invariants", []) or []}
             context = ContractContext(
                 run=self.run_info, config=config, config_source=config_source, target_dir=self.request.target,
-                hidden_states=self.request.hidden_states, rules=rules,
+                hidden_states=self.request.hidden_states, rules=rules, served_by=self.request.served_by,
             )
             findings = apply_contract_checks(findings, context)
             step.outcome = ", ".join(f"{f.id.split('.', 1)[-1]} {f.status}" for f in findings

@@ -505,6 +505,20 @@ def _not_an_export(out: Path, entries: list[str]) -> str | None:
     return None
 
 
+def _served_by_engine(run: Any, step: int) -> dict[str, Any] | None:
+    """eval.json `served_by_engine` of the run's final eval (tau and verify steps per serving engine), when the
+    export is of that same step; None otherwise."""
+    try:
+        report = json.loads((run.path / "eval.json").read_text())
+    except (OSError, ValueError):
+        return None
+    engines = report.get("served_by_engine") if isinstance(report, dict) else None
+    if not isinstance(engines, dict) or report.get("step") != step:
+        return None
+    keep = ("tau", "verify_steps", "lossless", "serves_as_trained", "same_semantics_as")
+    return {name: {k: row.get(k) for k in keep} for name, row in engines.items() if isinstance(row, dict)}
+
+
 def export_run(
     run_dir: Path,
     out: Path,
@@ -557,6 +571,9 @@ def export_run(
     # it with what a server builds from the rest of this config (rope, sliding windows). Loaders ignore it.
     config["dflash_training"] = {"exported_by": f"dflash-trainer {trainer.__version__}", "run": run.name,
                                  "step": checkpoint.step, "drafter": _trained_record(run)}
+    served = _served_by_engine(run, checkpoint.step)
+    if served:  # what each engine's decoding measured at the run's end, for sleuth to quote about the export
+        config["dflash_training"]["served_by_engine"] = served
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.to(out_dtype).contiguous() for name, t in weights.items()}

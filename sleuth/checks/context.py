@@ -23,6 +23,7 @@ class ContractContext:
     config_source: str | None = None
     target_dir: Path | None = None  # --target: the target / verifier model directory
     hidden_states: Path | None = None  # --hidden-states: an offline hidden-state cache
+    served_by: str | None = None  # --served-by: the engine the user serves with (playbooks/serving/engines.yaml)
     findings: list[Finding] = field(default_factory=list)  # what the other checks of this diagnosis found
     rules: dict[str, Any] = field(default_factory=dict)  # playbook invariants by id (title, severity)
 

@@ -107,6 +107,12 @@ def diagnose_command(
                        help="Your own training command, run with --probe in a copy of --code (default: the current "
                             "directory) and observed for --observe-steps optimizer steps, then stopped."),
     ] = None,
+    served_by: Annotated[
+        str | None,
+        typer.Option("--served-by", metavar="ENGINE", help="The engine you serve the drafter with: vllm | speculators "
+                     "| zlab | sglang | specforge | ik_llama.cpp (playbooks/serving/engines.yaml); a sliding-window "
+                     "drafter it does not build as trained is a mismatch."),
+    ] = None,
 ) -> None:
     """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl.
 
@@ -146,6 +152,7 @@ def diagnose_command(
         hidden_states=hidden_states,
         command=list(command) if command else None,
         observe_steps=observe_steps,
+        served_by=served_by,
     )
     listener = live_listener(errors) if sys.stderr.isatty() else None
 

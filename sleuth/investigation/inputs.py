@@ -51,6 +51,13 @@ class InputDiscovery:
                 error = named_path_error(option, path, directory_ok=option != "--config")
                 if error is not None:
                     raise DiagnoseError(error)
+        if request.served_by is not None:
+            from sleuth.checks.engines import EngineError, resolve_engine
+
+            try:
+                resolve_engine(request.served_by)
+            except EngineError as exc:
+                raise DiagnoseError(f"--served-by: {exc}") from None
         from sleuth.probes.runner import ProbeError, check_options
 
         try:

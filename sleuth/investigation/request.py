@@ -39,3 +39,4 @@ class DiagnoseRequest:
     # steps (sleuth/observe); its verdicts replace the probes'.
     command: list[str] | None = None
     observe_steps: int = 1
+    served_by: str | None = None  # the serving engine the user serves with (dflash.sliding_window_served)

@@ -59,21 +59,35 @@ def eval_command(
     against: Annotated[
         Optional[Path], typer.Option("--against", help="A second drafter: both on the same prompts, side by side.")
     ] = None,
+    served_as: Annotated[
+        Optional[str],
+        typer.Option("--served-as", metavar="ENGINE",
+                     help="Build the drafter's sliding-window attention as this engine does: speculators (= vllm, "
+                          "the default: our training mask) | zlab (dflash 0.1.0) | sglang | specforge "
+                          "(playbooks/serving/engines.yaml)."),
+    ] = None,
 ) -> None:
     """Decode held-out prompts with the run's drafter and target (draft-verify loop) and report tau, per-slot
     acceptance, tokens per target forward, speedup over plain decoding and losslessness. Prints only; it
     writes nothing into the run (a run writes its own eval.json when training ends)."""
     stderr = Console(stderr=True)
     with user_errors():
+        if served_as is not None:
+            from trainer.model.served import ServedAsError, served_as as engine_row
+
+            try:
+                engine_row(served_as)  # a typo fails before any model loads
+            except ServedAsError as exc:
+                raise UsageError(f"--served-as: {exc}") from None
         if target is not None or against is not None or _is_foreign(run, runs_dir):
             # Drafters from anywhere (trainer/eval/foreign.py), decoded with the same loop on one target.
             from trainer.eval.foreign import run_foreign_eval
 
             run_foreign_eval(run, against, target, runs_dir, prompts, max_new_tokens, block_size, temperature, data,
-                             seed, device, as_json, stderr, _is_user_error, _print_summary)
+                             seed, device, as_json, stderr, _is_user_error, _print_summary, served_as=served_as)
             return
         report, run_name, step = _evaluate_run(
-            run, runs_dir, prompts, max_new_tokens, block_size, temperature, data, seed, device, stderr
+            run, runs_dir, prompts, max_new_tokens, block_size, temperature, data, seed, device, stderr, served_as
         )
     result = {"run": run_name, "step": step, **report.model_dump()}
     if as_json:
@@ -123,6 +137,7 @@ def _evaluate_run(
     seed: int | None,
     device: str,
     stderr: Console,
+    served_as: str | None = None,
 ) -> tuple[Any, str, int]:
     from trainer.config import MAX_BLOCK_SIZE, MAX_EVAL_NEW_TOKENS, MAX_EVAL_PROMPTS  # pydantic: not at start-up
 
@@ -172,6 +187,7 @@ def _evaluate_run(
             progress=lambda done, total: progress.update(task, completed=done),
             # Scored at the block size the run trained with; another --block-size has no training counterpart.
             teacher_forcing=training_semantics(config, loaded.target) if eval_block == config.block_size else None,
+            served_as=served_as,
         )
     return report, run_dir.name, loaded.step
 
@@ -182,6 +198,13 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def _served_as_line(engine: str | None) -> str:
+    from trainer.model.served import served_as
+
+    row = served_as(engine)
+    return f"{row.engine}: {row.title}, {row.version}  (the drafter's attention as this engine builds it)"
 
 
 def _print_summary(result: dict[str, Any], out: Console) -> None:
@@ -198,6 +221,7 @@ def _print_summary(result: dict[str, Any], out: Console) -> None:
         f"{result['prompts']} prompts, {result['max_new_tokens']} new tokens max, block {block}, "
         f"temperature {result['temperature']:g}",
     )
+    summary.add_row("served as", _served_as_line(result.get("served_as")))
     summary.add_row("tau", f"{result['tau']:.3f}  (accepted + bonus per verify step; 1 = no help, {block} = all)")
     teacher_forced = result.get("teacher_forced")
     if teacher_forced:

@@ -395,7 +395,7 @@ def _load_specforge(path: Path, checkpoint: Path, *, hidden_size: int, num_targe
 
 def evaluate_drafters(dirs: list[Path], target_spec: str, *, prompts: int, max_new_tokens: int,
                       block_size: int | None, temperature: float, data: str, seed: int, device: str,
-                      progress: Any = None) -> list[dict[str, Any]]:
+                      progress: Any = None, served_as: str | None = None) -> list[dict[str, Any]]:
     """Decode the same held-out prompts with each drafter on one target; one result dict per drafter.
 
     A directory may be one of our run directories (its latest checkpoint, with its own layer ids), an
@@ -416,6 +416,7 @@ def evaluate_drafters(dirs: list[Path], target_spec: str, *, prompts: int, max_n
             drafter, target, prompt_ids, feature_layer_ids=feature_ids, block_size=block_size or own_block,
             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, mask_token_id=mask,
             progress=(lambda done, total, name=name: progress(name, done, total)) if progress else None,
+            served_as=served_as,
         )
         results.append({"drafter": name, "layout": layout, "path": str(directory), "target": str(target.path),
                         **report.model_dump()})
@@ -486,7 +487,7 @@ _SIDE_BY_SIDE_ROWS = (
 def run_foreign_eval(run: str, against: Path | None, target: str | None, runs_dir: Path, prompts: int | None,
                      max_new_tokens: int | None, block_size: int | None, temperature: float, data: str | None,
                      seed: int | None, device: str, as_json: bool, stderr: Any, is_user_error: Any,
-                     print_summary: Any) -> None:
+                     print_summary: Any, served_as: str | None = None) -> None:
     import math
     import sys
 
@@ -528,7 +529,7 @@ def run_foreign_eval(run: str, against: Path | None, target: str | None, runs_di
                 dirs, target, prompts=prompts or defaults.eval_prompts,
                 max_new_tokens=max_new_tokens or defaults.eval_max_new_tokens, block_size=block_size,
                 temperature=temperature, data=data or "embedded", seed=defaults.seed if seed is None else seed,
-                device=device, progress=progress,
+                device=device, progress=progress, served_as=served_as,
             )
         except ForeignDrafterError as exc:
             fail(str(exc))

@@ -68,9 +68,10 @@ class DraftProposer(Protocol):
 class DFlashProposer:
     """A DFlashDrafter on its frozen target: target embeddings in, target lm_head out."""
 
-    def __init__(self, drafter: nn.Module, target: Any, vocab_ids: Tensor | None = None) -> None:
+    def __init__(self, drafter: nn.Module, target: Any, vocab_ids: Tensor | None = None, served_as: Any = None) -> None:
         self.drafter = drafter
         self.target = target
+        self.served_as = served_as  # trainer.model.served.ServedAs: the engine whose attention to build; None = ours
         self.dtype = next(drafter.parameters()).dtype
         self.vocab_ids = vocab_ids  # a reduced draft vocabulary: proposals only among these target ids
         self.mask_token_id = getattr(drafter, "mask_token_id", None)
@@ -84,6 +85,7 @@ class DFlashProposer:
             attention_mask=None,  # one block over context strictly before its anchor: everything visible
             past_key_values=cache,
             use_cache=True,
+            **({"served_as": self.served_as} if self.served_as is not None else {}),
         )  # [1, B, H]
         hidden = hidden[:, 1:].to(self.target.dtype)
         if self.vocab_ids is None:
@@ -132,6 +134,20 @@ def prompt_length_buckets(prompt_lengths: Sequence[int], results: Sequence[Gener
             verify_steps=len(lengths), tau=sum(lengths) / len(lengths) if lengths else None,
         ))
     return out
+
+
+class ServedEngineReport(BaseModel):
+    """The speculative decoding of the same prompts with the drafter's attention built as one engine builds it."""
+
+    engine: str
+    same_semantics_as: list[str] = Field(default_factory=list, description="Other engines that decode identically.")
+    tau: float
+    verify_steps: int
+    verify_steps_per_prompt: list[int] = Field(default_factory=list)
+    tau_per_prompt: list[float | None] = Field(default_factory=list)
+    per_position_acceptance: list[float] = Field(default_factory=list)
+    lossless: bool | None = None
+    serves_as_trained: bool = Field(description="The engine builds the drafter's attention as it trained.")
 
 
 class EvalReport(BaseModel):
@@ -209,6 +225,14 @@ class EvalReport(BaseModel):
     acceptance_by_context_length: ContextLengthReport | None = Field(
         None, description="Verify steps by context length (the anchor's position), split at the drafter's "
         "sliding window (trainer.eval.context_length): acceptance within and beyond the window."
+    )
+    served_as: str = Field(
+        "speculators", description="The serving engine whose drafter attention the decoding built "
+        "(playbooks/serving/engines.yaml; `trainer eval --served-as`): speculators = vLLM = our training mask."
+    )
+    served_by_engine: dict[str, ServedEngineReport] | None = Field(
+        None, description="A sliding-window drafter's run: the same prompts decoded as each engine whose window "
+        "semantics differ from ours builds the drafter (null otherwise, or for `trainer eval`)."
     )
 
 
@@ -490,6 +514,7 @@ def evaluate(
     mask_token_id: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     teacher_forcing: TrainingSemantics | None = None,
+    served_as: Any = None,
 ) -> EvalReport:
     """Speculative decoding on every prompt, against plain decoding of the same target.
 
@@ -502,16 +527,30 @@ def evaluate(
     teacher_forcing: also score the decoded sequences under the run's training semantics
     (trainer.eval.teacher_forced), so the training objective's acceptance sits next to the real tau.
     stop_token_ids None: stop where serving stops (eos, generation_config eos ids, the chat turn's end).
+    served_as: an engine name or trainer.model.served.ServedAs: the drafter's attention is built as that engine
+    builds it (None: speculators / vLLM, our training mask). A full-attention drafter decodes the same in all.
     """
     _validate(prompts, block_size, max_new_tokens, temperature, feature_layer_ids)
+    from trainer.model.served import ServedAs, served_as as engine_row
+
+    engine = served_as if isinstance(served_as, ServedAs) else engine_row(served_as)
+    if served_as is None:
+        pass  # the drafter's own attention: our training mask, speculators' / vLLM's
+    elif isinstance(drafter, nn.Module):
+        drafter = DFlashProposer(drafter, target, served_as=engine)
+    elif isinstance(drafter, DFlashProposer):
+        drafter = DFlashProposer(drafter.drafter, drafter.target, drafter.vocab_ids, served_as=engine)
+    else:
+        raise EvalError(f"--served-as needs a DFlash drafter; {type(drafter).__name__} builds its own attention")
     if check_lossless is None:
         check_lossless = temperature == 0
     check_lossless = check_lossless and temperature == 0
     run_baseline = measure_speedup or check_lossless
     device = _device(target)
-    was_training = isinstance(drafter, nn.Module) and drafter.training
-    if isinstance(drafter, nn.Module):
-        drafter.eval()
+    draft_module = drafter if isinstance(drafter, nn.Module) else getattr(drafter, "drafter", None)
+    was_training = isinstance(draft_module, nn.Module) and draft_module.training
+    if isinstance(draft_module, nn.Module):
+        draft_module.eval()
 
     def spec(prompt: Sequence[int], max_new: int, seed_: int) -> GenerationResult:
         return speculative_generate(
@@ -544,7 +583,6 @@ def evaluate(
         teacher_forced = None
         # The drafter module behind a DFlashProposer too; a reduced draft vocabulary scores in its own
         # head, which the teacher-forced replay does not model yet, so it is left out there.
-        draft_module = drafter if isinstance(drafter, nn.Module) else getattr(drafter, "drafter", None)
         if (teacher_forcing is not None and isinstance(draft_module, nn.Module)
                 and getattr(drafter, "vocab_ids", None) is None):
             # The decoded sequences themselves (at T=0 exactly the target's greedy continuation), so both
@@ -555,7 +593,7 @@ def evaluate(
             )
     finally:
         if was_training:
-            drafter.train()
+            draft_module.train()
 
     lengths = [length for result in spec_results for length in result.acceptance_lengths]
     steps = len(lengths)
@@ -604,4 +642,36 @@ def evaluate(
         acceptance_by_context_length=acceptance_by_context_length(
             [c for r in spec_results for c in r.context_lengths], lengths, block_size, draft_sliding_window(drafter),
         ) if len(lengths) == sum(len(r.context_lengths) for r in spec_results) else None,
+        served_as=engine.engine,
     )
+
+
+def evaluate_served_by_engine(drafter: nn.Module, ours: EvalReport,
+                              decode_as: Callable[[Any], EvalReport]) -> dict[str, ServedEngineReport] | None:
+    """A sliding-window drafter decoded as each engine of playbooks/serving/engines.yaml builds it: one decoding
+    per distinct semantics (`ours` is the default's, speculators / vLLM), reported per engine. None for a
+    full-attention drafter, which every engine serves as trained.
+
+    decode_as(engine) runs `evaluate(..., served_as=engine)` on the same prompts.
+    """
+    from trainer.model.served import engine_names, served_as
+
+    attention = getattr(drafter, "attention", None)
+    if attention is None or not attention.slides:
+        return None
+    default = served_as(None)
+    groups: dict[tuple[str, bool], list[Any]] = {}
+    for name in engine_names(emulated_only=True):
+        row = served_as(name)
+        groups.setdefault(row.semantics(attention), []).append(row)
+    out: dict[str, ServedEngineReport] = {}
+    for semantics, rows in groups.items():
+        report = ours if semantics == default.semantics(attention) else decode_as(rows[0])
+        for row in rows:
+            out[row.engine] = ServedEngineReport(
+                engine=row.engine, same_semantics_as=[r.engine for r in rows if r is not row], tau=report.tau,
+                verify_steps=report.verify_steps, verify_steps_per_prompt=report.verify_steps_per_prompt,
+                tau_per_prompt=report.tau_per_prompt, per_position_acceptance=report.per_position_acceptance,
+                lossless=report.lossless, serves_as_trained=row.serves_as_trained(attention),
+            )
+    return out

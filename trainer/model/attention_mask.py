@@ -22,21 +22,16 @@ export vLLM serves):
       the same W context positions, whatever its offset j in the block;
     * block: causal, block key j' visible to block query j iff j' <= j, unless `sliding_window_non_causal`
       (speculators' flag; then bidirectional like the full-attention layers, which always are).
-Where the others differ (see README "Sliding-window drafter layers"):
-    * z-lab/dflash 1fe684b "Add Draft sliding window" adds a window at inference only, in its MLX path
-      (`load_draft(..., sliding_window_size=W)`, every layer alike): the committed context K/V live in an
-      mlx_lm RotatingKVCache of W entries, the block's K/V are appended uncached and the block attends
-      without a mask. So every slot sees the same last ~W context positions (anchor-relative, like here),
-      but not exactly W (mlx_lm's multi-token update keeps up to W-1+C entries after C new ones), and the
-      block is bidirectional; no training code has a window.
-    * z-lab's torch model (dflash/model.py @ 44947fb) reads `layer_types` / `sliding_window` and passes the
-      window to the attention function with no mask: only flash-attention honours it, as a symmetric
-      window (W-1, W-1) around each QUERY's position anchor+j, so slot j sees context p with
-      anchor+j-W < p < anchor (W-1-j positions, not W); SDPA and eager ignore it and attend to everything.
-      Its attention is non-causal in every layer (`is_causal = False`), sliding ones included. Any server
-      that hands the window to flash-attention counts it from each query the same way.
-The two windows agree on every position but the j+1 oldest, so they only differ once the context is
-longer than W - B.
+Where the serving engines differ (playbooks/serving/engines.yaml, the table `trainer eval --served-as` and
+sleuth read; each row names the code and version it was read from):
+    * vLLM / speculators 0.9.0: the rule above.
+    * z-lab's dflash 0.1.0 (DFlashDraftModel) and SGLang count the window from each QUERY: slot j at
+      position anchor+j sees context k iff anchor + j - k < W (W-1-j positions, not W), and their sliding
+      layers are causal within the block: `window_origin="query"` here.
+    * SpecForge 0.2.0's inference loop (spec_generate) passes no mask and is_causal=False: SDPA ignores the
+      window, so every layer attends like a full one.
+The anchor and query windows agree on every position but the j+1 oldest, so they differ only once the
+context is longer than W - B.
 
 `dflash_mask_mod` is the one definition. `sdpa_mask` evaluates it on broadcast index grids (a dense bool
 mask for scaled_dot_product_attention); `flex_block_mask` hands the same function to flex attention's
@@ -62,6 +57,9 @@ MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 FULL_ATTENTION = "full_attention"
+WINDOW_FROM_ANCHOR = "anchor"  # every slot of a block sees the same W context positions (speculators, ours)
+WINDOW_FROM_QUERY = "query"  # each query sees the keys within W of its own position (flash-attention's count)
+WINDOW_ORIGINS = (WINDOW_FROM_ANCHOR, WINDOW_FROM_QUERY)
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
@@ -110,15 +108,22 @@ def dflash_mask_mod(
     context_includes_anchor: bool,
     sliding_window: int | None = None,
     sliding_window_non_causal: bool = False,
+    window_origin: str = WINDOW_FROM_ANCHOR,
 ) -> MaskMod:
     """Return mask_mod(b, h, q_idx, kv_idx) -> bool: may query q_idx of row b attend to key kv_idx?
 
     Written with tensor ops only (no Python branching on values), so it works both on broadcast index
     grids (sdpa_mask) and under flex attention's vmap / torch.compile (flex_block_mask). `sliding_window`
     None is a full-attention layer; W a sliding one (the module docstring: speculators' semantics).
+    `window_origin` "query" counts the window from each query's own position instead (z-lab 0.1.0, SGLang,
+    SpecForge's training mask: playbooks/serving/engines.yaml): slot j at position anchor+j sees a key at
+    position k iff anchor + j - k < W, block keys included.
     """
+    if window_origin not in WINDOW_ORIGINS:
+        raise ValueError(f"unknown window origin {window_origin!r}; choose from {', '.join(WINDOW_ORIGINS)}")
     seq_len = doc_ids.shape[1]  # S: keys below S are context, keys from S on are block tokens
     causal_block = sliding_window is not None and not sliding_window_non_causal
+    from_query = sliding_window is not None and window_origin == WINDOW_FROM_QUERY
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         block = q_idx // block_size  # which block (anchor) this query belongs to
@@ -129,13 +134,18 @@ def dflash_mask_mod(
         is_context = kv_idx < seq_len
         in_anchor_doc = (kv_doc == anchor_doc) & (anchor_doc >= 0)
         before_anchor = (kv_idx <= anchor) if context_includes_anchor else (kv_idx < anchor)
-        if sliding_window is not None:  # the window is the anchor's: the same W positions for every slot
+        if from_query:  # counted from the query at anchor + j: the query is one of its own W positions
+            before_anchor = before_anchor & (anchor + q_idx % block_size - kv_idx < sliding_window)
+        elif sliding_window is not None:  # the window is the anchor's: the same W positions for every slot
             before_anchor = before_anchor & (kv_idx >= anchor - sliding_window)
         sees_context = is_context & anchor_valid[b, block] & in_anchor_doc & before_anchor
         # For context keys kv_idx - S is negative, so its floor division never equals a block index >= 0.
         sees_own_block = (~is_context) & ((kv_idx - seq_len) // block_size == block)
         if causal_block:  # block key j' visible to block query j iff j' <= j
             sees_own_block = sees_own_block & (kv_idx - seq_len <= q_idx)
+        if from_query:  # block keys too are within W of the query, on both sides when the block is bidirectional
+            distance = q_idx - (kv_idx - seq_len)
+            sees_own_block = sees_own_block & (distance < sliding_window) & (-distance < sliding_window)
         return sees_context | sees_own_block
 
     return mask_mod
@@ -158,6 +168,7 @@ def sdpa_mask(
     context_includes_anchor: bool,
     sliding_window: int | None = None,
     sliding_window_non_causal: bool = False,
+    window_origin: str = WINDOW_FROM_ANCHOR,
 ) -> Tensor:  # [N, 1, Q, S+Q] bool, True = may attend
     """Dense boolean mask for F.scaled_dot_product_attention, by evaluating dflash_mask_mod on index grids."""
     _check_shapes(anchors, anchor_valid, doc_ids, block_size)
@@ -166,7 +177,7 @@ def sdpa_mask(
     q_len = num_anchors * block_size
     device = anchors.device
     mask_mod = dflash_mask_mod(anchors, anchor_valid, doc_ids, block_size, context_includes_anchor,
-                               sliding_window, sliding_window_non_causal)
+                               sliding_window, sliding_window_non_causal, window_origin)
     b = torch.arange(num_rows, device=device).view(-1, 1, 1, 1)  # [N, 1, 1, 1]
     h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)  # the mask is the same for every head
     q_idx = torch.arange(q_len, device=device).view(1, 1, -1, 1)  # [1, 1, Q, 1]
@@ -262,16 +273,19 @@ def decode_window_mask(
     sliding_window: int,
     sliding_window_non_causal: bool = False,
     device: torch.device | str = "cpu",
+    window_origin: str = WINDOW_FROM_ANCHOR,
 ) -> Tensor:  # [1, 1, B, context_length + B] bool, True = may attend
     """A sliding layer's mask for one block drafted at inference over a KV cache: the training mask of that block.
 
     It is `sdpa_mask` of one document of context_length + 1 positions with one anchor at the last one, less the
     anchor's own column (at inference the anchor has no context entry; the rule never shows it to its block).
+    `window_origin` "query" is the mask an engine that counts the window from each query builds
+    (trainer/model/served.py).
     """
     anchors = torch.tensor([[context_length]], device=device)
     doc_ids = torch.zeros(1, context_length + 1, dtype=torch.long, device=device)
     full = sdpa_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), doc_ids, block_size, False,
-                     sliding_window, sliding_window_non_causal)  # [1, 1, B, context_length + 1 + B]
+                     sliding_window, sliding_window_non_causal, window_origin)  # [1, 1, B, context_length + 1 + B]
     return torch.cat([full[..., :context_length], full[..., context_length + 1:]], dim=-1)
 
 

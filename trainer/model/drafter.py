@@ -360,6 +360,7 @@ class DFlashDrafter(nn.Module):
         attention_mask: Any = None,  # bool [N, 1, Q, past+C+Q] | BlockMask | {layer type: mask} | None
         past_key_values: Cache | None = None,
         use_cache: bool = False,
+        served_as: Any = None,  # trainer.model.served.ServedAs: build the sliding layers as that engine does
     ) -> Tensor:  # [N, Q, H] final-normed hidden states; the caller applies the target's lm_head
         """Draft the block tokens' hidden states.
 
@@ -371,7 +372,8 @@ class DFlashDrafter(nn.Module):
         `past_key_values` and use_cache the cached keys come first in the key order and this call's context
         and block K/V are appended; the caller then cuts the cache back to the context length with
         `crop_cache(cache, context_length)` (z-lab dflash/model.py: `past_key_values_draft.crop(start)`),
-        so the next call sees context only.
+        so the next call sees context only. `served_as` (inference only) builds the sliding layers' mask the way
+        that serving engine builds it (trainer/model/served.py; None: ours, speculators' / vLLM's).
         """
         n, q_len, _ = block_embeds.shape
         ctx_len = context_features.shape[1]
@@ -384,7 +386,7 @@ class DFlashDrafter(nn.Module):
         context = self.hidden_norm(self.fc(context_features.to(dtype))).to(dtype)  # [N, C, H]
         position_ids = position_ids.expand(n, -1) if position_ids.shape[0] == 1 else position_ids
         if attention_mask is None and self.attention.slides:
-            attention_mask = self._decode_masks(position_ids, q_len, past_key_values)
+            attention_mask = self._decode_masks(position_ids, q_len, past_key_values, served_as)
         cos, sin = self.rotary_emb(block_embeds, position_ids)  # [N, C+Q, hd] each
         x = block_embeds
         for layer in self.layers:
@@ -392,7 +394,8 @@ class DFlashDrafter(nn.Module):
             x = layer(x, context, cos, sin, mask, past_key_values)
         return self.norm(x).to(dtype)
 
-    def _decode_masks(self, position_ids: Tensor, q_len: int, cache: Cache | None) -> dict[str, Tensor | None]:
+    def _decode_masks(self, position_ids: Tensor, q_len: int, cache: Cache | None,
+                      served_as: Any = None) -> dict[str, Tensor | None]:
         """{layer type: mask} for one block at inference: full layers see every key, sliding layers their window."""
         past = cache.get_seq_length() if cache is not None else 0
         ctx_len = position_ids.shape[-1] - q_len
@@ -403,6 +406,11 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"positions {position_ids[0, 0].item()}..{position_ids[0, -1].item()} do not continue "
                              f"the drafter's cache of {past} positions: a sliding-window drafter needs them "
                              "contiguous from 0")
-        window = decode_window_mask(past + ctx_len, q_len, self.attention.sliding_window,
-                                    self.attention.sliding_window_non_causal, position_ids.device)
+        if served_as is not None:
+            window = served_as.sliding_mask(self.attention, past + ctx_len, q_len, position_ids.device)
+        else:
+            window = decode_window_mask(past + ctx_len, q_len, self.attention.sliding_window,
+                                        self.attention.sliding_window_non_causal, position_ids.device)
+        if window is None:  # the engine ignores the window: the sliding layers attend like the full ones
+            return {"full_attention": None, SLIDING_ATTENTION: None}
         return {"full_attention": None, SLIDING_ATTENTION: window.expand(position_ids.shape[0], -1, -1, -1)}

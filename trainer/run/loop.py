@@ -21,6 +21,7 @@ import torch
 from trainer.config import ConfigError, TrainConfig, resolve_for_target
 from trainer.data.datasets import batch_for_step, chat_rendering, load_documents, pack_documents
 from trainer.data.draft_vocab import VOCAB_FILE, draft_token_ids, load_vocab, save_vocab, token_frequencies
+from trainer.model.attention_mask import WINDOW_FROM_ANCHOR
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.loss import loss_chunk_slots, metrics_from_counts
 from trainer.run.memory import check_fits_memory
@@ -520,6 +521,10 @@ def drafter_rotary_record(drafter: DFlashDrafter) -> dict[str, Any]:
         "layer_windows": windows,
         "sliding_window": next((w for w in windows if w is not None), None),
         "sliding_window_non_causal": drafter.attention.sliding_window_non_causal if any(windows) else None,
+        # Where the training mask counts a sliding window from (trainer/model/attention_mask.py): every slot
+        # of a block sees the W positions before the ANCHOR, as speculators / vLLM serve it; z-lab 0.1.0 and
+        # SGLang count from each query (playbooks/serving/engines.yaml).
+        "window_origin": WINDOW_FROM_ANCHOR if any(windows) else None,
         "draft_config": {key: getattr(config, key, None) for key in (
             "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "layer_types",
             "sliding_window", "use_sliding_window", "max_window_layers", "rope_parameters")},
@@ -606,25 +611,34 @@ class _Evaluator:
     def _run(self, drafter: DFlashDrafter, measure_speedup: bool) -> dict[str, Any]:
         # The periodic tau needs only the speculative loop; the final report also times plain greedy
         # decoding (speedup) and checks losslessness against it.
-        from trainer.eval.speculative import evaluate
+        from trainer.eval.speculative import evaluate_served_by_engine
+
+        report = self._evaluate(drafter, measure_speedup=measure_speedup, check_lossless=measure_speedup,
+                                teacher_forcing=training_semantics(self.config, self.target))
+        if measure_speedup:
+            # The final report: a sliding-window drafter is also decoded as each engine whose windows differ
+            # from ours builds it (z-lab 0.1.0 and SGLang count them from the query, SpecForge's loop ignores
+            # them), so eval.json says what each engine's users will see (sleuth: dflash.sliding_window_served).
+            report.served_by_engine = evaluate_served_by_engine(
+                drafter, report, lambda engine: self._evaluate(drafter, measure_speedup=False, check_lossless=True,
+                                                               teacher_forcing=None, served_as=engine))
+        return report.model_dump()
+
+    def _evaluate(self, drafter: DFlashDrafter, **options: Any) -> Any:
+        from trainer.eval.speculative import DFlashProposer, evaluate
 
         # Offline hidden states: generation needs the whole target, loaded when eval first runs.
         target = self.target.full_target() if hasattr(self.target, "full_target") else self.target
-        from trainer.eval.speculative import DFlashProposer
-
-        report = evaluate(
+        return evaluate(
             DFlashProposer(drafter, target, self.vocab_ids),
             target,
             self.prompts,
             feature_layer_ids=self.feature_layer_ids,
             block_size=self.config.block_size,
             max_new_tokens=self.config.eval_max_new_tokens,
-            measure_speedup=measure_speedup,
-            check_lossless=measure_speedup,
             seed=self.config.seed,
-            teacher_forcing=training_semantics(self.config, self.target),
+            **options,
         )
-        return report.model_dump()
 
     def tau(self, drafter: DFlashDrafter) -> dict[str, Any]:
         """The metrics-row fields of a periodic eval: real tau next to the training objective's acceptance
