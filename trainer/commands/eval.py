@@ -64,7 +64,7 @@ def eval_command(
     acceptance, tokens per target forward, speedup over plain decoding and losslessness. Prints only; it
     writes nothing into the run (a run writes its own eval.json when training ends)."""
     stderr = Console(stderr=True)
-    with user_errors():
+    with user_errors(resume_hint=None):
         if target is not None or against is not None or _is_foreign(run, runs_dir):
             # Drafters from anywhere (trainer/eval/foreign.py), decoded with the same loop on one target.
             from trainer.eval.foreign import run_foreign_eval

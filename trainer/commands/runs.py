@@ -28,7 +28,7 @@ def runs_command(
     as_json: Annotated[bool, flag("--json", help="One JSON array on stdout.")] = False,
 ) -> None:
     """List runs with their status and last metrics."""
-    with user_errors():
+    with user_errors(resume_hint=None, oom_hint=None):
         from trainer.run.rundir import RunError, list_runs, run_is_active
 
         rows = []
