@@ -34,7 +34,7 @@ weights only for the two cases above (its embedding table and lm_head, loaded on
 from __future__ import annotations
 
 import json
-import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +44,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
 import trainer
+from trainer import safe_io
 from trainer.config import ConfigError, TrainConfig, resolve_for_target
 from trainer.data.draft_vocab import VOCAB_FILE, load_vocab, vocab_maps
 from trainer.model.drafter import DFlashDrafter, draft_config_from_target
@@ -479,7 +480,13 @@ def check_out_dir(out: Path, force: bool) -> list[str]:
 
 
 def _is_staging(name: str) -> bool:
-    return name in {f".{file}.partial" for file in EXPORT_FILES}
+    """A temporary entry an export writes before its rename (trainer.safe_io's `.<file>.<random>.tmp`, or the
+    `.<file>.partial` of earlier versions): what a killed export leaves behind."""
+    return any(name == f".{file}.partial" or _STAGING_TMP.fullmatch(name) and name.startswith(f".{file}.")
+               for file in EXPORT_FILES)
+
+
+_STAGING_TMP = re.compile(r"\.[^/]+\.[0-9a-f]{16}\.tmp")
 
 
 def _not_an_export(out: Path, entries: list[str]) -> str | None:
@@ -570,13 +577,12 @@ def export_run(
         "run": run.name,
         "step": str(checkpoint.step),
     }
-    # Each file is staged and renamed into place, so a kill never leaves a torn file under its real name.
-    staging = out / f".{WEIGHTS_FILE}.partial"
-    write_safetensors(tensors, staging, metadata=metadata)
-    _publish(staging, out / WEIGHTS_FILE)
-    staging = out / f".{CONFIG_FILE}.partial"
-    staging.write_text(json.dumps(config, indent=2) + "\n")
-    _publish(staging, out / CONFIG_FILE)
+    # Each file is written through a temporary file of this process's own and renamed into place
+    # (trainer.safe_io): a kill never leaves a torn file under its real name, and a link planted in --out
+    # is refused, never written through. An export is meant to be copied and served by other users and
+    # containers: plain umask permissions, not an owner-only mode.
+    write_safetensors(tensors, out / WEIGHTS_FILE, metadata=metadata)
+    safe_io.write_json(out / CONFIG_FILE, config, indent=2)
     return ExportResult(
         path=out, format=export_format, run=run.name, step=checkpoint.step, config=config,
         target_layer_ids=list(written_ids), tensors=len(tensors), other_files=other_files, notes=notes,
@@ -603,15 +609,6 @@ def _draft_vocabulary(run: RunDir, run_config: TrainConfig) -> torch.Tensor | No
         return load_vocab(path)
     except (OSError, KeyError, SafetensorError) as exc:
         raise ExportError(f"run {run.name!r} has a draft vocabulary but {path} is unreadable: {exc}") from None
-
-
-def _publish(staging: Path, final: Path) -> None:
-    # An export is meant to be copied and served by other users and containers: plain umask permissions,
-    # not the owner-only mode some writers create files with.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o666 & ~umask)
-    os.replace(staging, final)
 
 
 # --- reloading a z-lab export through transformers --------------------------------------------------------

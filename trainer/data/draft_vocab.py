@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -48,9 +48,9 @@ def vocab_maps(token_ids: Tensor, target_vocab_size: int) -> tuple[Tensor, Tenso
 
 def save_vocab(path: Path, token_ids: Tensor, target_vocab_size: int) -> None:
     d2t, t2d = vocab_maps(token_ids, target_vocab_size)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"token_ids": token_ids, "d2t": d2t, "t2d": t2d}, str(tmp))
-    tmp.replace(path)
+    from trainer.run.checkpoint import write_safetensors  # staged and renamed through trainer.safe_io
+
+    write_safetensors({"token_ids": token_ids, "d2t": d2t, "t2d": t2d}, path)
 
 
 def load_vocab(path: Path) -> Tensor:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from trainer.target.frozen import TargetError
+from trainer import safe_io
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -82,7 +82,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             raise HiddenStateError(f"{path} is not a regular file; the cache is damaged: generate into an empty --out")
         if path.stat().st_size > 1 << 20:
             raise HiddenStateError(f"{path} is {path.stat().st_size} bytes, more than a manifest can be; the cache is damaged")
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = safe_io.loads_json(path.read_text(encoding="utf-8"))  # nesting bounded: ValueError
     except FileNotFoundError:
         raise HiddenStateError(f"{directory} is not a hidden-state cache (no {MANIFEST}): make one with "
                                "`trainer hidden-states generate --out DIR`") from None
@@ -106,9 +106,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    os.replace(tmp, directory / MANIFEST)
+    # trainer.safe_io: a temporary file of our own (never a planted `.manifest.json.<pid>.tmp`), renamed
+    safe_io.write_json(directory / MANIFEST, manifest, indent=1)
 
 
 @dataclass

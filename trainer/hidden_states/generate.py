@@ -110,13 +110,11 @@ def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: tor
             )
         worst = max(worst, diff)
         tensors["input_ids"], tensors["position_ids"] = ids.contiguous(), positions.contiguous()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            # write_safetensors raises a full disk as the OSError it is, not safetensors' own error type
-            write_safetensors(tensors, tmp, metadata={"layers": ",".join(map(str, layers))})
-            os.replace(tmp, path)
+            # staged and renamed by write_safetensors (trainer.safe_io), which raises a full disk as the
+            # OSError it is; the shards before are intact and the same command resumes after them
+            write_safetensors(tensors, path, metadata={"layers": ",".join(map(str, layers))})
         except OSError as exc:
-            tmp.unlink(missing_ok=True)  # the shards before are intact; the same command resumes after them
             raise _resumable(exc, out) from None
         note(f"shard {shard + 1}/{shards} ({rows.stop - rows.start} rows)", shard == mine[-1])
     if all((out / shard_name(i)).exists() for i in range(shards)):

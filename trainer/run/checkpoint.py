@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from trainer.safe_io import staged_path
 from trainer.run.rundir import (
     RunError,
     atomic_write_json,
@@ -56,7 +57,9 @@ def save_checkpoint(
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / checkpoint_name(step)
     staging = checkpoints_dir / f".{final.name}.partial"
-    if staging.exists():
+    if staging.is_symlink() or (os.path.lexists(staging) and not staging.is_dir()):
+        staging.unlink()  # never follow a link planted under the staging name
+    elif staging.exists():
         shutil.rmtree(staging)
     staging.mkdir()
 
@@ -83,7 +86,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     """save_file, with an I/O failure raised as the OSError it is (safetensors wraps ENOSPC in its own
     error type, which would otherwise read as a bug instead of "disk full")."""
     try:
-        save_file(tensors, str(path), metadata=metadata)
+        # staged in a private directory of our own and renamed over `path` (a link there is refused)
+        with staged_path(path) as staged:
+            save_file(tensors, str(staged), metadata=metadata)
     except SafetensorError as exc:
         code = _OS_ERROR_CODE.search(str(exc))
         if code is None:

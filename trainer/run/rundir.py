@@ -22,12 +22,12 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import trainer
+from trainer import safe_io
 from trainer.run.trust import record_trusted_code
 
 RUN_FORMAT_VERSION = 1
@@ -50,25 +50,17 @@ RUN_ENTRIES = frozenset(
 # A run record is a few kB; a larger one is not ours, and reading it whole would only cost memory.
 MAX_RECORD_BYTES = 16 * 2**20
 # What a kill between "write the temporary file" and "rename it into place" leaves behind.
-_DEBRIS = re.compile(r"\.(config\.json|run\.json|metrics\.jsonl|eval\.json|env\.json|fingerprint\.json)\..+\.tmp|\.code\.partial")
+_DEBRIS = re.compile(r"\.(config\.json|run\.json|metrics\.jsonl|eval\.json|env\.json|fingerprint\.json|"
+                     r"draft_vocab\.safetensors)\..+\.tmp|\.code\.partial")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # trainer.safe_io: a temporary file of our own, fsync'd and renamed; a link or special file refused
+    safe_io.write_text(path, text)
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    safe_io.write_json(path, data, indent=2)
 
 
 def now_iso() -> str:
@@ -332,14 +324,13 @@ class RunDir:
             return started
         # Staged and renamed: a kill mid-copy never leaves a partial code/ behind.
         staging = self.path / ".code.partial"
-        if staging.exists():
-            shutil.rmtree(staging)
+        _remove_own_entry(staging)
+        staging.mkdir()  # fresh, made by this process: what is written inside cannot meet a planted link
         for relative, data in sources.items():
             destination = staging / relative
             destination.parent.mkdir(parents=True, exist_ok=True)
             destination.write_bytes(data)
-        if code_root.exists():
-            shutil.rmtree(code_root)
+        _remove_own_entry(code_root)
         os.replace(staging, code_root)
         fingerprint = {
             "package_version": trainer.__version__,
@@ -368,6 +359,15 @@ class RunDir:
                 "cpu_threads": torch.get_num_threads(),
             },
         )
+
+
+def _remove_own_entry(path: Path) -> None:
+    """Remove an entry the trainer put in the run (code/, its staging copy) before writing it anew; a link
+    there is removed as a link, never followed into the folder it names."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def _git(repo: Path, *args: str) -> str | None:
