@@ -104,7 +104,9 @@ def os_error_message(exc: OSError, resume_hint: str | None = None) -> str:
     if exc.errno == errno.ENOSPC:
         then = f", then {resume_hint}" if resume_hint else ""
         return f"disk full writing{where}: what was written before is intact; free space{then}"
-    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+    if exc.errno in (errno.EACCES, errno.EPERM):  # reading or writing: the path says which file
+        return f"permission denied:{where or ' ' + str(exc.strerror)}"
+    if exc.errno == errno.EROFS:
         return f"cannot write{where}: {exc.strerror}"
     return f"{exc.strerror or exc}{':' + where if where else ''}"
 

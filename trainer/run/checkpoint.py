@@ -27,6 +27,7 @@ from trainer.run.rundir import (
     atomic_write_text,
     check_inside,
     is_step,
+    present,
     read_json_object,
     read_text,
 )
@@ -101,7 +102,7 @@ def latest_checkpoint(checkpoints_dir: Path, root: Path | None = None) -> Checkp
     """The checkpoint `latest` names, validated: a damaged `latest` or state.json is one error naming it."""
     root = checkpoints_dir.parent if root is None else root
     latest_file = checkpoints_dir / "latest"
-    if not os.path.lexists(latest_file):
+    if not present(latest_file):  # an unsearchable checkpoints/ is `permission denied`, not "no checkpoint"
         return None
     name = read_text(latest_file, root, limit=4096).strip()
     if not _CHECKPOINT_NAME.fullmatch(name):
@@ -135,6 +136,12 @@ def read_safetensors(
     check_inside(path, root)
     if not path.is_file():
         raise RunError(f"{path} is missing")
+    try:  # safetensors reports a file it may not open as missing: say what it is
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    except PermissionError:
+        raise RunError(f"permission denied: {path}") from None
+    except OSError as exc:
+        raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
         with safe_open(str(path), "pt") as handle:
             metadata = dict(handle.metadata() or {})
