@@ -30,7 +30,10 @@ def token_frequencies(input_ids: Tensor, loss_mask: Tensor) -> Counter[int]:
 def draft_token_ids(frequencies: Counter[int], draft_vocab_size: int, target_vocab_size: int) -> Tensor:
     """The target ids of the draft vocabulary, sorted: [draft_vocab_size] long."""
     if not 0 < draft_vocab_size <= target_vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{target_vocab_size} (the target's vocabulary)")
+        from trainer.config import ConfigError  # the config's key, checked against the target it names
+
+        raise ConfigError(f"invalid config: draft_vocab_size {draft_vocab_size} must be in 2..{target_vocab_size} "
+                          "(the target's vocabulary)")
     chosen = sorted(frequencies, key=lambda tid: (-frequencies[tid], tid))[:draft_vocab_size]
     if len(chosen) < draft_vocab_size:
         present = set(chosen)
