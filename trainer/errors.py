@@ -74,6 +74,7 @@ _USER_ERRORS = (
     ("trainer.eval.speculative", "EvalError"),
     ("trainer.export", "ExportError"),
     ("trainer.safe_io", "UnsafeFileError"),
+    ("trainer.eval.foreign", "ForeignDrafterError"),
 )
 
 
