@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import sys
 import threading
@@ -153,9 +154,32 @@ def user_errors(resume_hint: str | None = RUN_RESUME, oom_hint: str | None = TRA
         if isinstance(exc, user_error_types()):
             print_error(one_line(exc))
             raise typer.Exit(EXIT_USER_ERROR) from None
+        if _is_distributed_failure(exc):
+            print_error(distributed_failure_message(exc, resume_hint))
+            raise typer.Exit(EXIT_USER_ERROR) from None
         if os.environ.get(DEBUG_ENV):
             raise
         first = one_line(exc)
         print_error(f"internal error ({type(exc).__name__}: {first[:300]}); rerun with {DEBUG_ENV}=1 for the "
                     "traceback and report it")
         raise typer.Exit(EXIT_USER_ERROR) from None
+
+
+def _is_distributed_failure(exc: BaseException) -> bool:
+    """A torch.distributed failure (gloo or NCCL: a peer that died, a rendezvous that failed): not a bug of
+    this process, so it is the job's one line, never `internal error` with a C++ stack pasted into it."""
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", None) if dist is not None else None
+    return dist_error is not None and isinstance(exc, dist_error)
+
+
+def distributed_failure_message(exc: BaseException, resume_hint: str | None) -> str:
+    # torch's message is the C++ error, then "Exception raised from ... frame #0 ..." lines: keep its first
+    # line, without the "[../third_party/gloo/...cc:534]" source location in front.
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]
+    rank = os.environ.get("RANK")
+    who = f"rank {rank}" if rank is not None else "this process"
+    then = f"; {resume_hint}" if resume_hint else ""
+    return (f"the distributed job failed at {who} ({type(exc).__name__}: {first}): another process of the job "
+            f"stopped or cannot be reached; see its own error above{then}")
