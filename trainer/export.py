@@ -409,7 +409,7 @@ def _weight_keys(target_dir: Path | None) -> set[str]:
     index = target_dir / "model.safetensors.index.json"
     try:
         if index.is_file():
-            return set(json.loads(index.read_text())["weight_map"])
+            return set(safe_io.loads_json(safe_io.read_limited(index, 64 * 2**20))["weight_map"])
         from safetensors import safe_open
 
         keys: set[str] = set()
@@ -652,8 +652,8 @@ def load_exported_drafter(path: Path, device: str | torch.device = "cpu") -> DFl
     """An exported z-lab directory as a DFlashDrafterForExport (eval mode)."""
     path = Path(path)
     try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        config = safe_io.loads_json(safe_io.read_limited(path / CONFIG_FILE, 16 * 2**20))
+    except (OSError, ValueError, safe_io.UnsafeFileError) as exc:
         raise ExportError(f"{path / CONFIG_FILE} is missing or unreadable: {exc}") from None
     if config.get("speculators_model_type"):
         raise ExportError(f"{path} is a speculators export; load it with speculators' DFlashDraftModel")

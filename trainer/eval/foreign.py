@@ -127,7 +127,7 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
     layer_config.pop("architectures", None)
     try:
         draft_config = Qwen3Config(**{k: v for k, v in layer_config.items() if k not in ("model_type", "auto_map")})
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # transformers raises what a field's check meets (AttributeError for a dtype name)
         raise ForeignDrafterError(f"{directory}: draft layer config does not build a Qwen3 config: {exc}") from None
     if layout == "speculators":  # speculators keeps the block causality of its sliding layers at the top level
         draft_config.sliding_window_non_causal = bool(config.get("sliding_window_non_causal", False))

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from trainer.safe_io import staged_path
+from trainer.safe_io import loads_json, staged_path
 from trainer.run.rundir import (
     RunError,
     atomic_write_json,
@@ -224,8 +224,8 @@ def restore_training_state(checkpoint: Checkpoint, optimizer: torch.optim.Optimi
 
 def _param_groups(path: Path, metadata: dict[str, str], local_groups: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     try:
-        groups = json.loads(metadata["param_groups"])
-    except (KeyError, json.JSONDecodeError, RecursionError):
+        groups = loads_json(metadata["param_groups"])
+    except (KeyError, ValueError):  # absent, not JSON, nested too deeply
         raise RunError(f"{path} has no readable param_groups metadata; the file is damaged") from None
     if not isinstance(groups, list) or not all(
         isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(i, int) for i in g["params"])

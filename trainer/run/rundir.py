@@ -127,11 +127,13 @@ def read_json(path: Path, root: Path) -> Any:
     if not text.strip():
         raise RunError(f"{path} is empty; the file is damaged")
     try:
-        return json.loads(text)
+        return safe_io.loads_json(text)
     except json.JSONDecodeError as exc:
         raise RunError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be truncated") from None
-    except RecursionError:
+    except safe_io.JsonTooDeep:
         raise RunError(f"{path} nests too deeply to be a run file") from None
+    except ValueError as exc:  # a number of more digits than Python converts
+        raise RunError(f"{path} is not a run file ({' '.join(str(exc).split())[:120]})") from None
 
 
 def read_json_object(path: Path, root: Path) -> dict[str, Any]:
@@ -507,8 +509,8 @@ def _cannot_read(path: Path, exc: OSError) -> str:
 
 def _metrics_row(raw: bytes) -> dict[str, Any] | None:
     try:
-        row = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        row = safe_io.loads_json(raw.decode("utf-8"))
+    except ValueError:  # not UTF-8, not JSON, nested too deeply, a number too long to convert
         return None
     return row if isinstance(row, dict) and is_step(row.get("step")) else None
 
