@@ -169,15 +169,26 @@ def _is_distributed_failure(exc: BaseException) -> bool:
     """A torch.distributed failure (gloo or NCCL: a peer that died, a rendezvous that failed): not a bug of
     this process, so it is the job's one line, never `internal error` with a C++ stack pasted into it."""
     dist = sys.modules.get("torch.distributed")
-    dist_error = getattr(dist, "DistError", None) if dist is not None else None
-    return dist_error is not None and isinstance(exc, dist_error)
+    if dist is None:
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    # gloo raises a peer's death in a collective as a plain RuntimeError naming its transport (and the run has
+    # left its process group by the time the error gets here): a job of several processes, and that text
+    world = os.environ.get("WORLD_SIZE", "1")
+    in_a_job = world.isdigit() and int(world) > 1
+    return in_a_job and isinstance(exc, RuntimeError) and _COLLECTIVE_FAILURE.search(str(exc)) is not None
+
+
+_COLLECTIVE_FAILURE = re.compile(r"third_party/gloo|ProcessGroup(Gloo|NCCL)|NCCL error", re.IGNORECASE)
 
 
 def distributed_failure_message(exc: BaseException, resume_hint: str | None) -> str:
     # torch's message is the C++ error, then "Exception raised from ... frame #0 ..." lines: keep its first
     # line, without the "[../third_party/gloo/...cc:534]" source location in front.
     first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-    first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:200]
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0][:200]  # its first sentence: the rest is advice
     rank = os.environ.get("RANK")
     who = f"rank {rank}" if rank is not None else "this process"
     then = f"; {resume_hint}" if resume_hint else ""

@@ -291,7 +291,7 @@ class RunDir:
         syscall, no temporary file for a kill to leave behind). Out-of-order rows fall back to a rewrite.
         """
         lines = self._metric_lines()
-        kept = [entry for entry in lines if entry[2]["step"] <= last_step]
+        kept = [entry for entry in lines if entry[1]["step"] <= last_step]
         if kept == lines[: len(kept)]:
             cut = kept[-1][0] if kept else 0
             if os.path.lexists(self.metrics_path):
