@@ -685,7 +685,10 @@ def _check_number_range(values: Any) -> None:
             try:
                 float(value)
             except OverflowError:
-                digits = int(value.bit_length() * 0.30103) + 1  # str() of such a number may itself be refused
+                try:
+                    digits = len(str(abs(value)))
+                except ValueError:  # past Python's int-to-str limit (4300 digits): an estimate will do
+                    digits = int(value.bit_length() * 0.30103) + 1
                 raise ConfigError(f"invalid config: {key or 'config'}: a number of about {digits} digits "
                                   "overflows a float; no config value is that large") from None
 
