@@ -209,8 +209,12 @@ class RunDir:
         # truncate_metrics (on resume) and sleuth (tolerant reader) both drop. O_NOFOLLOW: never append
         # through a link to somebody else's file.
         line = (json.dumps(row) + "\n").encode()
-        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        # O_NONBLOCK: a FIFO planted under the name fails to open instead of blocking; fstat refuses any other
+        # special file (a regular file ignores the flag).
+        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise RunError(f"{self.metrics_path} is not a regular file; refusing to write to it")
             os.write(fd, line)
             os.fsync(fd)
         finally:
@@ -297,7 +301,7 @@ class RunDir:
             if os.path.lexists(self.metrics_path):
                 check_inside(self.metrics_path, self.path)
                 if self.metrics_path.stat().st_size != cut:
-                    fd = os.open(self.metrics_path, os.O_WRONLY | os.O_NOFOLLOW)
+                    fd = os.open(self.metrics_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
                     try:
                         os.ftruncate(fd, cut)
                         os.fsync(fd)
