@@ -20,7 +20,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from trainer.safe_io import loads_json, staged_path
 from trainer.run.rundir import (
     RunError,
     atomic_write_json,
@@ -31,6 +30,7 @@ from trainer.run.rundir import (
     read_json_object,
     read_text,
 )
+from trainer.safe_io import loads_json, staged_path
 
 DRAFTER_FILE = "drafter.safetensors"
 _CHECKPOINT_NAME = re.compile(r"step-\d{8,}")
