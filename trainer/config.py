@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trainer.safe_io import JsonTooDeep, UnsafeFileError, loads_json, read_limited
 
 CONFIG_SCHEMA_VERSION = 1
 
@@ -98,7 +101,8 @@ class DraftConfig(BaseModel):
                 theta = float(theta)
             except ValueError:
                 pass
-        if theta is not None and (not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0):
+        if theta is not None and (not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0
+                                  or not math.isfinite(theta)):
             raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
         return rope if theta is None else {**rope, "rope_theta": float(theta)}
 
@@ -481,6 +485,42 @@ class BoundedSafeLoader(yaml.SafeLoader):
             _check_expanded_size(node)
         return node
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        # A key written twice in one mapping (lr: 0.001 ... lr: 1000) is an error, not "the last one wins":
+        # which value the user meant cannot be guessed. Keys a merge (`<<: *base`) brings in may be overridden.
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key, line = self.construct_object(key_node, deep=False), key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKeyError(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: the constructor below reports it
+                    continue
+        return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKeyError(yaml.YAMLError, ValueError):
+    """A mapping gives the same key twice (YAML or JSON)."""
+
+    def __init__(self, key: Any, first_line: int | None = None, second_line: int | None = None) -> None:
+        self.key = key
+        where = f" (lines {first_line} and {second_line})" if first_line and second_line else ""
+        super().__init__(f"key {str(key)!r} is given twice{where}; keep one of them")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: refuse an object that gives a key twice (json keeps the last silently)."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise DuplicateKeyError(key)
+        result[key] = value
+    return result
+
 
 def _check_expanded_size(root: Any) -> None:
     sizes: dict[int, int] = {}
@@ -520,10 +560,18 @@ def load_yaml(text: str, what: str) -> Any:
     """Parse YAML (or JSON, a subset) with alias expansion and nesting bounded; errors are ConfigError."""
     try:
         return yaml.load(text, Loader=BoundedSafeLoader)  # noqa: S506 - a SafeLoader subclass
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{what} does not parse: {str(exc).strip().splitlines()[0]}") from None
     except RecursionError:
         raise ConfigError(f"{what} nests too deeply to be a config") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (4300): no config value
+        raise ConfigError(f"{what} does not parse: {_first_sentence(exc)}") from None
+
+
+def _first_sentence(exc: BaseException) -> str:
+    return (" ".join(str(exc).split()).split(";")[0] or type(exc).__name__)[:200]
 
 
 # Nested sections of the config: --set SECTION.key=value sets one key, and a config file's section is merged
@@ -546,7 +594,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"unknown config key {key!r} in --set {item!r}{_suggest(key)}")
     try:
         value = yaml.load(raw, Loader=BoundedSafeLoader) if raw.strip() else None  # noqa: S506
-    except (yaml.YAMLError, RecursionError):
+    except (yaml.YAMLError, RecursionError, ValueError):  # left as text: the validator names the key
         value = raw
     return key, value
 
@@ -562,20 +610,27 @@ def _merge(values: dict[str, Any], update: dict[str, Any]) -> None:
 
 def load_config_file(path: Path) -> dict[str, Any]:
     try:
-        if path.stat().st_size > MAX_CONFIG_FILE_BYTES:
-            raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_FILE_BYTES} bytes; not a config")
-        text = path.read_bytes().decode("utf-8")
+        # a regular file only (a FIFO would block, a device never end), and no larger than a config can be
+        text = read_limited(path, MAX_CONFIG_FILE_BYTES, "config file").decode("utf-8")
+    except UnsafeFileError as exc:
+        raise ConfigError(str(exc)) from None
+    except PermissionError:
+        raise ConfigError(f"permission denied: config file {path}") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config file {path} is not UTF-8 text (bad byte at offset {exc.start})") from None
     if path.suffix == ".json":
         try:
-            data = json.loads(text)
+            data = loads_json(text, object_pairs_hook=_no_duplicate_keys)
+        except DuplicateKeyError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"config file {path} does not parse: {exc.msg} at line {exc.lineno}") from None
-        except RecursionError:
+        except JsonTooDeep:
             raise ConfigError(f"config file {path} nests too deeply to be a config") from None
+        except ValueError as exc:  # an integer of more digits than Python converts (4300)
+            raise ConfigError(f"config file {path} does not parse: {_first_sentence(exc)}") from None
     else:
         data = load_yaml(text, f"config file {path}")
     if data is None:
@@ -608,10 +663,34 @@ def build_config(
 
 
 def validate_config(values: dict[str, Any]) -> TrainConfig:
+    _check_number_range(values)
     try:
         return TrainConfig(**values)
     except ValidationError as exc:
         raise ConfigError(_one_line(exc)) from None
+
+
+# An integer too large to be a float (a YAML or JSON number of 309+ digits), in any key at any depth (a
+# free-form section such as rope_parameters included), is refused here with its key, before a validator or
+# torch meets it as an OverflowError.
+def _check_number_range(values: Any) -> None:
+    stack: list[tuple[str, Any]] = [("", values)]
+    while stack:
+        key, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{key}.{i}", v) for i, v in enumerate(value))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            try:
+                float(value)
+            except OverflowError:
+                try:
+                    digits = len(str(abs(value)))
+                except ValueError:  # past Python's int-to-str limit (4300 digits): an estimate will do
+                    digits = int(value.bit_length() * 0.30103) + 1
+                raise ConfigError(f"invalid config: {key or 'config'}: a number of about {digits} digits "
+                                  "overflows a float; no config value is that large") from None
 
 
 def resolve_for_target(config: TrainConfig, num_target_layers: int) -> TrainConfig:

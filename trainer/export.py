@@ -34,7 +34,7 @@ weights only for the two cases above (its embedding table and lm_head, loaded on
 from __future__ import annotations
 
 import json
-import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +44,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
 import trainer
+from trainer import safe_io
 from trainer.config import ConfigError, TrainConfig, resolve_for_target
 from trainer.data.draft_vocab import VOCAB_FILE, load_vocab, vocab_maps
 from trainer.model.drafter import DFlashDrafter, draft_config_from_target
@@ -408,7 +409,7 @@ def _weight_keys(target_dir: Path | None) -> set[str]:
     index = target_dir / "model.safetensors.index.json"
     try:
         if index.is_file():
-            return set(json.loads(index.read_text())["weight_map"])
+            return set(safe_io.loads_json(safe_io.read_limited(index, 64 * 2**20))["weight_map"])
         from safetensors import safe_open
 
         keys: set[str] = set()
@@ -479,7 +480,13 @@ def check_out_dir(out: Path, force: bool) -> list[str]:
 
 
 def _is_staging(name: str) -> bool:
-    return name in {f".{file}.partial" for file in EXPORT_FILES}
+    """A temporary entry an export writes before its rename (trainer.safe_io's `.<file>.<random>.tmp`, or the
+    `.<file>.partial` of earlier versions): what a killed export leaves behind."""
+    return any(name == f".{file}.partial" or _STAGING_TMP.fullmatch(name) and name.startswith(f".{file}.")
+               for file in EXPORT_FILES)
+
+
+_STAGING_TMP = re.compile(r"\.[^/]+\.[0-9a-f]{16}\.tmp")
 
 
 def _not_an_export(out: Path, entries: list[str]) -> str | None:
@@ -587,13 +594,12 @@ def export_run(
         "run": run.name,
         "step": str(checkpoint.step),
     }
-    # Each file is staged and renamed into place, so a kill never leaves a torn file under its real name.
-    staging = out / f".{WEIGHTS_FILE}.partial"
-    write_safetensors(tensors, staging, metadata=metadata)
-    _publish(staging, out / WEIGHTS_FILE)
-    staging = out / f".{CONFIG_FILE}.partial"
-    staging.write_text(json.dumps(config, indent=2) + "\n")
-    _publish(staging, out / CONFIG_FILE)
+    # Each file is written through a temporary file of this process's own and renamed into place
+    # (trainer.safe_io): a kill never leaves a torn file under its real name, and a link planted in --out
+    # is refused, never written through. An export is meant to be copied and served by other users and
+    # containers: plain umask permissions, not an owner-only mode.
+    write_safetensors(tensors, out / WEIGHTS_FILE, metadata=metadata)
+    safe_io.write_json(out / CONFIG_FILE, config, indent=2)
     return ExportResult(
         path=out, format=export_format, run=run.name, step=checkpoint.step, config=config,
         target_layer_ids=list(written_ids), tensors=len(tensors), other_files=other_files, notes=notes,
@@ -620,15 +626,6 @@ def _draft_vocabulary(run: RunDir, run_config: TrainConfig) -> torch.Tensor | No
         return load_vocab(path)
     except (OSError, KeyError, SafetensorError) as exc:
         raise ExportError(f"run {run.name!r} has a draft vocabulary but {path} is unreadable: {exc}") from None
-
-
-def _publish(staging: Path, final: Path) -> None:
-    # An export is meant to be copied and served by other users and containers: plain umask permissions,
-    # not the owner-only mode some writers create files with.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o666 & ~umask)
-    os.replace(staging, final)
 
 
 # --- reloading a z-lab export through transformers --------------------------------------------------------
@@ -672,8 +669,8 @@ def load_exported_drafter(path: Path, device: str | torch.device = "cpu") -> DFl
     """An exported z-lab directory as a DFlashDrafterForExport (eval mode)."""
     path = Path(path)
     try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        config = safe_io.loads_json(safe_io.read_limited(path / CONFIG_FILE, 16 * 2**20))
+    except (OSError, ValueError, safe_io.UnsafeFileError) as exc:
         raise ExportError(f"{path / CONFIG_FILE} is missing or unreadable: {exc}") from None
     if config.get("speculators_model_type"):
         raise ExportError(f"{path} is a speculators export; load it with speculators' DFlashDraftModel")

@@ -71,7 +71,7 @@ def eval_command(
     acceptance, tokens per target forward, speedup over plain decoding and losslessness. Prints only; it
     writes nothing into the run (a run writes its own eval.json when training ends)."""
     stderr = Console(stderr=True)
-    with user_errors():
+    with user_errors(resume_hint=None):
         if served_as is not None:
             from trainer.model.served import ServedAsError, served_as as engine_row
 

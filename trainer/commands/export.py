@@ -61,7 +61,8 @@ def export_command(
     """Export the run's latest checkpoint for serving: config.json + model.safetensors (drafter body only;
     the target's embeddings and lm_head are borrowed at inference)."""
     stderr = Console(stderr=True)
-    with user_errors():  # a missing run, a damaged checkpoint, --out not writable, a full disk: one line
+    # a missing run, a damaged checkpoint, --out not writable, a full disk: one line
+    with user_errors(resume_hint="rerun the export (with --force over the partial one)", oom_hint=None):
         from trainer.export import export_run
         from trainer.run.rundir import resolve_run
 

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from trainer.commands.options import Command, Group
-from trainer.errors import user_errors
+from trainer.errors import HIDDEN_STATES_RESUME, user_errors
 
 hidden_states_app = typer.Typer(help="Offline target hidden states (train without the target's body).",
                                 no_args_is_help=True, cls=Group)
@@ -30,15 +30,19 @@ def generate_command(
     Under `torchrun --nproc_per_node N --no-python trainer hidden-states generate ...` each process writes
     every N-th shard.
     """
-    with user_errors():
+    with user_errors(resume_hint=HIDDEN_STATES_RESUME, oom_hint="lower --rows-per-shard or seq_len"):
         from trainer.config import build_config
         from trainer.hidden_states.generate import generate
         from trainer.run.loop import compute_dtype, resolve_device
 
         config = build_config(preset=preset, config_file=config_file, overrides=overrides)
+        from trainer.run.progress import ThrottledLines
+
         torch_device = resolve_device(device, 0)
+        # One line per shard on a terminal; on a pipe or a log, one per 30 s as `trainer run` writes its steps.
+        shard_lines = ThrottledLines(lambda line: stderr.print(line, highlight=False, soft_wrap=True))
         manifest = generate(config, out, device=torch_device, dtype=compute_dtype(config, torch_device),
-                            rows_per_shard=rows_per_shard, note=lambda line: stderr.print(line, highlight=False))
+                            rows_per_shard=rows_per_shard, note=shard_lines)
         state = "complete" if manifest["complete"] else "partial (other ranks still writing)"
         typer.echo(f"{out}: {manifest['rows']} rows in {manifest['shards']} shard(s), layers {manifest['layers']}, "
                    f"{state}; teacher logits check max abs diff {manifest['logits_check']['max_abs_logit_diff']:.3g}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import unicodedata
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,6 +20,7 @@ from rich.text import Text
 
 from trainer.commands.options import RunsDir, flag
 from trainer.errors import print_error, user_errors
+from trainer.safe_io import escape_unsafe
 
 
 def runs_command(
@@ -28,7 +28,7 @@ def runs_command(
     as_json: Annotated[bool, flag("--json", help="One JSON array on stdout.")] = False,
 ) -> None:
     """List runs with their status and last metrics."""
-    with user_errors():
+    with user_errors(resume_hint=None, oom_hint=None):
         from trainer.run.rundir import RunError, list_runs, run_is_active
 
         rows = []
@@ -37,14 +37,18 @@ def runs_command(
             try:
                 info = run_dir.read_info()
                 run_dir.read_config()
-                metrics = run_dir.read_metrics()
+                # streamed, row by row: only the last training row and the last tau are kept
+                last: dict[str, Any] = {}
+                tau = None
+                for metric in run_dir.iter_metrics():
+                    if metric.get("split", "train") == "train":  # not validation rows
+                        last = metric
+                    if _number(metric.get("tau")) is not None:
+                        tau = metric["tau"]
             except RunError as exc:
                 print_error(str(exc))
                 rows.append({**row, "status": "damaged", "created": None})
                 continue
-            training = [m for m in metrics if m.get("split", "train") == "train"]  # not validation rows
-            last = training[-1] if training else {}
-            taus = [m["tau"] for m in metrics if _number(m.get("tau")) is not None]
             status = _text(info.get("status"))
             if status == "running" and not run_is_active(run_dir):
                 status = "stopped"
@@ -57,7 +61,7 @@ def runs_command(
                     "steps_done": info.get("steps_done") if isinstance(info.get("steps_done"), int) else None,
                     "step": last.get("step"),
                     **{key: _number(last.get(key)) for key in ("loss", "acc", "streak")},
-                    "tau": taus[-1] if taus else None,
+                    "tau": tau,
                 }
             )
         # Oldest first; a record without a readable creation time sorts by name, after the dated ones.
@@ -84,14 +88,7 @@ def _cell(value: str) -> Text:
     """A table cell of run.json text, shown as written: a Text is never read as rich markup (`[/]` in a preset
     name is no error), and control, format and separator characters (an ESC sequence, a bidi override, a line
     separator from a run directory shipped by someone else) are spelled as escapes, never sent to the terminal."""
-    shown = "".join(ch if unicodedata.category(ch) not in {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}
-                    else _escaped(ch) for ch in value)
-    return Text(shown)
-
-
-def _escaped(ch: str) -> str:
-    code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+    return Text(escape_unsafe(value))
 
 
 def _text(value: Any) -> str | None:

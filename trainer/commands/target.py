@@ -18,7 +18,7 @@ def target_build(
     force: Annotated[bool, flag("--force", help="Rebuild even if a complete build exists.")] = False,
 ) -> None:
     """Build the embedded target (tokenizer + small Qwen3 model) into the user cache."""
-    with user_errors():
+    with user_errors(resume_hint="rerun the command to continue", oom_hint=None):
         from trainer.target.embedded import build_embedded_target, embedded_target_dir, ensure_embedded_target
 
         path = build_embedded_target(embedded_target_dir()) if force else ensure_embedded_target(progress=True)
@@ -28,7 +28,7 @@ def target_build(
 @app.command("path", cls=Command)
 def target_path() -> None:
     """Print where the embedded target lives (built or not)."""
-    with user_errors():
+    with user_errors(resume_hint=None, oom_hint=None):
         from trainer.target.embedded import embedded_target_dir
 
         Console().print(str(embedded_target_dir()), soft_wrap=True, highlight=False)

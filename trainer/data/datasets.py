@@ -24,6 +24,7 @@ from torch import Tensor
 
 from trainer.data.corpus import embedded_documents
 from trainer.data.errors import DataError
+from trainer.safe_io import loads_json
 from trainer.data.prepared import is_prepared_dir, load_prepared_rows
 
 # Every HELDOUT_EVERY-th document of a user file is held out (eval prompts) when the file has at least
@@ -125,6 +126,8 @@ def _load_user_documents(path: Path, tokenizer: Any) -> list[Document]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise DataError(f"{path}: not UTF-8 text") from None
+    except PermissionError:
+        raise DataError(f"permission denied: {path}") from None
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror}") from None
 
@@ -152,9 +155,11 @@ def _load_jsonl(path: Path, text: str, tokenizer: Any) -> list[Document]:
             continue
         where = f"{path}:{lineno}"
         try:
-            row = json.loads(line)
+            row = loads_json(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        except ValueError as exc:  # nested deeper than any document, a number too long to convert
+            raise DataError(f"{where}: {' '.join(str(exc).split())[:120]}") from None
         if not isinstance(row, dict):
             raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
         if "messages" in row:

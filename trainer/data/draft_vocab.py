@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 VOCAB_FILE = "draft_vocab.safetensors"
@@ -30,7 +30,10 @@ def token_frequencies(input_ids: Tensor, loss_mask: Tensor) -> Counter[int]:
 def draft_token_ids(frequencies: Counter[int], draft_vocab_size: int, target_vocab_size: int) -> Tensor:
     """The target ids of the draft vocabulary, sorted: [draft_vocab_size] long."""
     if not 0 < draft_vocab_size <= target_vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{target_vocab_size} (the target's vocabulary)")
+        from trainer.config import ConfigError  # the config's key, checked against the target it names
+
+        raise ConfigError(f"invalid config: draft_vocab_size {draft_vocab_size} must be in 2..{target_vocab_size} "
+                          "(the target's vocabulary)")
     chosen = sorted(frequencies, key=lambda tid: (-frequencies[tid], tid))[:draft_vocab_size]
     if len(chosen) < draft_vocab_size:
         present = set(chosen)
@@ -48,9 +51,9 @@ def vocab_maps(token_ids: Tensor, target_vocab_size: int) -> tuple[Tensor, Tenso
 
 def save_vocab(path: Path, token_ids: Tensor, target_vocab_size: int) -> None:
     d2t, t2d = vocab_maps(token_ids, target_vocab_size)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"token_ids": token_ids, "d2t": d2t, "t2d": t2d}, str(tmp))
-    tmp.replace(path)
+    from trainer.run.checkpoint import write_safetensors  # staged and renamed through trainer.safe_io
+
+    write_safetensors({"token_ids": token_ids, "d2t": d2t, "t2d": t2d}, path)
 
 
 def load_vocab(path: Path) -> Tensor:

@@ -13,11 +13,11 @@ as it can be: every id must be inside the target's vocabulary.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from trainer.data.errors import DataError
+from trainer.safe_io import UnsafeFileError, loads_json, read_limited
 
 STATE_FILE = "state.json"
 INFO_FILE = "dataset_info.json"
@@ -31,8 +31,8 @@ def load_prepared_rows(path: Path, vocab_size: int) -> list[tuple[list[int], lis
     """(input_ids, loss_mask) per row, in order; DataError (one line) on anything we do not understand."""
 
     try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError) as exc:
+        state = loads_json(read_limited(path / STATE_FILE, 64 * 2**20))
+    except (OSError, ValueError, UnsafeFileError) as exc:
         raise DataError(f"{path / STATE_FILE}: not readable JSON ({exc})") from None
     files = state.get("_data_files") if isinstance(state, dict) else None
     if not isinstance(files, list) or not files or not all(isinstance(f, dict) and "filename" in f for f in files):

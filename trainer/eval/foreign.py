@@ -36,6 +36,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from trainer.safe_io import JsonTooDeep, UnsafeFileError, loads_json, read_limited
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # What checkpoints carry beside the drafter body and we do not need: the target's own tensors (we use the
@@ -125,7 +127,7 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
     layer_config.pop("architectures", None)
     try:
         draft_config = Qwen3Config(**{k: v for k, v in layer_config.items() if k not in ("model_type", "auto_map")})
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # transformers raises what a field's check meets (AttributeError for a dtype name)
         raise ForeignDrafterError(f"{directory}: draft layer config does not build a Qwen3 config: {exc}") from None
     if layout == "speculators":  # speculators keeps the block causality of its sliding layers at the top level
         draft_config.sliding_window_non_causal = bool(config.get("sliding_window_non_causal", False))
@@ -260,9 +262,24 @@ def _read_json(path: Path) -> dict[str, Any]:
     return config
 
 
+# A drafter's config.json is a few kB; one past this is not a config, and reading it would only cost memory.
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def _read_json_or_none(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`; None when the file is missing or is not a JSON object. A file that cannot
+    be what it claims (a FIFO or device, too large, nested deeper than any config) is one error naming it,
+    never a read that blocks or a RecursionError."""
     try:
-        data = json.loads(path.read_text())
+        data = loads_json(read_limited(path, MAX_CONFIG_BYTES))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    except PermissionError:
+        raise ForeignDrafterError(f"permission denied: {path}") from None
+    except UnsafeFileError as exc:
+        raise ForeignDrafterError(str(exc)) from None
+    except JsonTooDeep as exc:
+        raise ForeignDrafterError(f"{path} {exc}; it is not a drafter config") from None
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -496,7 +513,10 @@ def run_foreign_eval(run: str, against: Path | None, target: str | None, runs_di
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     def fail(message: str) -> None:
-        stderr.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        # the one error writer: plain text, one line, a config value's control and bidi characters escaped
+        from trainer.errors import print_error
+
+        print_error(message)
         raise typer.Exit(2)
 
     dirs = [runs_dir / run if "/" not in run and (runs_dir / run).is_dir() else Path(run)] + ([against] if against is not None else [])

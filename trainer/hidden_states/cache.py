@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from trainer.target.frozen import TargetError
+from trainer import safe_io
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -82,7 +82,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             raise HiddenStateError(f"{path} is not a regular file; the cache is damaged: generate into an empty --out")
         if path.stat().st_size > 1 << 20:
             raise HiddenStateError(f"{path} is {path.stat().st_size} bytes, more than a manifest can be; the cache is damaged")
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = safe_io.loads_json(path.read_text(encoding="utf-8"))  # nesting bounded: ValueError
     except FileNotFoundError:
         raise HiddenStateError(f"{directory} is not a hidden-state cache (no {MANIFEST}): make one with "
                                "`trainer hidden-states generate --out DIR`") from None
@@ -105,10 +105,28 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def _check_shard_shapes(path: Path, shapes: dict[str, list[int]], manifest: dict[str, Any], rows: int) -> None:
+    """Every stored layer of a shard is [rows, seq_len, the target's hidden size], from its header: a shard of
+    another target (another width) copied into the directory is named with its width, before any training
+    step meets it as a bare shape error."""
+    width, seq_len = manifest["target"]["hidden_size"], manifest["seq_len"]
+    for layer in manifest["layers"]:
+        shape = shapes.get(f"layer.{layer}")
+        if shape is None:
+            raise HiddenStateError(f"{path} holds no layer {layer} (the manifest lists {manifest['layers']}): it is "
+                                   "not a shard of this cache; regenerate it")
+        if len(shape) != 3 or shape[2] != width:
+            raise HiddenStateError(f"{path}: layer {layer} has width {shape[-1] if shape else '?'}, but this cache's "
+                                   f"target has hidden size {width} (manifest.json): the shard comes from another "
+                                   "target; regenerate it into this directory or use a cache of one target")
+        if shape[:2] != [rows, seq_len]:
+            raise HiddenStateError(f"{path}: layer {layer} has shape {shape}, not [{rows}, {seq_len}, {width}]; the "
+                                   "shard is damaged or from another cache: regenerate it")
+
+
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    os.replace(tmp, directory / MANIFEST)
+    # trainer.safe_io: a temporary file of our own (never a planted `.manifest.json.<pid>.tmp`), renamed
+    safe_io.write_json(directory / MANIFEST, manifest, indent=1)
 
 
 @dataclass
@@ -130,8 +148,10 @@ class HiddenStateCache:
             try:
                 with safe_open(str(path), framework="pt") as handle:
                     ids, positions = handle.get_tensor("input_ids"), handle.get_tensor("position_ids")
+                    shapes = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
             except Exception as exc:  # safetensors raises several types for a missing or damaged file
                 raise HiddenStateError(f"{path} cannot be read ({type(exc).__name__}): regenerate the cache") from None
+            _check_shard_shapes(path, shapes, manifest, rows=ids.shape[0])
             for row in range(ids.shape[0]):
                 index[row_key(ids[row], positions[row])] = (shard, row)
         return cls(directory, manifest, index)

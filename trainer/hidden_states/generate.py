@@ -44,7 +44,9 @@ def head_logits(target: Any, final_hidden: torch.Tensor) -> torch.Tensor:
 
 
 def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: torch.dtype,
-             rows_per_shard: int = 16, note: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+             rows_per_shard: int = 16, note: Callable[[str, bool], None] = lambda line, last: None) -> dict[str, Any]:
+    """`note(line, last)` reports each shard written; `last` marks this process's final one (a throttled
+    writer shows it whatever the time since the line before)."""
     out = Path(out).expanduser().resolve()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     target = FrozenTarget.load(config.target, device, dtype, mask_token_id=config.mask_token_id)
@@ -87,7 +89,8 @@ def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: tor
 
     final = target.num_layers - 1
     worst = float(manifest["logits_check"]["max_abs_logit_diff"])
-    for shard in range(rank, shards, world):
+    mine = range(rank, shards, world)
+    for shard in mine:
         path = out / shard_name(shard)
         if path.exists():
             continue  # written atomically: present means complete
@@ -107,15 +110,13 @@ def generate(config: TrainConfig, out: Path, *, device: torch.device, dtype: tor
             )
         worst = max(worst, diff)
         tensors["input_ids"], tensors["position_ids"] = ids.contiguous(), positions.contiguous()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            # write_safetensors raises a full disk as the OSError it is, not safetensors' own error type
-            write_safetensors(tensors, tmp, metadata={"layers": ",".join(map(str, layers))})
-            os.replace(tmp, path)
+            # staged and renamed by write_safetensors (trainer.safe_io), which raises a full disk as the
+            # OSError it is; the shards before are intact and the same command resumes after them
+            write_safetensors(tensors, path, metadata={"layers": ",".join(map(str, layers))})
         except OSError as exc:
-            tmp.unlink(missing_ok=True)  # the shards before are intact; the same command resumes after them
             raise _resumable(exc, out) from None
-        note(f"shard {shard + 1}/{shards} ({rows.stop - rows.start} rows)")
+        note(f"shard {shard + 1}/{shards} ({rows.stop - rows.start} rows)", shard == mine[-1])
     if all((out / shard_name(i)).exists() for i in range(shards)):
         manifest["logits_check"]["max_abs_logit_diff"] = max(worst, float(read_manifest(out)["logits_check"]["max_abs_logit_diff"]))
         manifest["complete"] = True

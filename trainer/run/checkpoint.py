@@ -26,9 +26,11 @@ from trainer.run.rundir import (
     atomic_write_text,
     check_inside,
     is_step,
+    present,
     read_json_object,
     read_text,
 )
+from trainer.safe_io import loads_json, staged_path
 
 DRAFTER_FILE = "drafter.safetensors"
 _CHECKPOINT_NAME = re.compile(r"step-\d{8,}")
@@ -56,7 +58,9 @@ def save_checkpoint(
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / checkpoint_name(step)
     staging = checkpoints_dir / f".{final.name}.partial"
-    if staging.exists():
+    if staging.is_symlink() or (os.path.lexists(staging) and not staging.is_dir()):
+        staging.unlink()  # never follow a link planted under the staging name
+    elif staging.exists():
         shutil.rmtree(staging)
     staging.mkdir()
 
@@ -83,7 +87,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     """save_file, with an I/O failure raised as the OSError it is (safetensors wraps ENOSPC in its own
     error type, which would otherwise read as a bug instead of "disk full")."""
     try:
-        save_file(tensors, str(path), metadata=metadata)
+        # staged in a private directory of our own and renamed over `path` (a link there is refused)
+        with staged_path(path) as staged:
+            save_file(tensors, str(staged), metadata=metadata)
     except SafetensorError as exc:
         code = _OS_ERROR_CODE.search(str(exc))
         if code is None:
@@ -96,7 +102,7 @@ def latest_checkpoint(checkpoints_dir: Path, root: Path | None = None) -> Checkp
     """The checkpoint `latest` names, validated: a damaged `latest` or state.json is one error naming it."""
     root = checkpoints_dir.parent if root is None else root
     latest_file = checkpoints_dir / "latest"
-    if not os.path.lexists(latest_file):
+    if not present(latest_file):  # an unsearchable checkpoints/ is `permission denied`, not "no checkpoint"
         return None
     name = read_text(latest_file, root, limit=4096).strip()
     if not _CHECKPOINT_NAME.fullmatch(name):
@@ -130,6 +136,12 @@ def read_safetensors(
     check_inside(path, root)
     if not path.is_file():
         raise RunError(f"{path} is missing")
+    try:  # safetensors reports a file it may not open as missing: say what it is
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    except PermissionError:
+        raise RunError(f"permission denied: {path}") from None
+    except OSError as exc:
+        raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
         with safe_open(str(path), "pt") as handle:
             metadata = dict(handle.metadata() or {})
@@ -212,8 +224,8 @@ def restore_training_state(checkpoint: Checkpoint, optimizer: torch.optim.Optimi
 
 def _param_groups(path: Path, metadata: dict[str, str], local_groups: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     try:
-        groups = json.loads(metadata["param_groups"])
-    except (KeyError, json.JSONDecodeError, RecursionError):
+        groups = loads_json(metadata["param_groups"])
+    except (KeyError, ValueError):  # absent, not JSON, nested too deeply
         raise RunError(f"{path} has no readable param_groups metadata; the file is damaged") from None
     if not isinstance(groups, list) or not all(
         isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(i, int) for i in g["params"])

@@ -102,3 +102,29 @@ def _every_s() -> float:
     except ValueError:
         return PROGRESS_EVERY_S
     return value if value >= 0 else PROGRESS_EVERY_S
+
+
+class ThrottledLines:
+    """Per-item progress lines (a shard written, a file done) by the same rule as a run's progress: every line
+    on a terminal; on a pipe or a log file at most one per PROGRESS_EVERY_S seconds, and the last one, so a
+    long job shows it is alive without writing a line per item."""
+
+    def __init__(self, write: Any, stream: Any = None) -> None:
+        stream = sys.stderr if stream is None else stream
+        self.write = write
+        self.live = _isatty(stream)
+        self.every_s = _every_s()
+        self._last = time.monotonic()
+
+    def __call__(self, line: str, last: bool = False) -> None:
+        now = time.monotonic()
+        if self.live or last or now - self._last >= self.every_s:
+            self.write(line)
+            self._last = now
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False

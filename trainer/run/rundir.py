@@ -13,6 +13,7 @@ where nothing is, or into an empty directory.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,12 +23,13 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from datetime import datetime, timezone
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import trainer
+from trainer import safe_io
 from trainer.run.trust import record_trusted_code
 
 RUN_FORMAT_VERSION = 1
@@ -50,25 +52,17 @@ RUN_ENTRIES = frozenset(
 # A run record is a few kB; a larger one is not ours, and reading it whole would only cost memory.
 MAX_RECORD_BYTES = 16 * 2**20
 # What a kill between "write the temporary file" and "rename it into place" leaves behind.
-_DEBRIS = re.compile(r"\.(config\.json|run\.json|metrics\.jsonl|eval\.json|env\.json|fingerprint\.json)\..+\.tmp|\.code\.partial")
+_DEBRIS = re.compile(r"\.(config\.json|run\.json|metrics\.jsonl|eval\.json|env\.json|fingerprint\.json|"
+                     r"draft_vocab\.safetensors)\..+\.tmp|\.code\.partial")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # trainer.safe_io: a temporary file of our own, fsync'd and renamed; a link or special file refused
+    safe_io.write_text(path, text)
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    safe_io.write_json(path, data, indent=2)
 
 
 def now_iso() -> str:
@@ -79,10 +73,22 @@ def now_iso() -> str:
 # --- the one reader of every run file ---------------------------------------------------------------------
 
 
+def present(path: Path) -> bool:
+    """Whether an entry is at `path` (a link counts, dangling or not). A directory on the way that this user
+    cannot search is `permission denied: DIR`, never "missing" or "not a run directory"."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except PermissionError:
+        raise RunError(f"permission denied: {path.parent}") from None
+    return True
+
+
 def check_inside(path: Path, root: Path) -> None:
     """Refuse a run file that is a link leading outside its run directory: reading it would report on
     someone else's file, and writing through it would change a file that is not the run's."""
-    if not os.path.lexists(path):
+    if not present(path):
         return
     resolved, base = path.resolve(), root.resolve()
     if resolved != base and base not in resolved.parents:
@@ -105,7 +111,7 @@ def read_bytes(path: Path, root: Path, limit: int = MAX_RECORD_BYTES) -> bytes:
     except IsADirectoryError:
         raise RunError(f"{path} is a directory, not a file") from None
     except OSError as exc:
-        raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
+        raise RunError(_cannot_read(path, exc)) from None
 
 
 def read_text(path: Path, root: Path, limit: int = MAX_RECORD_BYTES) -> str:
@@ -121,11 +127,13 @@ def read_json(path: Path, root: Path) -> Any:
     if not text.strip():
         raise RunError(f"{path} is empty; the file is damaged")
     try:
-        return json.loads(text)
+        return safe_io.loads_json(text)
     except json.JSONDecodeError as exc:
         raise RunError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); it may be truncated") from None
-    except RecursionError:
+    except safe_io.JsonTooDeep:
         raise RunError(f"{path} nests too deeply to be a run file") from None
+    except ValueError as exc:  # a number of more digits than Python converts
+        raise RunError(f"{path} is not a run file ({' '.join(str(exc).split())[:120]})") from None
 
 
 def read_json_object(path: Path, root: Path) -> dict[str, Any]:
@@ -166,10 +174,10 @@ class RunDir:
 
     def has_record(self) -> bool:
         """config.json or run.json is there (damaged or not): the directory is, or was, a run."""
-        return os.path.lexists(self.config_path) or os.path.lexists(self.run_info_path)
+        return present(self.config_path) or present(self.run_info_path)
 
     def read_config(self) -> dict[str, Any]:
-        if not os.path.lexists(self.config_path):
+        if not present(self.config_path):
             raise RunError(f"{self.path} is not a run directory (no config.json)")
         return read_json_object(self.config_path, self.path)
 
@@ -184,7 +192,7 @@ class RunDir:
 
     def read_info(self) -> dict[str, Any]:
         """run.json, strictly: a damaged record is an error, never silently replaced by an empty one."""
-        if not os.path.lexists(self.run_info_path):
+        if not present(self.run_info_path):
             return {}
         return read_json_object(self.run_info_path, self.path)
 
@@ -201,38 +209,84 @@ class RunDir:
         # truncate_metrics (on resume) and sleuth (tolerant reader) both drop. O_NOFOLLOW: never append
         # through a link to somebody else's file.
         line = (json.dumps(row) + "\n").encode()
-        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        # O_NONBLOCK: a FIFO planted under the name fails to open instead of blocking; fstat refuses any other
+        # special file (a regular file ignores the flag).
+        fd = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise RunError(f"{self.metrics_path} is not a regular file; refusing to write to it")
             os.write(fd, line)
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    def _metric_lines(self) -> list[tuple[int, int, dict[str, Any]]]:
-        """(start offset, end offset, row) of every whole row; a torn last line (a kill mid-write) is dropped,
-        any other line that is not a metrics row is an error naming the file and the line."""
-        if not os.path.lexists(self.metrics_path):
-            return []
-        data = read_bytes(self.metrics_path, self.path, limit=2**40)
-        rows: list[tuple[int, int, dict[str, Any]]] = []
-        offset = 0
-        lines = data.split(b"\n")
-        for number, raw in enumerate(lines, start=1):
-            end = offset + len(raw) + 1
-            torn = number == len(lines)  # no newline after it: written by a process that was killed
-            if raw.strip():
-                row = _metrics_row(raw)
-                if row is None:
-                    if not torn:
-                        raise RunError(f"{self.metrics_path} line {number} is not a metrics row (a JSON object "
-                                       "with an integer step); the file is damaged")
-                else:
-                    rows.append((offset, min(end, len(data)), row))
-            offset = end
-        return rows
+    def iter_metric_lines(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(end offset, row) of every whole row, streamed: the file is read in chunks, never whole, and
+        blank lines (any number of them) are skipped at C speed, so memory stays bounded by the longest row
+        whatever the file's size. A torn last line (a kill mid-write) is dropped; any other line that is not
+        a metrics row, or one longer than a row can be, is an error naming the file and the line."""
+        path = self.metrics_path
+        if not present(path):
+            return
+        check_inside(path, self.path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise RunError(f"{path} is missing") from None
+        except OSError as exc:
+            raise RunError(_cannot_read(path, exc)) from None
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                # A FIFO would block the read forever, a device never end: neither is a run file.
+                raise RunError(f"{path} is not a regular file; refusing to read it")
+            pending = b""  # the start of a line whose newline has not been read yet
+            offset = 0  # file offset of pending[0]
+            line = 1  # line number of pending[0]
+            while True:
+                try:
+                    chunk = handle.read(_METRICS_CHUNK)
+                except OSError as exc:
+                    raise RunError(_cannot_read(path, exc)) from None
+                if not chunk:
+                    break
+                if not pending and not chunk.strip():  # a chunk of blank lines: count them, keep nothing
+                    line += chunk.count(b"\n")
+                    offset += len(chunk)
+                    continue
+                pending += chunk
+                last_newline = pending.rfind(b"\n")
+                if last_newline < 0 and not pending.strip():  # blank so far: nothing to keep
+                    offset += len(pending)
+                    pending = b""
+                    continue
+                if last_newline < 0:
+                    if len(pending) > MAX_METRICS_LINE:
+                        raise RunError(f"{path} line {line} is longer than {MAX_METRICS_LINE} bytes, not a metrics "
+                                       "row; the file is damaged")
+                    continue
+                whole, pending = pending[: last_newline + 1], pending[last_newline + 1 :]
+                for end, number, raw in _content_lines(whole, offset, line):
+                    row = _metrics_row(raw)
+                    if row is None:
+                        raise RunError(f"{path} line {number} is not a metrics row (a JSON object with an integer "
+                                       "step); the file is damaged")
+                    yield end, row
+                line += whole.count(b"\n")
+                offset += len(whole)
+            if pending.strip():  # no newline after it: written by a process that was killed
+                row = _metrics_row(pending)
+                if row is not None:
+                    yield offset + len(pending), row
+
+    def _metric_lines(self) -> list[tuple[int, dict[str, Any]]]:
+        return list(self.iter_metric_lines())
+
+    def iter_metrics(self) -> Iterator[dict[str, Any]]:
+        for _, row in self.iter_metric_lines():
+            yield row
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        return [row for _, _, row in self._metric_lines()]
+        return list(self.iter_metrics())
 
     def truncate_metrics(self, last_step: int) -> int:
         """Keep only whole rows with step <= last_step (the checkpoint we resume from); return kept count.
@@ -241,20 +295,20 @@ class RunDir:
         syscall, no temporary file for a kill to leave behind). Out-of-order rows fall back to a rewrite.
         """
         lines = self._metric_lines()
-        kept = [entry for entry in lines if entry[2]["step"] <= last_step]
+        kept = [entry for entry in lines if entry[1]["step"] <= last_step]
         if kept == lines[: len(kept)]:
-            cut = kept[-1][1] if kept else 0
+            cut = kept[-1][0] if kept else 0
             if os.path.lexists(self.metrics_path):
                 check_inside(self.metrics_path, self.path)
                 if self.metrics_path.stat().st_size != cut:
-                    fd = os.open(self.metrics_path, os.O_WRONLY | os.O_NOFOLLOW)
+                    fd = os.open(self.metrics_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
                     try:
                         os.ftruncate(fd, cut)
                         os.fsync(fd)
                     finally:
                         os.close(fd)
         else:
-            atomic_write_text(self.metrics_path, "".join(json.dumps(row) + "\n" for _, _, row in kept))
+            atomic_write_text(self.metrics_path, "".join(json.dumps(row) + "\n" for _, row in kept))
         return len(kept)
 
     # --- claiming -----------------------------------------------------------------------------------------
@@ -308,7 +362,7 @@ class RunDir:
 
     def read_fingerprint(self) -> dict[str, Any] | None:
         path = self.path / "fingerprint.json"
-        return read_json_object(path, self.path) if os.path.lexists(path) else None
+        return read_json_object(path, self.path) if present(path) else None
 
     # --- provenance ----------------------------------------------------------------------------------------
     def write_code_fingerprint(self, keep_existing: bool = False) -> dict[str, Any]:
@@ -332,14 +386,13 @@ class RunDir:
             return started
         # Staged and renamed: a kill mid-copy never leaves a partial code/ behind.
         staging = self.path / ".code.partial"
-        if staging.exists():
-            shutil.rmtree(staging)
+        _remove_own_entry(staging)
+        staging.mkdir()  # fresh, made by this process: what is written inside cannot meet a planted link
         for relative, data in sources.items():
             destination = staging / relative
             destination.parent.mkdir(parents=True, exist_ok=True)
             destination.write_bytes(data)
-        if code_root.exists():
-            shutil.rmtree(code_root)
+        _remove_own_entry(code_root)
         os.replace(staging, code_root)
         fingerprint = {
             "package_version": trainer.__version__,
@@ -370,6 +423,15 @@ class RunDir:
         )
 
 
+def _remove_own_entry(path: Path) -> None:
+    """Remove an entry the trainer put in the run (code/, its staging copy) before writing it anew; a link
+    there is removed as a link, never followed into the folder it names."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
 def _git(repo: Path, *args: str) -> str | None:
     try:
         out = subprocess.run(
@@ -393,8 +455,17 @@ def list_runs(runs_dir: Path) -> list[RunDir]:
     """Every directory under runs_dir that is, or was, a run (damaged ones included), by name."""
     if not runs_dir.is_dir():
         return []
-    return sorted((RunDir(p) for p in runs_dir.iterdir() if p.is_dir() and RunDir(p).has_record()),
+    return sorted((RunDir(p) for p in runs_dir.iterdir() if p.is_dir() and _maybe_run(RunDir(p))),
                   key=lambda run: run.name)
+
+
+def _maybe_run(run: RunDir) -> bool:
+    """A run, or a directory this user cannot look into: listed, so its reader says `permission denied`
+    instead of the run silently missing from the list."""
+    try:
+        return run.has_record()
+    except RunError:
+        return True
 
 
 def next_version_name(runs_dir: Path) -> str:
@@ -407,7 +478,7 @@ def resolve_run(run: str | Path, runs_dir: Path) -> RunDir:
     """A run name under runs_dir, or the path of a run directory: the one resolver every command uses."""
     named = Path(runs_dir) / str(run)
     for candidate in (named, Path(run)):
-        if candidate.is_dir() and RunDir(candidate).has_record():
+        if candidate.is_dir() and RunDir(candidate).has_record():  # has_record: `permission denied` if unsearchable
             return RunDir(candidate)
     for candidate in (named, Path(run)):
         if candidate.is_dir():
@@ -415,10 +486,35 @@ def resolve_run(run: str | Path, runs_dir: Path) -> RunDir:
     raise RunError(f"no run named {str(run)!r} in {runs_dir} (list them with `trainer runs`)")
 
 
+# Metrics are read in chunks of this size; a row is a few hundred bytes, so a longer line is not one.
+_METRICS_CHUNK = 1 << 20
+MAX_METRICS_LINE = 1 << 20
+_NOT_SPACE = re.compile(rb"\S")
+
+
+def _content_lines(block: bytes, offset: int, line: int) -> Iterator[tuple[int, int, bytes]]:
+    """(end offset, line number, bytes) of each line of `block` (whole lines) that is not blank; runs of
+    blank lines are skipped by one regex search each."""
+    position = 0
+    while (found := _NOT_SPACE.search(block, position)) is not None:
+        start = block.rfind(b"\n", 0, found.start()) + 1
+        end = block.index(b"\n", found.start())
+        line += block.count(b"\n", position, start)
+        yield offset + end + 1, line, block[start:end]
+        line += 1
+        position = end + 1
+
+
+def _cannot_read(path: Path, exc: OSError) -> str:
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied: {path}"
+    return f"cannot read {path}: {exc.strerror or exc}"
+
+
 def _metrics_row(raw: bytes) -> dict[str, Any] | None:
     try:
-        row = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        row = safe_io.loads_json(raw.decode("utf-8"))
+    except ValueError:  # not UTF-8, not JSON, nested too deeply, a number too long to convert
         return None
     return row if isinstance(row, dict) and is_step(row.get("step")) else None
 

@@ -14,11 +14,11 @@ bytes big-endian), the path, the file's sha256 (32 bytes). (Format 1, one file p
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
+
+from trainer import safe_io
 
 TRUST_DIR_ENV = "SLEUTH_TRUST_DIR"
 TRUST_FORMAT = 2
@@ -53,10 +53,7 @@ def record_trusted_code(files: dict[str, str], run_dir: Path, recorded_by: str) 
               "recorded_by": recorded_by, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{key}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(record, handle)
-        os.replace(tmp, directory / f"{key}.json")
-    except OSError:
+        safe_io.write_json(directory / f"{key}.json", record, indent=None, mode=0o600)
+    except (OSError, safe_io.UnsafeFileError):
         return None
     return directory / f"{key}.json"

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from trainer import safe_io
+
 EMBEDDED_NAME = "embedded-v1"
 BUILD_MARKER = "dflash-embedded.json"  # written last: its presence means the directory is complete
 CACHE_ENV = "DFLASH_CACHE_DIR"
@@ -185,7 +187,8 @@ def _build_lock(dest: Path) -> Iterator[None]:
     lock_path = dest.parent / f".{dest.name}.lock"
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        handle = lock_path.open("w")
+        # O_NOFOLLOW: a link planted under the lock's name is refused, never opened (and truncated) through
+        handle = os.fdopen(os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644), "w")
     except OSError as exc:
         from trainer.target.errors import TargetError
 
@@ -402,7 +405,7 @@ def _train_and_save(workdir: Path, *, steps: int, progress: bool, recipe: BuildR
         tokenizer.save_pretrained(workdir)
         marker = {"name": name, "steps": steps, "final_train_loss": round(float(loss.item()), 4),
                   "recipe": asdict(recipe), "train_rows": packed.num_rows, "data_fingerprint": packed.fingerprint}
-        (workdir / BUILD_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        safe_io.write_json(workdir / BUILD_MARKER, marker, indent=2)
 
 
 def _lr_factor(step: int, steps: int, warmup: int) -> float:

@@ -85,6 +85,20 @@ def fingerprint_model_dir(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _refuse_special_files(path: Path) -> None:
+    """A FIFO or device among a model directory's files would block transformers' reads of it forever (or
+    never end): refused by name before anything is loaded."""
+    import stat
+
+    for entry in path.iterdir():
+        try:
+            mode = entry.stat().st_mode
+        except OSError:  # a dangling link: transformers reports the file it needed, if it needs it
+            continue
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            raise TargetError(f"{entry} is not a regular file (a FIFO, socket or device); refusing to load {path}")
+
+
 def _find_final_norm(model: nn.Module) -> nn.Module | None:
     base = getattr(model, "model", None) or getattr(model, "base_model", None)
     for owner in (base, getattr(base, "language_model", None), model):
@@ -161,6 +175,7 @@ class FrozenTarget:
             raise TargetError(f"{path} is not a Hugging Face model directory (no config.json)")
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise TargetError(f"{path} has no tokenizer (no tokenizer.json or tokenizer_config.json)")
+        _refuse_special_files(path)
 
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
