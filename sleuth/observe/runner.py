@@ -115,8 +115,12 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
             outcome.notes.append(f"{finished.swept} process(es) the command left running were killed")
         last = safe_text((finished.stderr_tail.strip().splitlines() or [""])[-1].strip(), limit=300)
         if finished.timed_out:
+            # The sandbox refuses unix sockets (docs/security.md), and worker processes that hand tensors back over
+            # them (torch's DataLoader with num_workers > 0) then wait forever instead of failing: say so.
             return _failed(outcome, f"the command ran past {timeout_s:g} s without completing {spec['steps']} "
-                           f"optimizer step(s) and was stopped" + (f" (last output: {last})" if last else ""))
+                           f"optimizer step(s) and was stopped" + (f" (last output: {last})" if last else "")
+                           + "; worker processes that pass tensors over unix sockets (a DataLoader with "
+                           "num_workers > 0) cannot in the sandbox: give the command num_workers=0")
         observation = _read_observation(box.answer, limits.answer_bytes)
         if not isinstance(observation, dict):
             return _failed(outcome, f"the command gave no observation ({observation or finished.ending(limits)}"
