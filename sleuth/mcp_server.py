@@ -423,6 +423,9 @@ def build_server(*, offline: bool = False, runs_dir: Path | None = None, cache_d
         probe_python: Annotated[str | None, Field(description="interpreter the probes run in")] = None,
         target: Annotated[str | None, Field(description="the target model directory, when the run names none")] = None,
         hidden_states: Annotated[str | None, Field(description="an offline hidden-state cache to check")] = None,
+        served_by: Annotated[str | None, Field(description="the engine the drafter is served with (vllm, speculators, "
+                                                           "zlab, sglang, specforge, ik_llama.cpp): a sliding-window "
+                                                           "drafter it does not build as trained is a mismatch")] = None,
         ctx: Context | None = None,
     ) -> DiagnoseResult:
         """Diagnose a drafter run (or any DFlash code): findings with evidence and fixes, the regression
@@ -445,7 +448,7 @@ def build_server(*, offline: bool = False, runs_dir: Path | None = None, cache_d
                 baseline=baseline, reference=reference, reference_path=_path(reference_path), code=_path(code),
                 config=_path(config), offline=state.offline or offline, out=_path(out), probe=probe,
                 probe_python=probe_python, probe_entry=probe_entry, target=_path(target),
-                hidden_states=_path(hidden_states))
+                hidden_states=_path(hidden_states), served_by=served_by)
             result = run_diagnosis(request, listener=lambda step: progress(f"{step.step}: {step.outcome}"),
                                    announce=announce)
             report = result.report

@@ -255,6 +255,8 @@ def test_bad_input_is_a_tool_error_with_the_clis_one_line_message(client: Client
     assert bad_regex.startswith("pattern '(' is not a valid regular expression: ")
     not_git = client.error("fetch_reference", {"name": LOCAL_REF, "checkout": str(world["runs"])})
     assert not_git == f"--path: {world['runs']} is not a git checkout"
+    engine = client.error("diagnose", {"run": "v5", "served_by": "tgi"})  # the CLI's --served-by line
+    assert engine.startswith("--served-by: ") and "tgi" in engine and "\n" not in engine
     no_run = client.error("diagnose", {"run": "v9"})
     assert no_run.startswith("no run 'v9': not a directory, and no run of that name in ") and "v3, v5" in no_run
     assert client.error("compare_runs", {"run": "v5", "baseline": "v5"}) == "--baseline v5 is the diagnosed run itself"

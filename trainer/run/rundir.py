@@ -387,6 +387,7 @@ class RunDir:
         # Staged and renamed: a kill mid-copy never leaves a partial code/ behind.
         staging = self.path / ".code.partial"
         _remove_own_entry(staging)
+        self.path.mkdir(parents=True, exist_ok=True)  # the run directory itself, as the copy always made it
         staging.mkdir()  # fresh, made by this process: what is written inside cannot meet a planted link
         for relative, data in sources.items():
             destination = staging / relative
