@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sleuth.process import run_in_own_group
+
 ISOLATION_ENV = "SLEUTH_PROBE_ISOLATION"
 ISOLATION_LEVELS = ("bwrap", "namespaces", "process")
 CONFINE = Path(__file__).resolve().with_name("confine.py")
@@ -333,19 +335,12 @@ def interpreter_facts(python: str, env: dict[str, str], cwd: Path, timeout_s: fl
     answer in time is killed with its whole process group (a wrapper script's children hold its pipes)."""
     timeout_s = FACTS_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        process = subprocess.Popen([python, "-c", _FACTS_SCRIPT], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+        returncode, out, err = run_in_own_group([python, "-c", _FACTS_SCRIPT], env=env, cwd=cwd, timeout=timeout_s)
     except OSError as exc:
         raise SandboxError(f"cannot start {python}: {exc.strerror or exc}") from None
-    try:
-        out, err = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_group(process)
         raise SandboxError(f"the probe interpreter {python} did not start within {timeout_s:g} s") from None
-    except BaseException:
-        _kill_group(process)
-        raise
-    done = subprocess.CompletedProcess(process.args, process.returncode, out.decode("utf-8", "replace")[-65536:],
+    done = subprocess.CompletedProcess([python, "-c", _FACTS_SCRIPT], returncode, out.decode("utf-8", "replace")[-65536:],
                                        err.decode("utf-8", "replace")[-65536:])
     try:
         facts = json.loads(done.stdout.strip().splitlines()[-1])
@@ -353,18 +348,6 @@ def interpreter_facts(python: str, env: dict[str, str], cwd: Path, timeout_s: fl
     except (ValueError, IndexError, TypeError):
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         raise SandboxError(f"{python} is not a working Python interpreter ({last[:200]})") from None
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    try:
-        process.communicate(timeout=5)  # its pipes: nothing of the group holds them now
-    except (subprocess.TimeoutExpired, ValueError, OSError):
-        process.kill()
-        process.wait()
 
 
 # --- the read-only view ----------------------------------------------------------------------------------

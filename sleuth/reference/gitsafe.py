@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
+from sleuth.process import run_in_own_group
 from sleuth.redact import redact
 
 GIT_TIMEOUT_S = 120.0
@@ -126,23 +126,15 @@ def run_git(args: list[str], *, git_dir: Path | None, work_tree: Path | None, ne
             env[f"GIT_CONFIG_KEY_{index}"], env[f"GIT_CONFIG_VALUE_{index}"] = key, value
     where = cwd or work_tree or git_dir or Path.cwd()
     try:
-        process = subprocess.Popen(command, cwd=where, env=env,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   start_new_session=True)  # its own group: killed whole at the deadline
+        returncode, out, err = run_in_own_group(command, env=env, cwd=where, timeout=timeout)
     except OSError as exc:
         raise GitFailure(f"cannot run git: {exc.strerror or exc}") from None
-    try:
-        out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(process)
         raise GitFailure(f"git {args[0]} did not finish within {timeout:g} s") from None
-    except BaseException:
-        _kill_group(process)
-        raise
-    if process.returncode != 0:
+    if returncode != 0:
         lines = [line.strip() for line in err.decode("utf-8", "replace").splitlines() if line.strip()]
         # git's stderr names the remote URL, token included when the user put one there.
-        raise GitFailure(redact(f"git {args[0]} failed: {lines[-1] if lines else process.returncode}"))
+        raise GitFailure(redact(f"git {args[0]} failed: {lines[-1] if lines else returncode}"))
     if binary:
         return out
     return out.decode("utf-8", "replace").rstrip("\n")
@@ -159,14 +151,6 @@ def _require_config_env() -> None:
     if _GIT_VERSION[0] < (2, 31):
         raise GitFailure("git older than 2.31 cannot be told to ignore a repository's filter drivers; "
                          "install a newer git")
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    process.wait()
 
 
 def owned_by_someone_else(*paths: Path) -> int | None:
