@@ -167,6 +167,12 @@ def _frozen(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
     if unknown_change:
         missing.append("the step's change of " + ", ".join(_text(r.get("param")) for r in unknown_change)
                        + " was not measured")
+    # Trainable and handed to the optimizer, yet unchanged: this step's learning rate for it may just be 0 (a warm-up
+    # from zero); a later step would train it, so the step says nothing for it.
+    idle = [r for r in rows if r.get("in_optimizer") and r.get("requires_grad") and r.get("changed_by_step") is False]
+    if idle:
+        missing.append(", ".join(_text(r.get("param")) for r in idle) + " trainable and in the optimizer, left "
+                       "unchanged by this step (a learning rate of 0 here?): whether a later step trains it")
     verdict = _verdict(invariant, "match", hypothesis="the embeddings and head the drafter borrows stay frozen",
                        measurement="parameters compared before and after the observed optimizer step",
                        observed="unchanged by the observed step: " + ", ".join(

@@ -87,6 +87,9 @@ def test_frozen_rows() -> None:
     assert by_id(observation(frozen=[row, head]))["dflash.frozen_embed_head"].status == "match"
     trained = by_id(observation(frozen=[{**row, "requires_grad": True, "changed_by_step": True}, head]))
     assert trained["dflash.frozen_embed_head"].status == "mismatch"
+    # trainable and in the optimizer but unchanged (warm-up from lr 0): the step cannot vouch for it
+    idle = by_id(observation(frozen=[{**row, "requires_grad": True, "lr": 0.0}, head]))["dflash.frozen_embed_head"]
+    assert idle.status == "unknown" and "trainable and in the optimizer" in idle.reason
     # the head was not watched: what was not exercised is no match
     alone = by_id(observation(frozen=[row]))["dflash.frozen_embed_head"]
     assert alone.status == "unknown" and "draft logits" in alone.reason
