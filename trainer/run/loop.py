@@ -642,7 +642,7 @@ class _Evaluator:
 
     def tau(self, drafter: DFlashDrafter) -> dict[str, Any]:
         """The metrics-row fields of a periodic eval: real tau next to the training objective's acceptance
-        on the same sequences (field names in README, "The run directory")."""
+        on the same sequences (field names in docs/reference/run-directory.md)."""
         return eval_row_fields(self._run(drafter, measure_speedup=False))
 
     def full(self, drafter: DFlashDrafter) -> dict[str, Any]:
