@@ -433,8 +433,9 @@ def _horizon_verdict(watched: dict[str, Any], configured: dict[str, Any]) -> Ver
             not_exercised.append(f"whether {total} steps is the run's: its total optimizer steps are not named by its "
                                  "command or config")
     problems: list[str] = []
-    if per_step is not None and per_step >= 2:
-        problems.append(f"the schedule advances {per_step} steps per optimizer step ({counted})")
+    # Several scheduler steps per optimizer step are the cause of what the horizon shows wrong; a schedule whose
+    # lengths were scaled to match (built over micro-batches) still follows the run's horizon.
+    fast = f"the schedule advances {per_step} steps per optimizer step ({counted})" if per_step and per_step >= 2 else ""
     if per_step is None or per_step == 0:
         why = ("the scheduler was not stepped between the optimizer step and the end of the observation (stepped per "
                "epoch, or later)" if per_step == 0 else f"the scheduler steps per optimizer step are not decided ({counted})")
@@ -446,7 +447,8 @@ def _horizon_verdict(watched: dict[str, Any], configured: dict[str, Any]) -> Ver
              f"first reaches its floor {_num(floor)} at scheduler step {floor_first} (of {length - 1} stepped)")
     if total is None:
         return _unknown(HORIZON, "the run's total optimizer steps are not named by its command or a config file it "
-                        "names, and the scheduler states no total: the horizon would be a guess; " + shape, coverage)
+                        "names, and the scheduler states no total: the horizon would be a guess; " + shape
+                        + (f"; {fast}" if fast else ""), coverage)
     if per_step * total >= length:
         return _unknown(HORIZON, f"the copy of {where} was stepped {length - 1} times, short of the run's horizon "
                         f"({per_step} x {total})", coverage)
@@ -483,6 +485,10 @@ def _horizon_verdict(watched: dict[str, Any], configured: dict[str, Any]) -> Ver
                         f"{_num(floor)} comes only at optimizer step {_num(floor_first / per_step if isinstance(floor_first, int) else None)}"
                         " (a decay period longer than the steps after warmup)")
     coverage["horizon"] = f"{total} optimizer steps, warmup {warmup} ({source})"
+    if fast and problems:
+        problems.insert(0, fast)
+    elif fast:
+        parts.append(f"{fast}, its lengths scaled to match")
     measurement = f"{shape}; horizon {total} optimizer steps, warmup {warmup} from {source}"
     if problems:
         return _verdict(HORIZON, "mismatch", hypothesis="the schedule warms up to its peak at the configured warmup end "
