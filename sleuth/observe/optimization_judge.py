@@ -269,8 +269,12 @@ def judge_optimization(observation: dict[str, Any]) -> list[Verdict]:
 
 def _kinds(group: dict[str, Any]) -> str:
     kinds = group.get("kinds") if isinstance(group.get("kinds"), dict) else {}
-    return ", ".join(f"{kind} {entry.get('tensors')} ({', '.join(_text(e, 60) for e in (entry.get('examples') or [])[:2])})"
-                     for kind, entry in kinds.items() if isinstance(entry, dict)) or "no tensors"
+    shown = []
+    for kind, entry in kinds.items():
+        if isinstance(entry, dict):
+            examples = ", ".join(_text(e, 60) for e in (entry.get("examples") or [])[:2])
+            shown.append(f"{kind} {entry.get('tensors')} ({examples})")
+    return ", ".join(shown) or "no tensors"
 
 
 def _trainable(group: dict[str, Any]) -> bool:
@@ -382,6 +386,19 @@ def _per_step(scheduler: dict[str, Any], backward_first: int | None) -> tuple[in
     return None, told + ": before and after the step, one backward each; observe two steps (--observe-steps 2) to count"
 
 
+def _from_zero(trajectory: dict[str, Any], birth: Any) -> dict[str, Any]:
+    """The copy's steps counted from the schedule's step 0: a scheduler built resumed (last_epoch=N) starts at N."""
+    offset = int(birth) if isinstance(birth, (int, float)) and birth > 0 else 0
+    if not offset:
+        return trajectory
+    shifted = dict(trajectory, points=[[i + offset, v] for i, v in trajectory.get("points") or []],
+                   length=int(trajectory.get("length") or 0) + offset, offset=offset)
+    for key in ("peak_first", "floor_first"):
+        if isinstance(trajectory.get(key), int):
+            shifted[key] = trajectory[key] + offset
+    return shifted
+
+
 def _lr_at(trajectory: dict[str, Any], index: int) -> float | None:
     for i, value in trajectory.get("points") or []:
         if i == index:
@@ -408,17 +425,28 @@ def _horizon_verdict(watched: dict[str, Any], configured: dict[str, Any]) -> Ver
     if not schedulers:
         return _unknown(HORIZON, f"{NOT_EXERCISED}: no torch LR scheduler was built (a rate set by hand each step is "
                         "not followed)")
-    if len(schedulers) > 1:
-        names = ", ".join(f"{_text(s.get('class'))} at {_text(s.get('site'))}" for s in schedulers)
-        return _unknown(HORIZON, f"several schedulers ({names}): which one each group follows is not followed")
-    scheduler = schedulers[0]
+    verdicts = [_one_horizon(scheduler, configured) for scheduler in schedulers[:8]]
+    if len(verdicts) == 1:
+        return verdicts[0]
+    # One scheduler per optimizer (Muon beside AdamW): each must follow the run's horizon.
+    wrong = [v for v in verdicts if v.status == "mismatch"]
+    if wrong:
+        wrong[0].observed = "; ".join(v.observed for v in wrong)
+        return wrong[0]
+    if all(v.status == "match" for v in verdicts):
+        verdicts[0].observed = "; ".join(v.observed for v in verdicts)
+        return verdicts[0]
+    return next(v for v in verdicts if v.status != "match")
+
+
+def _one_horizon(scheduler: dict[str, Any], configured: dict[str, Any]) -> Verdict:
     where = f"{_text(scheduler.get('class'))} at {_text(scheduler.get('site'))}"
     trajectory = scheduler.get("trajectory")
     if not isinstance(trajectory, dict):
         return _unknown(HORIZON, f"the copy of {where} could not be stepped ({_text(scheduler.get('error'))})")
-    optimizers = [o for o in watched.get("optimizers") or [] if isinstance(o, dict)]
-    backward = next((o.get("backward_per_step") for o in optimizers if o.get("backward_per_step")), None)
-    backward_first = backward[0] if isinstance(backward, list) and backward and isinstance(backward[0], int) else None
+    trajectory = _from_zero(trajectory, scheduler.get("birth_epoch"))
+    first = next((p for p in scheduler.get("positions") or [] if isinstance(p, dict) and p.get("when") == "pre"), {})
+    backward_first = first.get("backward_calls") if isinstance(first.get("backward_calls"), int) else None
     per_step, counted = _per_step(scheduler, backward_first)
     coverage: dict[str, Any] = {"scheduler": where, "scheduler_steps_per_optimizer_step": counted,
                                 "attributes": scheduler.get("attributes")}
@@ -454,7 +482,9 @@ def _horizon_verdict(watched: dict[str, Any], configured: dict[str, Any]) -> Ver
                         f"({per_step} x {total})", coverage)
     tol = 1e-9 * max(abs(peak or 0.0), 1e-30)
     parts = [f"{counted}"]
-    if warmup is not None:
+    if warmup is not None and int(trajectory.get("offset") or 0) > per_step * max(warmup - 1, 0):
+        not_exercised.append(f"the warmup: the scheduler was built resumed at its step {trajectory.get('offset')}")
+    elif warmup is not None:
         lo, hi = per_step * max(warmup - 1, 0), per_step * warmup
         at_end = _lr_at(trajectory, per_step * warmup)
         if isinstance(peak_first, int) and lo <= peak_first <= hi:
@@ -481,9 +511,10 @@ def _horizon_verdict(watched: dict[str, Any], configured: dict[str, Any]) -> Ver
                         f"before the run's last step {total} (lr there {_num(at_last)})")
     else:
         share = f" ({at_last / peak:.1%} of the peak)" if at_last is not None and peak else ""
+        reached = floor_first / per_step if isinstance(floor_first, int) else None
         problems.append(f"at the run's last step {total} the rate is {_num(at_last)}{share}; its floor "
-                        f"{_num(floor)} comes only at optimizer step {_num(floor_first / per_step if isinstance(floor_first, int) else None)}"
-                        " (a decay period longer than the steps after warmup)")
+                        f"{_num(floor)} comes only at optimizer step {_num(reached)} (a decay period longer than the "
+                        "steps after warmup)")
     coverage["horizon"] = f"{total} optimizer steps, warmup {warmup} ({source})"
     if fast and problems:
         problems.insert(0, fast)
@@ -535,8 +566,7 @@ def _schedule(watched: dict[str, Any], configured: dict[str, Any]) -> Verdict:
         for scheduler in schedulers:
             positions = [p for p in scheduler.get("positions") or [] if isinstance(p, dict) and p.get("when") == "pre"]
             first = positions[0].get("epoch") if positions else None
-            birth = scheduler.get("birth_epoch")
-            if isinstance(first, (int, float)) and isinstance(birth, (int, float)) and first <= birth:
+            if isinstance(first, (int, float)) and first <= 0:
                 problems.append(f"the optimizer's state was restored at step {step:g}, but {_text(scheduler.get('class'))}"
                                 f" starts the first step at its own step {first:g} (its position was not restored)")
             elif isinstance(first, (int, float)):

@@ -36,19 +36,22 @@ def cosine(total: int, warmup: int, *, period: int | None = None, peak: float = 
             "floor": floor, "floor_first": floor_first}
 
 
-def scheduler(trajectory: dict, *, before: int = 0, after: int = 1, attributes: dict | None = None) -> dict:
+def scheduler(trajectory: dict, *, before: int = 0, after: int = 1, attributes: dict | None = None,
+              backward: int = 1) -> dict:
+    """A scheduler stepped `before` times ahead of the first optimizer step (over `backward` backward calls) and
+    `after` times after it."""
     return {"class": "LambdaLR", "site": "train.py:9", "birth_epoch": 0, "baseline_epoch": 0,
-            "finish_epoch": before + after, "positions": [{"when": "pre", "step": 0, "epoch": before},
+            "finish_epoch": before + after, "positions": [{"when": "pre", "step": 0, "epoch": before,
+                                                           "backward_calls": backward},
                                                           {"when": "post", "step": 1, "epoch": before}],
             "attributes": attributes or {"class": "LambdaLR"}, "trajectory": trajectory}
 
 
-def observation(schedulers: list[dict], configured: dict, groups: list[dict] | None = None,
-                backward: list[int] | None = None) -> dict:
+def observation(schedulers: list[dict], configured: dict, groups: list[dict] | None = None) -> dict:
     groups = groups or [{"built": {"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8},
                          "kinds": {"matrices": {"tensors": 2, "examples": ["fc.weight"]}}}]
     return {"optimization": {"optimizers": [{"class": "AdamW", "class_lr_default": 1e-3, "groups": groups, "steps": 1,
-                                             "backward_per_step": backward or [1]}],
+                                             "backward_per_step": [1]}],
                              "schedulers": schedulers, "clips": [], "loads": []},
             "configured": configured}
 
@@ -114,12 +117,12 @@ def test_scheduler_steps_per_optimizer_step() -> None:
     never = by_id(observation([scheduler(cosine(100, 10), after=0)], configured))[HORIZON]
     assert never.status == "unknown" and "not stepped" in never.reason
     # stepped with each of 4 micro-batches: the schedule runs 4 times too fast...
-    micro = by_id(observation([scheduler(cosine(100, 10, length=700), before=3, after=1)], configured,
-                              backward=[4]))[HORIZON]
+    micro = by_id(observation([scheduler(cosine(100, 10, length=700), before=3, after=1, backward=4)],
+                              configured))[HORIZON]
     assert micro.status == "mismatch" and "advances 4 steps" in micro.observed
     # ...unless it was built over the micro-batches (4 x the steps): it still follows the run's horizon
-    scaled = by_id(observation([scheduler(cosine(400, 40, length=700), before=3, after=1)], configured,
-                               backward=[4]))[HORIZON]
+    scaled = by_id(observation([scheduler(cosine(400, 40, length=700), before=3, after=1, backward=4)],
+                               configured))[HORIZON]
     assert scaled.status == "match" and "its lengths scaled to match" in scaled.observed
 
 
@@ -152,3 +155,19 @@ def test_a_malformed_observation_is_unknown_never_a_crash() -> None:
         assert [v.invariant for v in verdicts] == list(OPTIMIZATION_INVARIANTS)
         assert not any(v.status == "match" for v in verdicts)
     assert by_id({"optimization": {"error": "boom"}})[SCHEDULE].status == "unknown"
+
+
+def test_each_optimizers_scheduler_follows_the_horizon_and_a_resumed_build_counts_from_its_step() -> None:
+    configured = {"total": said(100, "max_steps"), "warmup": said(10, "warmup_steps")}
+    both = by_id(observation([scheduler(cosine(100, 10)), scheduler(cosine(100, 10))], configured))[HORIZON]
+    assert both.status == "match"
+    one_off = by_id(observation([scheduler(cosine(100, 10)), scheduler(cosine(100, 10, period=100))], configured))
+    assert one_off[HORIZON].status == "mismatch"
+    # built with last_epoch=29 on resume: the copy starts at step 30 of the schedule, the warmup is not seen
+    path = cosine(100, 10)
+    tail = {"points": [[i - 30, v] for i, v in path["points"][30:]], "length": path["length"] - 30,
+            "peak": path["points"][30][1], "peak_first": 0, "floor": 0.0, "floor_first": 70}
+    resumed = {**scheduler(tail), "birth_epoch": 30}
+    found = by_id(observation([resumed], configured))[HORIZON]
+    assert found.status == "unknown" and "built resumed at its step 30" in found.reason
+    assert "floor 0 is reached at the last step (100)" in found.reason
