@@ -572,7 +572,14 @@ def _schedule(watched: dict[str, Any], configured: dict[str, Any]) -> Verdict:
             elif isinstance(first, (int, float)):
                 seen.append(f"resumed: optimizer state at step {step:g}, {_text(scheduler.get('class'))} at step {first:g}")
     else:
-        seen.append("no resume (no optimizer state with steps loaded before the first step)")
+        # A schedule loaded past its start beside an optimizer whose moments start fresh: half a resume.
+        positioned = [entry for entry in loads if entry.get("kind") == "scheduler"
+                      and (_float(entry.get("last_epoch")) or 0) > 0]
+        if positioned:
+            problems.append(f"the schedule was restored at its step {_num(positioned[-1].get('last_epoch'))}, but no "
+                            "optimizer state with steps was loaded: its moments start fresh")
+        else:
+            seen.append("no resume (no optimizer state with steps loaded before the first step)")
     coverage = {"observed": seen}
     if problems:
         return _verdict(SCHEDULE, "mismatch", hypothesis="clipping and a resume as the run configures them",

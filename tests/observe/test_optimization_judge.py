@@ -171,3 +171,20 @@ def test_each_optimizers_scheduler_follows_the_horizon_and_a_resumed_build_count
     found = by_id(observation([resumed], configured))[HORIZON]
     assert found.status == "unknown" and "built resumed at its step 30" in found.reason
     assert "floor 0 is reached at the last step (100)" in found.reason
+
+
+def test_a_resume_restores_both_the_optimizer_and_the_schedule() -> None:
+    def resumed(loads: list[dict], first_epoch: int) -> dict:
+        obs = observation([scheduler(cosine(100, 10), before=first_epoch)], {})
+        obs["optimization"]["loads"] = loads
+        obs["optimization"]["schedulers"][0]["baseline_epoch"] = first_epoch
+        return by_id(obs)[SCHEDULE]
+
+    optimizer = {"kind": "optimizer", "after_steps": 0, "state_step": 30.0}
+    schedule = {"kind": "scheduler", "after_steps": 0, "last_epoch": 30}
+    both = resumed([optimizer, schedule], 30)
+    assert both.status == "unknown" and "resumed: optimizer state at step 30, LambdaLR at step 30" in both.reason
+    restarted = resumed([optimizer], 0)
+    assert restarted.status == "mismatch" and "starts the first step at its own step 0" in restarted.observed
+    fresh = resumed([schedule], 30)
+    assert fresh.status == "mismatch" and "its moments start fresh" in fresh.observed
