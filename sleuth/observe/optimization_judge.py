@@ -515,12 +515,13 @@ def _one_horizon(scheduler: dict[str, Any], configured: dict[str, Any]) -> Verdi
         problems.append(f"at the run's last step {total} the rate is {_num(at_last)}{share}; its floor "
                         f"{_num(floor)} comes only at optimizer step {_num(reached)} (a decay period longer than the "
                         "steps after warmup)")
-    coverage["horizon"] = f"{total} optimizer steps, warmup {warmup} ({source})"
+    named = "not named" if warmup is None else warmup
+    coverage["horizon"] = f"{total} optimizer steps, warmup {named} ({source})"
     if fast and problems:
         problems.insert(0, fast)
     elif fast:
         parts.append(f"{fast}, its lengths scaled to match")
-    measurement = f"{shape}; horizon {total} optimizer steps, warmup {warmup} from {source}"
+    measurement = f"{shape}; horizon {total} optimizer steps, warmup {named}, from {source}"
     if problems:
         return _verdict(HORIZON, "mismatch", hypothesis="the schedule warms up to its peak at the configured warmup end "
                         "and decays to its floor at the run's last step, one scheduler step per optimizer step",
