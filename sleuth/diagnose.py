@@ -357,7 +357,7 @@ class _Investigation(InputDiscovery):
             findings, self.probe_outcome = observe_findings(
                 findings, trace=self.trace, playbook=self.playbook, command=list(request.command), code=request.code,
                 python=request.probe_python, timeout_s=request.probe_timeout_s, announce=self.announce,
-                steps=request.observe_steps)
+                steps=request.observe_steps, config=self.config if isinstance(self.config, dict) else None)
             self.probe_policy = "--probe: your command, observed"
             return findings
         findings, self.probe_outcome, self.probe_policy = probe_findings(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from sleuth.observe.optimization_judge import describe_optimization, judge_optimization
 from sleuth.observe.reference import accepted_gammas, slot_weight, target_layer_ids
 from sleuth.probes.answer import safe_text
 from sleuth.probes.verdict import Expectations, Verdict
@@ -51,7 +52,8 @@ def judge(observation: dict[str, Any], expectations: Expectations) -> tuple[list
             invariants = {_layers: OBSERVED_INVARIANTS[:2], _frozen: OBSERVED_INVARIANTS[2:3],
                           _weights: OBSERVED_INVARIANTS[3:]}[part]
             verdicts += [_unknown(i, f"the observation is malformed ({type(exc).__name__})") for i in invariants]
-    return verdicts, notes
+    verdicts += judge_optimization(observation)  # optimizer groups, the schedule's horizon, clipping and resume
+    return verdicts, notes + describe_optimization(observation)
 
 
 # --- target layers ------------------------------------------------------------------------------------------

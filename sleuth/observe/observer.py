@@ -28,6 +28,8 @@ import time
 import weakref
 from typing import Any
 
+from sleuth.observe.optimization import OptimWatch
+
 ANSWER_ENV = "SLEUTH_OBSERVE_ANSWER"
 STEPS_ENV = "SLEUTH_OBSERVE_STEPS"
 WORKDIR_ENV = "SLEUTH_OBSERVE_WORKDIR"
@@ -205,6 +207,7 @@ class Observer:
             original_init(opt, *args, **kwargs)
             # held, not weakly: a run that ends early has freed its optimizer by the time atexit reports it
             observer.optimizers.append({"ref": (lambda held=opt: held), "site": _site(), "class": type(opt).__name__})
+            observer.optim.on_optimizer(opt)
 
         optimizer.Optimizer.__init__ = optimizer_init
         optimizer.register_optimizer_step_pre_hook(self.on_pre_step)
@@ -214,8 +217,11 @@ class Observer:
         def scheduler_init(sched, *args, **kwargs):  # noqa: ANN001, ANN202
             original_sched_init(sched, *args, **kwargs)
             observer.schedulers.append({"ref": weakref.ref(sched), "site": _site(), "class": type(sched).__name__})
+            observer.optim.on_scheduler(sched, observer.schedulers[-1]["site"])
 
         lr_scheduler.LRScheduler.__init__ = scheduler_init
+        self.optim = OptimWatch(self)  # optimizer groups, the schedule from its first step, clipping, a resume
+        self.optim.patch()
         atexit.register(self.at_exit)
 
     def note_container(self, params: Any) -> None:
@@ -337,6 +343,7 @@ class Observer:
         self.losses = self.losses[-8:]
 
     def on_pre_step(self, opt, args, kwargs) -> None:  # noqa: ANN001
+        self.optim.mark("pre", opt)
         if self.due and self.step_counts.get(id(opt), 0) >= self.steps_wanted:
             self.finish("the next optimizer step after the observed one")
         if self.step_counts.get(id(opt), 0) + 1 < self.steps_wanted:
@@ -350,6 +357,7 @@ class Observer:
 
     def on_post_step(self, opt, args, kwargs) -> None:  # noqa: ANN001
         self.step_counts[id(opt)] = self.step_counts.get(id(opt), 0) + 1
+        self.optim.mark("post", opt)
         if self.step_counts[id(opt)] < self.steps_wanted:
             self.new_window()
             return
@@ -418,6 +426,7 @@ class Observer:
             "optimizers": [self.describe_optimizer(o, names) for o in self.optimizers if o["ref"]() is not None],
             "frozen": self.describe_frozen(names),
             "schedulers": [self.describe_scheduler(s) for s in self.schedulers if s["ref"]() is not None],
+            "optimization": self.optim.describe(names),
         }
 
     def names(self) -> dict[str, dict[int, Any]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.observe.judge import OBSERVED_INVARIANTS, judge
+from sleuth.observe.optimization_judge import OPTIMIZATION_INVARIANTS, horizon_hint, run_configuration
 from sleuth.probes.answer import safe_text
 from sleuth.probes.runner import (
     SLEUTH_PACKAGE,
@@ -47,7 +48,7 @@ SITE = Path(__file__).resolve().with_name("site") / "sitecustomize.py"
 
 def _unknown_all(reason: str) -> list[Verdict]:
     return [Verdict(invariant=i, status="unknown", experiment="observed-step", hypothesis="", perturbed="",
-                    measurement="", threshold="", reason=reason) for i in OBSERVED_INVARIANTS]
+                    measurement="", threshold="", reason=reason) for i in OBSERVED_INVARIANTS + OPTIMIZATION_INVARIANTS]
 
 
 def _failed(outcome: ProbeOutcome, reason: str) -> ProbeOutcome:
@@ -58,7 +59,8 @@ def _failed(outcome: ProbeOutcome, reason: str) -> ProbeOutcome:
 
 def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, python: str | None = None,
                     expectations: Expectations | None = None, timeout_s: float = 300.0, steps: int = DEFAULT_STEPS,
-                    threads: int = 2, announce: Callable[[str], None] | None = None) -> ProbeOutcome:
+                    threads: int = 2, announce: Callable[[str], None] | None = None,
+                    config: dict[str, Any] | None = None) -> ProbeOutcome:
     """Run `command` on a copy of `code` (in the copy of `cwd` when it lies inside `code`) for `steps` optimizer
     steps, observed; never raises for what the command does."""
     shown = shlex.join(command)
@@ -85,8 +87,12 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
         (box.lib / "sleuth" / "__init__.py").write_bytes((SLEUTH_PACKAGE / "__init__.py").read_bytes())
         copy_code(CodeCopy(SLEUTH_PACKAGE, only="observe", python_only=True), box.lib / "sleuth", [], worker=True)
         (box.lib / "sitecustomize.py").write_bytes(SITE.read_bytes())
+        # What the command configures (its arguments, a config file they name): the optimizer's groups and the
+        # schedule are judged against it, and the observer steps its copy of the scheduler over that horizon.
+        configured = run_configuration(command, here, config)
         spec = {"answer": str(box.answer), "command": command, "code": str(box.code),
-                "name": code.name or "code", "cwd": relative, "steps": max(1, int(steps))}
+                "name": code.name or "code", "cwd": relative, "steps": max(1, int(steps)),
+                "schedule": horizon_hint(configured)}
         spec_path = box.box / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = child_environment(box, interpreter, threads)
@@ -143,6 +149,7 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
                        f"{steps_done} optimizer step(s), before the {spec['steps']} observed"
                        + (f": {last}" if last else ""))
             return _failed(outcome, str(why))
+        observation["configured"] = configured
         outcome.verdicts, notes = judge(observation, expectations or Expectations())
         outcome.notes.extend(notes)
         outcome.info = {"observed": True, "command": shown, "steps": observation.get("steps")}
@@ -191,14 +198,14 @@ def _clean(value: Any) -> Any:
 
 def observe_findings(findings: list[Any], *, trace: Any, playbook: Any, command: list[str], code: Path,
                      python: str | None, timeout_s: float, announce: Callable[[str], None] | None = None,
-                     steps: int = DEFAULT_STEPS) -> tuple[list[Any], ProbeOutcome]:
+                     steps: int = DEFAULT_STEPS, config: dict[str, Any] | None = None) -> tuple[list[Any], ProbeOutcome]:
     """Observe the command and merge the verdicts into the findings, as the probes' are (probe evidence first)."""
     from sleuth.probes.agent import expectations_from_playbook
     from sleuth.probes.merge import apply_probes
 
     with trace.step("observe-command", command=shlex.join(command), code=code, python=python) as step:
         outcome = observe_command(command, code, python=python, expectations=expectations_from_playbook(playbook),
-                                  timeout_s=timeout_s, steps=steps, announce=announce)
+                                  timeout_s=timeout_s, steps=steps, announce=announce, config=config)
         decided = sum(1 for v in outcome.verdicts if v.status in ("match", "mismatch"))
         step.inputs.update(code_sha256=outcome.code_sha256,
                            isolation=outcome.isolation.to_json() if outcome.isolation else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from sleuth.observe.judge import OBSERVED_INVARIANTS, block_pattern, judge
+from sleuth.observe.optimization_judge import OPTIMIZATION_INVARIANTS
 from sleuth.observe.reference import target_layer_ids
 from sleuth.probes.verdict import Expectations
 
@@ -101,7 +102,7 @@ def test_a_malformed_observation_is_unknown_never_a_crash() -> None:
                    observation(frozen=[{"role": "embeddings", "changed_by_step": "yes"}]),
                    {"features": 3, "frozen": 4, "logits": 5}):
         verdicts, _notes = judge(broken, Expectations())
-        assert {v.invariant for v in verdicts} == set(OBSERVED_INVARIANTS)
+        assert {v.invariant for v in verdicts} == set(OBSERVED_INVARIANTS + OPTIMIZATION_INVARIANTS)
         assert all(v.status in ("unknown", "match", "mismatch") for v in verdicts)
         assert not any(v.status == "match" for v in verdicts)
 

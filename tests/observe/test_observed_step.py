@@ -127,6 +127,13 @@ def test_clean_class_trainer_its_frozen_embedding_is_no_false_alarm(tmp_path: Pa
     assert "stack at drafttrain/trainer.py:" in notes
     # the real CosineAnnealingLR (T_max = the run's 3 steps), read by stepping a copy: its floor is the run's horizon
     assert "scheduler CosineAnnealingLR at drafttrain/trainer.py:" in notes and "lowest lr 0 at step 2" in notes
+    # small.json, named by the command, configures lr 1e-3 and 3 steps: the optimizer was built with that lr, and the
+    # cosine ends at its floor on step 3 (no warmup is named, so that part is not claimed)
+    found = {f["id"]: f for f in report["findings"]}
+    assert found["dflash.optimizer_groups"]["status"] == "match"
+    assert "AdamW group 0 lr 0.001" in probe_value(found["dflash.optimizer_groups"])
+    horizon = found["dflash.schedule_horizon"]
+    assert horizon["status"] == "unknown" and "the floor 0 is reached at the last step (3)" in probe_value(horizon)
 
 
 def test_trainable_target_embedding_found_and_nothing_unexercised_matches(tmp_path: Path, tiny_target: Path) -> None:
