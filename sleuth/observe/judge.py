@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from sleuth.observe.judge_attention import ATTENTION_INVARIANTS, judge_attention
 from sleuth.observe.reference import accepted_gammas, slot_weight, target_layer_ids
 from sleuth.probes.answer import safe_text
 from sleuth.probes.verdict import Expectations, Verdict
@@ -19,7 +20,7 @@ NOT_EXERCISED = "not exercised by the observed step"
 # Invariants the observation decides (each gets a verdict, unknown where the step did not exercise it).
 OBSERVED_INVARIANTS = ("dflash.target_layer_ids", "dflash.fc_input_layers", "dflash.frozen_embed_head",
                        "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained", "dflash.target_shift",
-                       "dflash.target_logits_source")
+                       "dflash.target_logits_source") + ATTENTION_INVARIANTS
 SHIFTS = (0, 1, 2)  # label of slot j = the teacher's top-1 at anchor + j - shift; the reference's shift is 1
 PATTERN_TOLERANCE = 1e-3
 MAX_BLOCK = 128
@@ -49,9 +50,10 @@ def judge(observation: dict[str, Any], expectations: Expectations) -> tuple[list
             verdicts += part(observation, expectations)
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as exc:
             invariants = {_layers: OBSERVED_INVARIANTS[:2], _frozen: OBSERVED_INVARIANTS[2:3],
-                          _weights: OBSERVED_INVARIANTS[3:]}[part]
+                          _weights: OBSERVED_INVARIANTS[3:7]}[part]
             verdicts += [_unknown(i, f"the observation is malformed ({type(exc).__name__})") for i in invariants]
-    return verdicts, notes
+    attention, attention_notes = judge_attention(observation)
+    return verdicts + attention, notes + attention_notes
 
 
 # --- target layers ------------------------------------------------------------------------------------------
@@ -214,7 +216,7 @@ def block_pattern(weights: list[float], shape: list[int]) -> tuple[int, list[lis
 
 
 def _weights(observation: dict[str, Any], expectations: Expectations) -> list[Verdict]:
-    gamma_id, anchor_id, shift_id, source_id = OBSERVED_INVARIANTS[3:]
+    gamma_id, anchor_id, shift_id, source_id = OBSERVED_INVARIANTS[3:7]
     logits = observation.get("logits")
     if not isinstance(logits, dict):
         why = (f"{NOT_EXERCISED}: no module output with the vocabulary's width received a softmax loss's gradient "

@@ -28,6 +28,8 @@ import time
 import weakref
 from typing import Any
 
+from sleuth.observe.attention import AttentionWatch
+
 ANSWER_ENV = "SLEUTH_OBSERVE_ANSWER"
 STEPS_ENV = "SLEUTH_OBSERVE_STEPS"
 WORKDIR_ENV = "SLEUTH_OBSERVE_WORKDIR"
@@ -160,6 +162,7 @@ class Observer:
         self.teachers: list[dict[str, Any]] = []
         self.due = False
         self.done = False
+        self.attention = AttentionWatch(torch)
         self.new_window()
         self.observed: dict[str, Any] = {"frozen": {}}
 
@@ -170,6 +173,7 @@ class Observer:
         self.losses: list[dict[str, Any]] = []
         self.called: set[int] = set()
         self.snapshots: dict[int, Any] = {}
+        self.attention.reset()
 
     # --- instrumentation --------------------------------------------------------------------------------
 
@@ -180,6 +184,7 @@ class Observer:
 
         module_mod.register_module_forward_pre_hook(self.on_pre_forward)
         module_mod.register_module_forward_hook(self.on_forward)
+        self.attention.patch()
         for name in ("cat", "concat", "concatenate", "stack"):
             original = getattr(torch, name, None)
             if original is not None:
@@ -418,6 +423,7 @@ class Observer:
             "optimizers": [self.describe_optimizer(o, names) for o in self.optimizers if o["ref"]() is not None],
             "frozen": self.describe_frozen(names),
             "schedulers": [self.describe_scheduler(s) for s in self.schedulers if s["ref"]() is not None],
+            "attention": self.attention.describe(names),
         }
 
     def names(self) -> dict[str, dict[int, Any]]:

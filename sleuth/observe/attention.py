@@ -1,0 +1,253 @@
+"""The drafter's attention as the observed step called it (inside the user's process; torch).
+
+What a DFlash mask decides is which keys each block slot's query may weigh. Whatever a trainer writes (a mask
+tensor handed to scaled_dot_product_attention, its `is_causal` flag, or its own matmul, masked_fill and softmax),
+it reduces to one of two calls, and both are watched here:
+  * `scaled_dot_product_attention` (the functional entry HF, SpecForge-style and hand-written drafters share):
+    the mask as called (boolean or additive, any broadcast shape) or `is_causal`;
+  * softmax over the last dimension (`torch.softmax`, `Tensor.softmax`, `nn.functional.softmax`, which
+    `nn.MultiheadAttention`'s weight path and eager attention call): the scores as applied, where a key is
+    blocked exactly when its score was pushed to -inf (or a large negative value) before the softmax.
+A call counts as the drafter's when its queries (or scores) carry gradient with grad mode on: the target runs
+frozen or under no_grad, the drafter's projections are trained. Flex attention is not watched (its BlockMask
+is not a tensor a softmax ever sees).
+
+Positions: the module call inside a trained module's forward that returns a (cos, sin) pair (cos^2 + sin^2 = 1)
+is the drafter's rotary, whatever it is called; the integer tensor handed to it is the positions as applied.
+Reading the positions handed to the call (rather than recovering angles from rotated q/k) holds for any rope
+variant (scaling, partial rotary, mRoPE sections), where the angle per position is no longer a fixed formula.
+
+Each pattern is summarised per (row, query): the first, last and count of visible keys in the context part
+(the first Lk - Lq keys) and in the block part (the last Lq); identical patterns across layers are sent once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+MAX_CALLS = 64  # attention calls kept per step (the latest)
+MAX_ROWS = 8  # batch rows summarised per pattern
+MAX_QUERIES = 8192  # queries summarised per row
+MAX_IDS = 65_536  # token ids kept per embedding call
+BLOCKED_ADDITIVE = -1e3  # an additive mask value at or below this weighs a key by exp(-1000): blocked
+BLOCKED_GAP = 1e3  # a score this far below its row's best weighs nothing after softmax
+
+
+class AttentionWatch:
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.stack: list[tuple[Any, bool]] = []  # (module ref, trains) of the forwards now running
+        self.vocab: set[int] = set()
+        self.tick = 0  # orders embedding, rotary and attention calls
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.patterns: dict[tuple, int] = {}
+        self.summaries: list[dict[str, Any]] = []
+        self.embedded: list[dict[str, Any]] = []
+        self.rotary: list[dict[str, Any]] = []
+        self.trains: dict[int, bool] = {}
+        self.special: dict[str, list[int]] = {}
+
+    # --- instrumentation --------------------------------------------------------------------------------
+
+    def patch(self) -> None:
+        torch = self.torch
+        from torch.nn import functional
+        from torch.nn.modules import module as module_mod
+
+        module_mod.register_module_forward_pre_hook(self.on_pre_forward)
+        module_mod.register_module_forward_hook(self.on_forward, with_kwargs=True, always_call=True)
+        original_sdpa = getattr(functional, "scaled_dot_product_attention", None)
+        if original_sdpa is not None:
+            watch = self
+
+            def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *args, **kwargs):  # noqa: ANN001, ANN202
+                try:
+                    watch.on_sdpa(query, key, attn_mask, is_causal)
+                except Exception:  # noqa: BLE001 - the observer never breaks the user's run
+                    pass
+                return original_sdpa(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+
+            sdpa.__wrapped__ = original_sdpa
+            functional.scaled_dot_product_attention = sdpa
+        for owner, name in ((torch, "softmax"), (functional, "softmax"), (torch.Tensor, "softmax")):
+            original = getattr(owner, name, None)
+            if original is not None:
+                setattr(owner, name, self.softmax(original))
+
+    def softmax(self, original: Any) -> Any:
+        watch = self
+
+        def softmax(input, *args, **kwargs):  # noqa: A002, ANN001, ANN202
+            out = original(input, *args, **kwargs)
+            try:
+                dim = kwargs.get("dim", args[0] if args else None)
+                if isinstance(input, watch.torch.Tensor) and dim in (-1, input.dim() - 1):
+                    watch.on_scores(input)
+            except Exception:  # noqa: BLE001
+                pass
+            return out
+
+        softmax.__wrapped__ = original
+        return softmax
+
+    def in_drafter(self) -> bool:
+        return self.torch.is_grad_enabled() and any(trains for _ref, trains in self.stack)
+
+    def on_pre_forward(self, module: Any, args: Any) -> None:
+        self.stack.append((weakref.ref(module), self.trains_module(module)))
+
+    def trains_module(self, module: Any) -> bool:
+        key = id(module)
+        found = self.trains.get(key)
+        if found is None:
+            found = self.trains[key] = any(p.requires_grad for p in module.parameters())
+        return found
+
+    def on_forward(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        while self.stack:  # a forward that raised left its entry: pop down to this module
+            ref, _trains = self.stack.pop()
+            if ref() is module:
+                break
+        try:
+            self.after_forward(module, args, kwargs or {}, output)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def after_forward(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        torch = self.torch
+        config = getattr(module, "config", None)
+        for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            value = getattr(config, name, None) if config is not None else None
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(item, int) and item not in self.special.setdefault(name, []):
+                    self.special[name].append(item)
+        if isinstance(module, torch.nn.Embedding):
+            self.vocab.add(int(module.num_embeddings))
+            ids = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if ids is not None and not ids.is_floating_point() and 1 <= ids.dim() <= 2 and ids.numel() <= MAX_IDS:
+                rows = ids.detach().reshape(-1, ids.shape[-1]).tolist()
+                self.embedded = [*self.embedded[-7:], {"ids": rows, "order": self.next()}]
+            return
+        if not (self.in_drafter() and isinstance(output, (tuple, list)) and len(output) == 2):
+            return
+        cos, sin = output
+        if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.shape == sin.shape
+                and cos.is_floating_point() and cos.dim() >= 2 and cos.numel() > 0):
+            return
+        if not bool(((cos.detach().float() ** 2 + sin.detach().float() ** 2) - 1).abs().max() < 1e-3):
+            return
+        given = [a for a in (*args, *kwargs.values())
+                 if isinstance(a, torch.Tensor) and not a.is_floating_point() and a.dim() >= 1]
+        positions = given[-1] if given else None
+        record: dict[str, Any] = {"module": weakref.ref(module), "shape": list(cos.shape), "order": self.next()}
+        if positions is not None and positions.numel() <= MAX_IDS:
+            record["positions"] = positions.detach().reshape(-1, positions.shape[-1]).tolist()
+        self.rotary = [*self.rotary[-3:], record]
+
+    # --- attention calls --------------------------------------------------------------------------------
+
+    def on_sdpa(self, query: Any, key: Any, mask: Any, is_causal: bool) -> None:
+        torch = self.torch
+        if not (isinstance(query, torch.Tensor) and query.requires_grad and self.in_drafter()):
+            return
+        lq, lk = int(query.shape[-2]), int(key.shape[-2])
+        lead = tuple(query.shape[:-2])
+        if mask is not None:
+            full = mask.detach().expand(*lead, lq, lk) if mask.dim() <= len(lead) + 2 else None
+            if full is None:
+                return
+            visible = full if full.dtype == torch.bool else full > BLOCKED_ADDITIVE
+            how = "boolean mask" if full.dtype == torch.bool else "additive mask"
+            if is_causal:
+                visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
+                how += " and is_causal"
+        else:
+            visible = torch.ones(lq, lk, dtype=torch.bool).tril().expand(*lead, lq, lk) if is_causal else \
+                torch.ones(*lead, lq, lk, dtype=torch.bool)
+            how = "is_causal" if is_causal else "no mask (full attention)"
+        self.record("scaled_dot_product_attention: " + how, visible, query)
+
+    def on_scores(self, scores: Any) -> None:
+        if not (scores.is_floating_point() and scores.dim() >= 2 and scores.requires_grad and self.in_drafter()):
+            return
+        if scores.shape[-1] in self.vocab:  # a softmax over the vocabulary (a loss), not over keys
+            return
+        detached = scores.detach()
+        best = detached.amax(-1, keepdim=True)
+        visible = (detached > best - BLOCKED_GAP) & (detached != float("-inf"))
+        self.record("softmax over scores", visible, scores)
+
+    def record(self, how: str, visible: Any, query: Any) -> None:
+        lq, lk = int(visible.shape[-2]), int(visible.shape[-1])
+        flat = visible.reshape(-1, lq, lk)
+        # Rows of the leading dimensions are (batch, heads) in that order: a row of the batch is a run of heads.
+        rows = self.batch_rows(flat.shape[0])
+        heads = max(1, flat.shape[0] // rows)
+        by_row = flat.reshape(rows, heads, lq, lk)
+        heads_agree = bool((by_row == by_row[:, :1]).all())
+        first = by_row[:MAX_ROWS, 0, :MAX_QUERIES]
+        split = max(0, lk - lq)
+        summary = {"rows": [self.summarise(first[r], split) for r in range(first.shape[0])]}
+        key = tuple(tuple(tuple(v) for v in row) for row in summary["rows"])
+        if key not in self.patterns:
+            self.patterns[key] = len(self.summaries)
+            self.summaries.append(summary)
+        stack = [ref() for ref, _trains in self.stack[-6:]]
+        self.calls = [*self.calls[-(MAX_CALLS - 1):], {
+            "how": how, "pattern": self.patterns[key], "lq": lq, "lk": lk, "split": split, "batch_rows": rows,
+            "heads": heads, "heads_agree": heads_agree, "stack": [weakref.ref(m) for m in stack if m is not None],
+            "order": self.next()}]
+
+    def next(self) -> int:
+        self.tick += 1
+        return self.tick
+
+    def batch_rows(self, leading: int) -> int:
+        """How many batch rows the leading dimensions hold: the rows of the last embedding call, when they
+        divide it (a mask broadcast over the batch is one row)."""
+        if self.embedded:
+            rows = len(self.embedded[-1]["ids"])
+            if rows and leading % rows == 0:
+                return rows
+        return 1 if leading else 0
+
+    def summarise(self, visible: Any, split: int) -> list[list[int]]:
+        """Per query: [context first, context end (last + 1), context count, block first, block end, block count],
+        block indices counted from the start of the block part; -1 and 0 where nothing is visible."""
+        torch = self.torch
+        out = []
+        for part in (visible[:, :split], visible[:, split:]):
+            count = part.sum(-1)
+            width = part.shape[-1]
+            if width == 0:
+                out += [torch.full_like(count, -1), torch.zeros_like(count), count]
+                continue
+            first = part.int().argmax(-1)
+            last = width - 1 - part.flip(-1).int().argmax(-1)
+            out += [torch.where(count > 0, first, -1), torch.where(count > 0, last + 1, 0), count]
+        return torch.stack(out, -1).tolist()
+
+    # --- the observation --------------------------------------------------------------------------------
+
+    def describe(self, names: dict[str, dict[int, Any]]) -> dict[str, Any]:
+        calls = []
+        for call in self.calls:
+            modules = [ref() for ref in call.pop("stack")]
+            modules = [m for m in modules if m is not None]
+            place = next((names["in_list"].get(id(m)) for m in reversed(modules) if id(m) in names["in_list"]), None)
+            inner = modules[-1] if modules else None
+            call["module"] = names["modules"].get(id(inner), type(inner).__name__) if inner is not None else "?"
+            if place is not None:
+                call.update(layer=place[0], layers=place[1], stack=place[2])
+            calls.append(call)
+        rotary = []
+        for record in self.rotary:
+            module = record.pop("module")()
+            record["module"] = names["modules"].get(id(module), type(module).__name__) if module is not None else "?"
+            rotary.append(record)
+        return {"calls": calls, "patterns": self.summaries, "embedded": self.embedded, "rotary": rotary,
+                "special_ids": self.special}
