@@ -9,7 +9,7 @@ it reduces to one of two calls, and both are watched here:
     `nn.MultiheadAttention`'s weight path and eager attention call): the scores as applied, where a key is
     blocked exactly when its score was pushed to -inf (or a large negative value) before the softmax.
 A call counts as the drafter's when its queries (or scores) carry gradient with grad mode on: the target runs
-frozen or under no_grad, the drafter's projections are trained. Flex attention is not watched (its BlockMask
+frozen or under no_grad, the drafter's projections are trained (whether or not a module wraps the call). Flex attention is not watched (its BlockMask
 is not a tensor a softmax ever sees).
 
 Positions: the module call inside a trained module's forward that returns a (cos, sin) pair (cos^2 + sin^2 = 1)
@@ -23,8 +23,12 @@ Each pattern is summarised per (row, query): the first, last and count of visibl
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 MAX_CALLS = 64  # attention calls kept per step (the latest)
 MAX_ROWS = 8  # batch rows summarised per pattern
@@ -34,12 +38,26 @@ BLOCKED_ADDITIVE = -1e3  # an additive mask value at or below this weighs a key 
 BLOCKED_GAP = 1e3  # a score this far below its row's best weighs nothing after softmax
 
 
+def _site() -> str:
+    """file:line of the user's code that made the current call (the first frame outside torch, installed packages
+    and sleuth)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith("<") or "site-packages" in name or "dist-packages" in name or "/lib/python" in name
+                or os.path.dirname(os.path.abspath(name)) == _HERE):
+            return f"{os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
 class AttentionWatch:
     def __init__(self, torch: Any) -> None:
         self.torch = torch
         self.stack: list[tuple[Any, bool]] = []  # (module ref, trains) of the forwards now running
         self.vocab: set[int] = set()
         self.tick = 0  # orders embedding, rotary and attention calls
+        self.inside = False
         self.reset()
 
     def reset(self) -> None:
@@ -82,7 +100,13 @@ class AttentionWatch:
         watch = self
 
         def softmax(input, *args, **kwargs):  # noqa: A002, ANN001, ANN202
-            out = original(input, *args, **kwargs)
+            if watch.inside:  # one softmax reached through another entry (F.softmax calls Tensor.softmax)
+                return original(input, *args, **kwargs)
+            watch.inside = True
+            try:
+                out = original(input, *args, **kwargs)
+            finally:
+                watch.inside = False
             try:
                 dim = kwargs.get("dim", args[0] if args else None)
                 if isinstance(input, watch.torch.Tensor) and dim in (-1, input.dim() - 1):
@@ -152,7 +176,7 @@ class AttentionWatch:
 
     def on_sdpa(self, query: Any, key: Any, mask: Any, is_causal: bool) -> None:
         torch = self.torch
-        if not (isinstance(query, torch.Tensor) and query.requires_grad and self.in_drafter()):
+        if not (isinstance(query, torch.Tensor) and query.requires_grad and torch.is_grad_enabled()):
             return
         lq, lk = int(query.shape[-2]), int(key.shape[-2])
         lead = tuple(query.shape[:-2])
@@ -172,7 +196,8 @@ class AttentionWatch:
         self.record("scaled_dot_product_attention: " + how, visible, query)
 
     def on_scores(self, scores: Any) -> None:
-        if not (scores.is_floating_point() and scores.dim() >= 2 and scores.requires_grad and self.in_drafter()):
+        if not (scores.is_floating_point() and scores.dim() >= 2 and scores.requires_grad
+                and self.torch.is_grad_enabled()):
             return
         if scores.shape[-1] in self.vocab:  # a softmax over the vocabulary (a loss), not over keys
             return
@@ -198,7 +223,7 @@ class AttentionWatch:
             self.summaries.append(summary)
         stack = [ref() for ref, _trains in self.stack[-6:]]
         self.calls = [*self.calls[-(MAX_CALLS - 1):], {
-            "how": how, "pattern": self.patterns[key], "lq": lq, "lk": lk, "split": split, "batch_rows": rows,
+            "how": how, "site": _site(), "pattern": self.patterns[key], "lq": lq, "lk": lk, "split": split, "batch_rows": rows,
             "heads": heads, "heads_agree": heads_agree, "stack": [weakref.ref(m) for m in stack if m is not None],
             "order": self.next()}]
 
@@ -233,14 +258,28 @@ class AttentionWatch:
 
     # --- the observation --------------------------------------------------------------------------------
 
-    def describe(self, names: dict[str, dict[int, Any]]) -> dict[str, Any]:
+    def reached(self, gathered: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Which positions of the target features reached the loss (their gradient, per batch row and position, is
+        not zero): a key that no query weighs passes exactly zero gradient back, whatever computed the attention."""
+        for record in reversed(gathered):
+            grad = getattr(record.get("leaf"), "grad", None)
+            if grad is None or grad.dim() < 2:
+                continue
+            per = grad.detach().abs().reshape(*grad.shape[:2], -1).sum(-1) if grad.dim() >= 3 else \
+                grad.detach().abs().sum(-1)[None]
+            if per.numel() > MAX_IDS:
+                return None
+            return {"site": record.get("site"), "length": int(per.shape[-1]), "rows": (per > 0).int().tolist()}
+        return None
+
+    def describe(self, names: dict[str, dict[int, Any]], gathered: list[dict[str, Any]] = ()) -> dict[str, Any]:
         calls = []
         for call in self.calls:
             modules = [ref() for ref in call.pop("stack")]
             modules = [m for m in modules if m is not None]
             place = next((names["in_list"].get(id(m)) for m in reversed(modules) if id(m) in names["in_list"]), None)
             inner = modules[-1] if modules else None
-            call["module"] = names["modules"].get(id(inner), type(inner).__name__) if inner is not None else "?"
+            call["module"] = names["modules"].get(id(inner), type(inner).__name__) if inner is not None else call["site"]
             if place is not None:
                 call.update(layer=place[0], layers=place[1], stack=place[2])
             calls.append(call)
@@ -250,4 +289,4 @@ class AttentionWatch:
             record["module"] = names["modules"].get(id(module), type(module).__name__) if module is not None else "?"
             rotary.append(record)
         return {"calls": calls, "patterns": self.summaries, "embedded": self.embedded, "rotary": rotary,
-                "special_ids": self.special}
+                "special_ids": self.special, "features_reached": self.reached(list(gathered))}

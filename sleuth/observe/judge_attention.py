@@ -86,7 +86,10 @@ def _judge(observation: dict[str, Any]) -> tuple[list[Verdict], list[str]]:
         why = (f"{NOT_EXERCISED}: no attention call inside the drafter was captured (no scaled_dot_product_attention "
                "with trained queries and no softmax over scores carrying gradient: flex attention or a fused kernel; "
                "link not followed)")
-        return [_unknown(i, why) for i in ATTENTION_INVARIANTS], []
+        leak = _dependence(record, None)
+        context = leak if leak is not None else _unknown(CONTEXT, why)
+        return [context, *[_unknown(i, why) for i in (ISOLATED, BIDIRECTIONAL)], _mask_token_alone(record, why),
+                _unknown(POSITIONS, why)], []
     last = calls[-1]
     lq, lk = int(last["lq"]), int(last["lk"])
     calls = [c for c in calls if c["lq"] == lq and c["lk"] == lk]
@@ -100,7 +103,7 @@ def _judge(observation: dict[str, Any]) -> tuple[list[Verdict], list[str]]:
     where = ", ".join(sorted({_text(c.get("module"), 80) for c in calls}))
     hows = sorted({_text(c.get("how"), 120) for c in calls})
     notes = [f"drafter attention: {len(calls)} call(s) in {where} ({'; '.join(hows)}), {lq} queries over {lk} keys "
-             f"(why: queries or scores carrying gradient inside a trained module's forward)"]
+             f"(why: queries or scores carrying gradient, grad mode on)"]
     if block_call is None:
         why = (f"{NOT_EXERCISED}: no embedding call before the attention held {lq} ids per row (the block tokens): the "
                "block's tokens and the mask token were not observed (link not followed)")
@@ -120,9 +123,51 @@ def _judge(observation: dict[str, Any]) -> tuple[list[Verdict], list[str]]:
     shared = {"layers": layers or where, "calls": len(calls), "block_size": size, "blocks_per_row": blocks,
               "rows": len(block_call["ids"]), "queries": lq, "keys": lk}
     verdicts = _mask_verdicts(record, calls, size, blocks, split, anchors, shared)
+    leak = _dependence(record, block_call)
+    if leak is not None and verdicts[0].status != "mismatch":  # the mask captured is not all the drafter computed
+        verdicts[0] = leak
     verdicts.append(_mask_token(record, mask, data, size, shared))
     verdicts.append(_positions(record, first_order, lq, lk, size, blocks, anchors, shared))
     return verdicts, notes
+
+
+def _dependence(record: dict[str, Any], block_call: dict[str, Any] | None) -> Verdict | None:
+    """A mismatch when the loss depends on the target features at or after every anchor of a row: a context position
+    no query weighs passes exactly zero gradient back, whatever computed the attention (a kernel sleuth does not
+    capture included). A measurement of dependence finds a counterexample only; it never makes a match."""
+    reached = record.get("features_reached")
+    if not isinstance(reached, dict) or not _ints(reached.get("rows")) or not isinstance(reached.get("length"), int):
+        return None
+    length, rows = reached["length"], reached["rows"]
+    embedded = [e for e in record.get("embedded") or [] if isinstance(e, dict) and _ints(e.get("ids"))]
+    data = next((e["ids"] for e in reversed(embedded) if len(e["ids"][0]) == length and len(e["ids"]) == len(rows)),
+                None)
+    if block_call is None:
+        block_call = next((e for e in reversed(embedded) if e["ids"] is not data and len(e["ids"]) == len(rows)
+                           and block_layout(e["ids"]) is not None), None)
+    layout = block_layout(block_call["ids"]) if block_call is not None else None
+    if data is None or layout is None or len(block_call["ids"]) != len(rows):
+        return None
+    size = layout[0]
+    found = []
+    for r, row in enumerate(rows):
+        firsts = block_call["ids"][r][::size]
+        latest = [max((p for p, token in enumerate(data[r]) if token == first), default=None) for first in firsts]
+        if not latest or any(a is None for a in latest):
+            continue
+        last_anchor = max(latest)
+        beyond = [p for p in range(last_anchor, len(row)) if row[p]]
+        if beyond:
+            found.append(f"row {r}: positions {beyond[:6]} reach the loss, at or after its last anchor {last_anchor}")
+    if not found:
+        return None
+    return _verdict(CONTEXT, "mismatch", "a block's queries see context strictly before its anchor",
+                    f"the gradient of the observed step's loss at the target features gathered at "
+                    f"{_text(reached.get('site'))}, per position (a position no query weighs gets exactly 0)",
+                    observed="; ".join(found[:SHOWN]) + ": some block sees context at or after its own anchor",
+                    expected="no gradient at positions at or after the last anchor of a row",
+                    fix="build the context part of the mask with kv_pos < anchor (not <=)",
+                    coverage={"rows": len(rows), "block_size": size, "positions": length})
 
 
 def _rows(pattern: Any, rows: int) -> list[list[list[int]]] | None:
@@ -147,18 +192,24 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
     crossings: list[str] = []
     narrowed: list[str] = []
     context_ok = context_blocks = windowed = judged_blocks = 0
-    seen_self = total_queries = 0
+    unplaced: list[str] = []
+    judged_layers: list[str] = []
     causal_call = next((c for c in calls if "is_causal" in str(c.get("how"))), None)
     for index in sorted({c["pattern"] for c in calls}):
         summary = _rows(patterns[index] if 0 <= index < len(patterns) else None, rows)
         if summary is None:
             continue
         users = [c for c in calls if c["pattern"] == index]
-        label = "layers " + ", ".join(str(c.get("layer", c.get("module"))) for c in users)
-        for r, row in enumerate(summary):
-            for q, (_clo, _chi, _ccount, blo, bhi, _bcount) in enumerate(row):
-                total_queries += 1
-                seen_self += blo <= q < bhi
+        label = ", ".join(f"layer {c['layer']}" if isinstance(c.get("layer"), int) else _text(c.get("module"), 80)
+                          for c in users)
+        # The keys are [context, block] when most queries see the key at their own place in the block part; a
+        # pattern that does not (another order of the keys, or is_causal's top-left triangle) is not judged here.
+        queries = sum(len(row) for row in summary)
+        own = sum(blo <= q < bhi for row in summary for q, (_a, _b, _c, blo, bhi, _n) in enumerate(row))
+        if 2 * own <= queries:
+            unplaced.append(label)
+            continue
+        judged_layers.append(label)
         for r, row in enumerate(summary):
             full_layer = all(q[0] <= 0 for q in row)  # every query's context starts at 0: no sliding window
             windowed += not full_layer
@@ -194,11 +245,16 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
     coverage = {**shared, "blocks_judged": judged_blocks}
     measurement = (f"the mask as called by the drafter's attention ({shared['calls']} call(s), layers "
                    f"{shared['layers']}): for each query, the context and block keys it could weigh")
-    layout_ok = total_queries > 0 and 2 * seen_self > total_queries
-    if not layout_ok and causal_call is None:
-        why = (f"{NOT_EXERCISED}: most queries do not see the key at their own place in the block part (keys "
-               f"{split}..): the keys are not laid out as [context, block] (link not followed)")
-        return [_unknown(i, why) for i in (CONTEXT, ISOLATED, BIDIRECTIONAL)]
+    covered = "; ".join(judged_layers)
+    if unplaced:
+        coverage["not_judged"] = f"{'; '.join(unplaced)}: keys not laid out as [context, block]"
+    if not judged_layers:
+        why = (f"{NOT_EXERCISED}: in no attention call do most queries see the key at their own place in the block "
+               f"part (keys {split}..): the keys are not laid out as [context, block] (link not followed)")
+        unknown = [_unknown(i, why) for i in (CONTEXT, ISOLATED)]
+        if causal_call is None:
+            return [*unknown, _unknown(BIDIRECTIONAL, why)]
+        return [*unknown, _causal(causal_call, measurement, coverage)]
     # context excludes the anchor
     if leaks:
         verdicts.append(_verdict(CONTEXT, "mismatch", "a block's queries see context strictly before its anchor",
@@ -208,8 +264,8 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
                                  coverage={**coverage, "blocks_placed": context_blocks}))
     elif context_ok:
         verdicts.append(_verdict(CONTEXT, "match", "a block's queries see context strictly before its anchor",
-                                 measurement, observed=f"in {context_ok} placed block(s) of {judged_blocks} judged, every "
-                                 "slot sees only context before the block's anchor",
+                                 measurement, observed=f"in {context_ok} placed block(s) of {judged_blocks} judged ({covered}), "
+                                 "every slot sees only context before the block's anchor",
                                  expected="context positions < anchor", coverage={**coverage, "blocks_placed":
                                                                                  context_ok}))
     else:
@@ -225,23 +281,14 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
                                  coverage=coverage))
     elif blocks < 2:
         verdicts.append(_unknown(ISOLATED, f"{NOT_EXERCISED}: one block per row, no other block to see"))
-    elif causal_call is not None and not layout_ok:
-        verdicts.append(_unknown(ISOLATED, f"{NOT_EXERCISED}: the queries see no block keys at all (is_causal over "
-                                 "[context, block]): isolation is moot"))
     else:
         verdicts.append(_verdict(ISOLATED, "match", "a block sees no other block's tokens", measurement,
-                                 observed=f"in all {judged_blocks} block(s) ({blocks} per row, {rows} row(s)) no slot "
-                                 "sees another block's keys", expected="block keys limited to the query's own block",
+                                 observed=f"in all {judged_blocks} block(s) ({blocks} per row, {rows} row(s); "
+                                 f"{covered}) no slot sees another block's keys", expected="block keys limited to the query's own block",
                                  coverage=coverage))
     # bidirectional within the block
     if causal_call is not None:
-        verdicts.append(_verdict(BIDIRECTIONAL, "mismatch", "slots of a block see each other in both directions",
-                                 measurement, observed=f"{_text(causal_call.get('how'))} at "
-                                 f"{_text(causal_call.get('module'))}: query i weighs keys 0..i only, so slot 0 never "
-                                 "sees slot 1 of its block, whatever the order of the keys",
-                                 expected="every slot sees all B tokens of its block (full-attention layers)",
-                                 fix="pass an explicit mask (context < anchor, own block fully visible) instead of "
-                                 "is_causal", coverage=coverage))
+        verdicts.append(_causal(causal_call, measurement, coverage))
     elif narrowed:
         verdicts.append(_verdict(BIDIRECTIONAL, "mismatch", "slots of a block see each other in both directions",
                                  measurement, observed=f"{len(narrowed)} block(s) in full-attention layers: "
@@ -254,9 +301,34 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
                                  "window (sliding-window layers may be causal within the block): no full layer seen"))
     else:
         verdicts.append(_verdict(BIDIRECTIONAL, "match", "slots of a block see each other in both directions",
-                                 measurement, observed=f"in all {judged_blocks} block(s) every slot sees all {size} "
-                                 "tokens of its block", expected="bidirectional within the block", coverage=coverage))
+                                 measurement, observed=f"in all {judged_blocks} block(s) ({covered}) every slot sees all "
+                                 f"{size} tokens of its block", expected="bidirectional within the block", coverage=coverage))
     return verdicts
+
+
+def _mask_token_alone(record: dict[str, Any], why: str) -> Verdict:
+    """The mask token without an attention call to say which ids are the block's: the latest embedding call whose
+    ids repeat [token, mask, ..., mask], against the sequence of another call with as many rows."""
+    embedded = [e for e in record.get("embedded") or [] if isinstance(e, dict) and _ints(e.get("ids"))]
+    block_call = next((e for e in reversed(embedded) if block_layout(e["ids"]) is not None), None)
+    if block_call is None:
+        return _unknown(MASK_TOKEN, why)
+    size, mask = block_layout(block_call["ids"])
+    data = next((e["ids"] for e in reversed(embedded) if e is not block_call and len(e["ids"]) == len(block_call["ids"])
+                 and block_layout(e["ids"]) is None), None)
+    shared = {"rows": len(block_call["ids"]), "block_size": size, "blocks_per_row": len(block_call["ids"][0]) // size}
+    return _mask_token(record, mask, data, size, shared)
+
+
+def _causal(call: dict[str, Any], measurement: str, coverage: dict[str, Any]) -> Verdict:
+    """is_causal decides without the keys' layout: query i weighs keys 0..i only, so a block's first query never
+    sees the key of the slot after it, wherever the block's keys sit."""
+    return _verdict(BIDIRECTIONAL, "mismatch", "slots of a block see each other in both directions", measurement,
+                    observed=f"{_text(call.get('how'))} at {_text(call.get('module'))}: query i weighs keys 0..i only, "
+                    "so slot 0 never sees slot 1 of its block, whatever the order of the keys",
+                    expected="every slot sees all B tokens of its block (full-attention layers)",
+                    fix="pass an explicit mask (context < anchor, own block fully visible) instead of is_causal",
+                    coverage=coverage)
 
 
 def _mask_token(record: dict[str, Any], mask: int, data: list[list[int]] | None, size: int,

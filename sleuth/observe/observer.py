@@ -423,7 +423,7 @@ class Observer:
             "optimizers": [self.describe_optimizer(o, names) for o in self.optimizers if o["ref"]() is not None],
             "frozen": self.describe_frozen(names),
             "schedulers": [self.describe_scheduler(s) for s in self.schedulers if s["ref"]() is not None],
-            "attention": self.attention.describe(names),
+            "attention": self.attention.describe(names, self.gathered),
         }
 
     def names(self) -> dict[str, dict[int, Any]]:
