@@ -4,7 +4,7 @@ block_bidirectional, mask_token_distinct and block_position_ids.
 
 A trainer with HF rotary and scaled_dot_product_attention under a hand-built additive mask (tests/fixtures/observe/
 sdpa), anchors differing per row, on a tiny real Qwen3 saved with save_pretrained (eos 62, the mask token 63). Its
-planted defects are edits of its source; each run is one subprocess, shared by the tests that read it.
+planted defects are edits of its source; each run is one subprocess (two in all), shared by the tests that read it.
 """
 
 from __future__ import annotations
@@ -48,19 +48,16 @@ def clean(tmp_path_factory: pytest.TempPathFactory, target_with_eos: Path) -> di
 
 @pytest.fixture(scope="module")
 def leaky(tmp_path_factory: pytest.TempPathFactory, target_with_eos: Path) -> dict:
-    """The context includes the anchor, the block's positions continue after the context, the mask token is eos."""
+    """Layer 0's mask lets the context include the anchor, layer 1 calls SDPA with is_causal instead of a mask, the
+    block's positions continue after the context, and the mask token is eos."""
     return run(tmp_path_factory, target_with_eos, [
         ("train.py", "torch.arange(length)[None, None, :] < q_anchor", "torch.arange(length)[None, None, :] <= q_anchor"),
+        ("train.py", "for layer in self.layers:\n            x = layer(x, ctx, cos, sin, mask)",
+         "for index, layer in enumerate(self.layers):\n            x = layer(x, ctx, cos, sin, None if index else mask)"),
+        ("train.py", MASK_LINE, "out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)"),
         ("train.py", "pos_block = (anchors[:, :, None] + torch.arange(block)).reshape(rows, -1)",
          "pos_block = (length + torch.arange(n * block)).expand(rows, -1)"),
         ("train.py", "mask_id = vocab - 1", "mask_id = target.config.eos_token_id")])
-
-
-@pytest.fixture(scope="module")
-def causal(tmp_path_factory: pytest.TempPathFactory, target_with_eos: Path) -> dict:
-    """SDPA's is_causal in place of the mask."""
-    return run(tmp_path_factory, target_with_eos,
-               [("train.py", MASK_LINE, "out = F.scaled_dot_product_attention(q, k, v, is_causal=True)")])
 
 
 def test_clean_sdpa_trainer_matches_every_attention_invariant_it_exercised(clean: dict) -> None:
@@ -77,24 +74,18 @@ def test_clean_sdpa_trainer_matches_every_attention_invariant_it_exercised(clean
 def test_context_with_the_anchor_wrong_positions_and_eos_as_mask_are_mismatches(leaky: dict) -> None:
     context = leaky["dflash.context_excludes_anchor"]
     assert context["status"] == "mismatch", context
-    assert "see the anchor or later" in probe_value(context)
-    assert "row 0, block 0 (anchor 5): its slots see context up to position 5" in probe_value(context)
+    assert "layer 0, row 0, block 0 (anchor 5): its slots see context up to position 5" in probe_value(context)
     positions = leaky["dflash.block_position_ids"]
     assert positions["status"] == "mismatch", positions
     assert "slots at positions [24, 25, 26, 27], the anchor at 5" in probe_value(positions)
     token = leaky["dflash.mask_token_distinct"]
     assert token["status"] == "mismatch", token
     assert "mask token 62" in probe_value(token) and "eos" in probe_value(token)
-    # untouched: the blocks' own part of the mask
-    for invariant in ("dflash.blocks_isolated", "dflash.block_bidirectional"):
-        assert leaky[invariant]["status"] == "match", (invariant, leaky[invariant])
+    # layer 0's block part is untouched: no block sees another
+    assert leaky["dflash.blocks_isolated"]["status"] == "match", leaky["dflash.blocks_isolated"]
 
 
-def test_is_causal_is_never_bidirectional_and_leaves_the_layout_unknown(causal: dict) -> None:
-    bidirectional = causal["dflash.block_bidirectional"]
+def test_is_causal_is_never_bidirectional(leaky: dict) -> None:
+    bidirectional = leaky["dflash.block_bidirectional"]
     assert bidirectional["status"] == "mismatch", bidirectional
-    assert "is_causal" in probe_value(bidirectional)
-    for invariant in ("dflash.context_excludes_anchor", "dflash.blocks_isolated"):
-        assert probe_value(causal[invariant]).startswith("unknown: not exercised by the observed step")
-    for invariant in ("dflash.mask_token_distinct", "dflash.block_position_ids"):
-        assert causal[invariant]["status"] == "match", (invariant, causal[invariant])
+    assert "scaled_dot_product_attention: is_causal at Drafter.layers.1" in probe_value(bidirectional)
