@@ -1,16 +1,18 @@
 """The drafter's attention as the observed step called it (inside the user's process; torch).
 
-What a DFlash mask decides is which keys each block slot's query may weigh. Whatever a trainer writes (a mask
-tensor handed to scaled_dot_product_attention, its `is_causal` flag, or its own matmul, masked_fill and softmax),
-it reduces to one of two calls, and both are watched here:
+What a DFlash mask decides is which keys each block slot's query may weigh. Whatever a trainer writes, it reduces
+to one of three calls, and each is watched here:
   * `scaled_dot_product_attention` (the functional entry HF, SpecForge-style and hand-written drafters share):
     the mask as called (boolean or additive, any broadcast shape) or `is_causal`;
   * softmax over the last dimension (`torch.softmax`, `Tensor.softmax`, `nn.functional.softmax`, which
-    `nn.MultiheadAttention`'s weight path and eager attention call): the scores as applied, where a key is
-    blocked exactly when its score was pushed to -inf (or a large negative value) before the softmax.
+    `nn.MultiheadAttention`'s weight path, eager attention and hand-written matmul + masked_fill call): the
+    scores as applied, where a key is blocked exactly when its score was pushed to -inf (or far below its row's
+    best) before the softmax;
+  * `flex_attention`: its BlockMask's mask_mod, evaluated element by element (create_mask).
 A call counts as the drafter's when its queries (or scores) carry gradient with grad mode on: the target runs
-frozen or under no_grad, the drafter's projections are trained (whether or not a module wraps the call). Flex attention is not watched (its BlockMask
-is not a tensor a softmax ever sees).
+frozen or under no_grad, the drafter's projections are trained (whether or not a module wraps the call).
+Attention none of these sees (a fused kernel, a softmax written as exp / sum) is judged from the gradient at the
+target features instead (see `reached`), which can only find a leak.
 
 Positions: the module call inside a trained module's forward that returns a (cos, sin) pair (cos^2 + sin^2 = 1)
 is the drafter's rotary, whatever it is called; the integer tensor handed to it is the positions as applied.
@@ -36,6 +38,38 @@ MAX_QUERIES = 8192  # queries summarised per row
 MAX_IDS = 65_536  # token ids kept per embedding call
 BLOCKED_ADDITIVE = -1e3  # an additive mask value at or below this weighs a key by exp(-1000): blocked
 BLOCKED_GAP = 1e3  # a score this far below its row's best weighs nothing after softmax
+
+
+FLEX_MODULE = "torch.nn.attention.flex_attention"
+
+
+class _ModuleWatch:
+    """A meta path finder that lets one module import as usual, then hands it to `then`."""
+
+    def __init__(self, name: str, then: Any) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original, then = loader.exec_module, self.then
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            try:
+                then(module)
+            except Exception:  # noqa: BLE001 - the observer never breaks the user's import
+                pass
+
+        loader.exec_module = exec_module
+        return spec
 
 
 def _site() -> str:
@@ -95,6 +129,31 @@ class AttentionWatch:
             original = getattr(owner, name, None)
             if original is not None:
                 setattr(owner, name, self.softmax(original))
+        # flex attention lives in a module torch does not import by itself: wrapped when (if) the command imports it,
+        # before its `from ... import flex_attention` binds the name.
+        flex = sys.modules.get(FLEX_MODULE)
+        if flex is not None:
+            self.patch_flex(flex)
+        else:
+            sys.meta_path.insert(0, _ModuleWatch(FLEX_MODULE, self.patch_flex))
+
+    def patch_flex(self, module: Any) -> None:
+        original = getattr(module, "flex_attention", None)
+        if original is None or getattr(original, "__sleuth__", False):
+            return
+        watch = self
+
+        def flex_attention(query, key, value, *args, **kwargs):  # noqa: ANN001, ANN202
+            try:
+                block_mask = kwargs.get("block_mask", args[1] if len(args) > 1 else None)
+                watch.on_flex(query, key, block_mask)
+            except Exception:  # noqa: BLE001
+                pass
+            return original(query, key, value, *args, **kwargs)
+
+        flex_attention.__wrapped__ = original
+        flex_attention.__sleuth__ = True
+        module.flex_attention = flex_attention
 
     def softmax(self, original: Any) -> Any:
         watch = self
@@ -195,6 +254,26 @@ class AttentionWatch:
             how = "is_causal" if is_causal else "no mask (full attention)"
         self.record("scaled_dot_product_attention: " + how, visible, query)
 
+    def on_flex(self, query: Any, key: Any, block_mask: Any) -> None:
+        """The mask a BlockMask stands for, element by element: its mask_mod evaluated over (row, query, key) for
+        the first head (a score_mod that adds -inf is not seen)."""
+        torch = self.torch
+        compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
+        if compiling or not (isinstance(query, torch.Tensor) and query.requires_grad and torch.is_grad_enabled()):
+            return
+        lq, lk = int(query.shape[-2]), int(key.shape[-2])
+        rows = min(int(query.shape[0]), MAX_ROWS) if query.dim() == 4 else 1
+        mask_mod = getattr(block_mask, "mask_mod", None)
+        if mask_mod is None:
+            self.record("flex_attention: no block mask (full attention)", torch.ones(rows, 1, lq, lk, dtype=torch.bool),
+                        query, rows=rows)
+            return
+        from torch.nn.attention.flex_attention import create_mask
+
+        with torch.no_grad():
+            dense = create_mask(mask_mod, rows, 1, lq, lk, device=query.device)
+        self.record("flex_attention: the block mask's mask_mod", dense.cpu(), query, rows=rows)
+
     def on_scores(self, scores: Any) -> None:
         if not (scores.is_floating_point() and scores.dim() >= 2 and scores.requires_grad
                 and self.torch.is_grad_enabled()):
@@ -206,11 +285,11 @@ class AttentionWatch:
         visible = (detached > best - BLOCKED_GAP) & (detached != float("-inf"))
         self.record("softmax over scores", visible, scores)
 
-    def record(self, how: str, visible: Any, query: Any) -> None:
+    def record(self, how: str, visible: Any, query: Any, rows: int | None = None) -> None:
         lq, lk = int(visible.shape[-2]), int(visible.shape[-1])
         flat = visible.reshape(-1, lq, lk)
         # Rows of the leading dimensions are (batch, heads) in that order: a row of the batch is a run of heads.
-        rows = self.batch_rows(flat.shape[0])
+        rows = rows or self.batch_rows(flat.shape[0])
         heads = max(1, flat.shape[0] // rows)
         by_row = flat.reshape(rows, heads, lq, lk)
         heads_agree = bool((by_row == by_row[:, :1]).all())
