@@ -116,7 +116,8 @@ class AttentionWatch:
         if original_sdpa is not None:
             watch = self
 
-            def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *args, **kwargs):  # noqa: ANN001, ANN202
+            def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,  # noqa: ANN001, ANN202
+                     *args, **kwargs):  # noqa: ANN002, ANN003
                 try:
                     watch.on_sdpa(query, key, attn_mask, is_causal)
                 except Exception:  # noqa: BLE001 - the observer never breaks the user's run
@@ -238,41 +239,56 @@ class AttentionWatch:
         if not (isinstance(query, torch.Tensor) and query.requires_grad and torch.is_grad_enabled()):
             return
         lq, lk = int(query.shape[-2]), int(key.shape[-2])
-        lead = tuple(query.shape[:-2])
-        if mask is not None:
-            full = mask.detach().expand(*lead, lq, lk) if mask.dim() <= len(lead) + 2 else None
-            if full is None:
-                return
-            visible = full if full.dtype == torch.bool else full > BLOCKED_ADDITIVE
-            how = "boolean mask" if full.dtype == torch.bool else "additive mask"
-            if is_causal:
-                visible = visible & torch.ones(lq, lk, dtype=torch.bool).tril()
-                how += " and is_causal"
-        else:
-            visible = torch.ones(lq, lk, dtype=torch.bool).tril().expand(*lead, lq, lk) if is_causal else \
-                torch.ones(*lead, lq, lk, dtype=torch.bool)
+        lead = tuple(int(d) for d in query.shape[:-2])
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril() if is_causal else None
+        if mask is None:
             how = "is_causal" if is_causal else "no mask (full attention)"
-        self.record("scaled_dot_product_attention: " + how, visible, query)
+            plain = causal if causal is not None else torch.ones(lq, lk, dtype=torch.bool, device=query.device)
+            self.record("scaled_dot_product_attention: " + how, 1, lambda _r: plain, lq, lk, True)
+            return
+        held = mask.detach()
+        if held.dim() > len(lead) + 2:
+            return
+        while held.dim() < len(lead) + 2:
+            held = held[None]
+        # A view over the queries' leading dimensions: one (row, head) slice at a time is ever materialised.
+        full = held.expand(*lead, lq, lk)
+        additive = held.dtype != torch.bool
+        rows, heads = self.rows_heads(lead)
+
+        def visible(flat: int) -> Any:
+            part = full[self.unravel(flat, lead)] if lead else full
+            seen = part > BLOCKED_ADDITIVE if additive else part
+            return seen & causal if causal is not None else seen
+
+        # heads agree when the mask does not vary over them (broadcast), or, where it does, on the first row
+        agree = all(d == 1 for d in held.shape[1:len(lead)]) or all(
+            bool((visible(h) == visible(0)).all()) for h in range(1, heads))
+        how = ("additive mask" if additive else "boolean mask") + (" and is_causal" if is_causal else "")
+        self.record("scaled_dot_product_attention: " + how, rows, lambda r: visible(r * heads), lq, lk, agree)
 
     def on_flex(self, query: Any, key: Any, block_mask: Any) -> None:
         """The mask a BlockMask stands for, element by element: its mask_mod evaluated over (row, query, key) for
-        the first head (a score_mod that adds -inf is not seen)."""
+        the first head, one row at a time (a score_mod that adds -inf is not seen)."""
         torch = self.torch
         compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
         if compiling or not (isinstance(query, torch.Tensor) and query.requires_grad and torch.is_grad_enabled()):
             return
         lq, lk = int(query.shape[-2]), int(key.shape[-2])
-        rows = min(int(query.shape[0]), MAX_ROWS) if query.dim() == 4 else 1
+        rows = int(query.shape[0]) if query.dim() == 4 else 1
         mask_mod = getattr(block_mask, "mask_mod", None)
         if mask_mod is None:
-            self.record("flex_attention: no block mask (full attention)", torch.ones(rows, 1, lq, lk, dtype=torch.bool),
-                        query, rows=rows)
+            plain = torch.ones(lq, lk, dtype=torch.bool)
+            self.record("flex_attention: no block mask (full attention)", 1, lambda _r: plain, lq, lk, True)
             return
         from torch.nn.attention.flex_attention import create_mask
 
-        with torch.no_grad():
-            dense = create_mask(mask_mod, rows, 1, lq, lk, device=query.device)
-        self.record("flex_attention: the block mask's mask_mod", dense.cpu(), query, rows=rows)
+        def visible(row: int) -> Any:
+            with torch.no_grad():
+                return create_mask(lambda b, h, q, k: mask_mod(b + row, h, q, k), 1, 1, lq, lk,
+                                   device=query.device)[0, 0]
+
+        self.record("flex_attention: the block mask's mask_mod", rows, visible, lq, lk, True)
 
     def on_scores(self, scores: Any) -> None:
         if not (scores.is_floating_point() and scores.dim() >= 2 and scores.requires_grad
@@ -280,31 +296,47 @@ class AttentionWatch:
             return
         if scores.shape[-1] in self.vocab:  # a softmax over the vocabulary (a loss), not over keys
             return
-        detached = scores.detach()
-        best = detached.amax(-1, keepdim=True)
-        visible = (detached > best - BLOCKED_GAP) & (detached != float("-inf"))
-        self.record("softmax over scores", visible, scores)
+        lq, lk = int(scores.shape[-2]), int(scores.shape[-1])
+        lead = tuple(int(d) for d in scores.shape[:-2])
+        rows, heads = self.rows_heads(lead)
 
-    def record(self, how: str, visible: Any, query: Any, rows: int | None = None) -> None:
-        lq, lk = int(visible.shape[-2]), int(visible.shape[-1])
-        flat = visible.reshape(-1, lq, lk)
-        # Rows of the leading dimensions are (batch, heads) in that order: a row of the batch is a run of heads.
-        rows = rows or self.batch_rows(flat.shape[0])
-        heads = max(1, flat.shape[0] // rows)
-        by_row = flat.reshape(rows, heads, lq, lk)
-        heads_agree = bool((by_row == by_row[:, :1]).all())
-        first = by_row[:MAX_ROWS, 0, :MAX_QUERIES]
+        def visible(flat: int) -> Any:
+            part = (scores[self.unravel(flat, lead)] if lead else scores).detach()
+            return (part > part.amax(-1, keepdim=True) - BLOCKED_GAP) & (part != float("-inf"))
+
+        agree = all(bool((visible(h) == visible(0)).all()) for h in range(1, min(heads, 8)))
+        self.record("softmax over scores", rows, lambda r: visible(r * heads), lq, lk, agree)
+
+    def rows_heads(self, lead: tuple[int, ...]) -> tuple[int, int]:
+        """Batch rows and heads among the leading dimensions, which are (batch, heads) in that order: with two or
+        more, the first is the batch; with one (batch and heads merged), the rows of the last embedding call."""
+        total = 1
+        for d in lead:
+            total *= d
+        rows = lead[0] if len(lead) >= 2 else self.batch_rows(total)
+        return max(rows, 1), max(1, total // max(rows, 1))
+
+    @staticmethod
+    def unravel(flat: int, lead: tuple[int, ...]) -> tuple[int, ...]:
+        index = []
+        for d in reversed(lead):
+            index.append(flat % d)
+            flat //= d
+        return tuple(reversed(index))
+
+    def record(self, how: str, rows: int, visible: Any, lq: int, lk: int, heads_agree: bool) -> None:
+        """One attention call: `visible(r)` is row r's (queries x keys) visibility for its first head."""
         split = max(0, lk - lq)
-        summary = {"rows": [self.summarise(first[r], split) for r in range(first.shape[0])]}
+        summary = {"rows": [self.summarise(visible(r)[:MAX_QUERIES].cpu(), split) for r in range(min(rows, MAX_ROWS))]}
         key = tuple(tuple(tuple(v) for v in row) for row in summary["rows"])
         if key not in self.patterns:
             self.patterns[key] = len(self.summaries)
             self.summaries.append(summary)
         stack = [ref() for ref, _trains in self.stack[-6:]]
         self.calls = [*self.calls[-(MAX_CALLS - 1):], {
-            "how": how, "site": _site(), "pattern": self.patterns[key], "lq": lq, "lk": lk, "split": split, "batch_rows": rows,
-            "heads": heads, "heads_agree": heads_agree, "stack": [weakref.ref(m) for m in stack if m is not None],
-            "order": self.next()}]
+            "how": how, "site": _site(), "pattern": self.patterns[key], "lq": lq, "lk": lk, "split": split,
+            "batch_rows": rows, "heads_agree": heads_agree,
+            "stack": [weakref.ref(m) for m in stack if m is not None], "order": self.next()}]
 
     def next(self) -> int:
         self.tick += 1
@@ -358,7 +390,8 @@ class AttentionWatch:
             modules = [m for m in modules if m is not None]
             place = next((names["in_list"].get(id(m)) for m in reversed(modules) if id(m) in names["in_list"]), None)
             inner = modules[-1] if modules else None
-            call["module"] = names["modules"].get(id(inner), type(inner).__name__) if inner is not None else call["site"]
+            call["module"] = (names["modules"].get(id(inner), type(inner).__name__) if inner is not None
+                              else call["site"])
             if place is not None:
                 call.update(layer=place[0], layers=place[1], stack=place[2])
             calls.append(call)

@@ -94,11 +94,15 @@ def _judge(observation: dict[str, Any]) -> tuple[list[Verdict], list[str]]:
     lq, lk = int(last["lq"]), int(last["lk"])
     calls = [c for c in calls if c["lq"] == lq and c["lk"] == lk]
     split = lk - lq
+    embedded = [e for e in record.get("embedded") or [] if isinstance(e, dict) and _ints(e.get("ids"))
+                and isinstance(e.get("order"), int)]
+    block_call = next((e for e in reversed(embedded) if len(e["ids"][0]) == lq and e["order"] < last.get("order", 0)),
+                      None)
+    if block_call is not None:  # the last forward's calls (a step of several forwards embeds each one's blocks)
+        calls = [c for c in calls if int(c.get("order") or 0) > block_call["order"]]
     first_order = min(int(c.get("order") or 0) for c in calls)
-    embedded = [e for e in record.get("embedded") or [] if isinstance(e, dict) and _ints(e.get("ids"))]
-    before = [e for e in embedded if int(e.get("order") or 0) < first_order]
-    block_call = next((e for e in reversed(before) if len(e["ids"][0]) == lq), None)
-    data_call = next((e for e in reversed(before) if len(e["ids"][0]) == split and e is not block_call), None)
+    data_call = next((e for e in reversed(embedded) if len(e["ids"][0]) == split and e is not block_call
+                      and e["order"] < first_order), None)
     layers = sorted({c["layer"] for c in calls if isinstance(c.get("layer"), int)})
     where = ", ".join(sorted({_text(c.get("module"), 80) for c in calls}))
     hows = sorted({_text(c.get("how"), 120) for c in calls})
@@ -256,42 +260,44 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
             return [*unknown, _unknown(BIDIRECTIONAL, why)]
         return [*unknown, _causal(causal_call, measurement, coverage)]
     # context excludes the anchor
+    hypothesis = "a block's queries see context strictly before its anchor"
     if leaks:
-        verdicts.append(_verdict(CONTEXT, "mismatch", "a block's queries see context strictly before its anchor",
-                                 measurement, observed=f"{len(leaks)} of {context_blocks} placed block(s) see the anchor "
-                                 f"or later: " + "; ".join(leaks[:SHOWN]), expected="context positions < anchor",
+        verdicts.append(_verdict(CONTEXT, "mismatch", hypothesis, measurement,
+                                 observed=f"{len(leaks)} of {context_blocks} placed block(s) see the anchor or later: "
+                                 + "; ".join(leaks[:SHOWN]), expected="context positions < anchor",
                                  fix="build the context part of the mask with kv_pos < anchor (not <=)",
                                  coverage={**coverage, "blocks_placed": context_blocks}))
     elif context_ok:
-        verdicts.append(_verdict(CONTEXT, "match", "a block's queries see context strictly before its anchor",
-                                 measurement, observed=f"in {context_ok} placed block(s) of {judged_blocks} judged ({covered}), "
+        verdicts.append(_verdict(CONTEXT, "match", hypothesis, measurement,
+                                 observed=f"in {context_ok} placed block(s) of {judged_blocks} judged ({covered}), "
                                  "every slot sees only context before the block's anchor",
-                                 expected="context positions < anchor", coverage={**coverage, "blocks_placed":
-                                                                                 context_ok}))
+                                 expected="context positions < anchor",
+                                 coverage={**coverage, "blocks_placed": context_ok}))
     else:
         verdicts.append(_unknown(CONTEXT, f"{NOT_EXERCISED}: no block could be placed at a single anchor in the "
                                  "sequence the target read (its first token occurs at several positions, or the "
                                  "sequence's ids were not observed)"))
     # blocks isolated
+    hypothesis, expected = "a block sees no other block's tokens", "block keys limited to the query's own block"
     if crossings:
-        verdicts.append(_verdict(ISOLATED, "mismatch", "a block sees no other block's tokens", measurement,
+        verdicts.append(_verdict(ISOLATED, "mismatch", hypothesis, measurement,
                                  observed=f"{len(crossings)} block(s) see another block's keys: "
-                                 + "; ".join(crossings[:SHOWN]), expected="block keys limited to the query's own block",
+                                 + "; ".join(crossings[:SHOWN]), expected=expected,
                                  fix="allow block keys only where the key's block equals the query's block",
                                  coverage=coverage))
     elif blocks < 2:
         verdicts.append(_unknown(ISOLATED, f"{NOT_EXERCISED}: one block per row, no other block to see"))
     else:
-        verdicts.append(_verdict(ISOLATED, "match", "a block sees no other block's tokens", measurement,
+        verdicts.append(_verdict(ISOLATED, "match", hypothesis, measurement,
                                  observed=f"in all {judged_blocks} block(s) ({blocks} per row, {rows} row(s); "
-                                 f"{covered}) no slot sees another block's keys", expected="block keys limited to the query's own block",
-                                 coverage=coverage))
+                                 f"{covered}) no slot sees another block's keys", expected=expected, coverage=coverage))
     # bidirectional within the block
+    hypothesis = "slots of a block see each other in both directions"
     if causal_call is not None:
         verdicts.append(_causal(causal_call, measurement, coverage))
     elif narrowed:
-        verdicts.append(_verdict(BIDIRECTIONAL, "mismatch", "slots of a block see each other in both directions",
-                                 measurement, observed=f"{len(narrowed)} block(s) in full-attention layers: "
+        verdicts.append(_verdict(BIDIRECTIONAL, "mismatch", hypothesis, measurement,
+                                 observed=f"{len(narrowed)} block(s) in full-attention layers: "
                                  + "; ".join(narrowed[:SHOWN]),
                                  expected=f"every slot sees all {size} tokens of its block",
                                  fix="make the block part of the mask true for every (slot, slot) pair of a block",
@@ -300,9 +306,10 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
         verdicts.append(_unknown(BIDIRECTIONAL, f"{NOT_EXERCISED}: every observed layer limits the context to a "
                                  "window (sliding-window layers may be causal within the block): no full layer seen"))
     else:
-        verdicts.append(_verdict(BIDIRECTIONAL, "match", "slots of a block see each other in both directions",
-                                 measurement, observed=f"in all {judged_blocks} block(s) ({covered}) every slot sees all "
-                                 f"{size} tokens of its block", expected="bidirectional within the block", coverage=coverage))
+        verdicts.append(_verdict(BIDIRECTIONAL, "match", hypothesis, measurement,
+                                 observed=f"in all {judged_blocks} block(s) of full-attention layers ({covered}) every "
+                                 f"slot sees all {size} tokens of its block", expected="bidirectional within the block",
+                                 coverage=coverage))
     return verdicts
 
 
@@ -369,8 +376,9 @@ def _positions(record: dict[str, Any], first_order: int, lq: int, lk: int, size:
     rotary = [r for r in record.get("rotary") or [] if isinstance(r, dict) and int(r.get("order") or 0) < first_order]
     handed = next((r for r in reversed(rotary) if _ints(r.get("positions"))), None)
     if handed is None:
-        return _unknown(POSITIONS, f"{NOT_EXERCISED}: no (cos, sin) pair was computed by a module inside the drafter's "
-                        "forward from positions handed to it (rotary computed functionally, or none): link not followed")
+        return _unknown(POSITIONS, f"{NOT_EXERCISED}: no (cos, sin) pair was computed by a module inside the "
+                        "drafter's forward from positions handed to it (rotary computed functionally, or none): link "
+                        "not followed")
     positions = handed["positions"]
     length = len(positions[0])
     if length not in (lq, lk):

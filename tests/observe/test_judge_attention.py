@@ -79,3 +79,15 @@ def test_malformed_records_are_unknown_never_a_crash() -> None:
 def test_block_layout() -> None:
     assert block_layout([[4, 9, 9, 9, 7, 9, 9, 9]]) == (4, 9)
     assert block_layout([[1, 2, 3, 4]]) is None
+
+
+def test_a_step_of_two_forwards_is_judged_on_the_last_with_its_own_blocks() -> None:
+    first = record(reference, anchors=(5, 9))["attention"]
+    last = record(reference, anchors=(3, 7))["attention"]
+    for item in last["embedded"]:
+        item["order"] += 10
+    merged = {**last, "calls": [first["calls"][0], {**last["calls"][0], "pattern": 1, "order": 14}],
+              "patterns": first["patterns"] + last["patterns"], "embedded": first["embedded"] + last["embedded"]}
+    found = verdicts({"attention": merged})
+    assert found["dflash.context_excludes_anchor"].status == "match", found["dflash.context_excludes_anchor"].observed
+    assert found["dflash.context_excludes_anchor"].coverage["calls"] == 1

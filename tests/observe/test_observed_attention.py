@@ -51,10 +51,13 @@ def leaky(tmp_path_factory: pytest.TempPathFactory, target_with_eos: Path) -> di
     """Layer 0's mask lets the context include the anchor, layer 1 calls SDPA with is_causal instead of a mask, the
     block's positions continue after the context, and the mask token is eos."""
     return run(tmp_path_factory, target_with_eos, [
-        ("train.py", "torch.arange(length)[None, None, :] < q_anchor", "torch.arange(length)[None, None, :] <= q_anchor"),
+        ("train.py", "torch.arange(length)[None, None, :] < q_anchor",
+         "torch.arange(length)[None, None, :] <= q_anchor"),
         ("train.py", "for layer in self.layers:\n            x = layer(x, ctx, cos, sin, mask)",
-         "for index, layer in enumerate(self.layers):\n            x = layer(x, ctx, cos, sin, None if index else mask)"),
-        ("train.py", MASK_LINE, "out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)"),
+         "for index, layer in enumerate(self.layers):\n"
+         "            x = layer(x, ctx, cos, sin, None if index else mask)"),
+        ("train.py", MASK_LINE,
+         "out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)"),
         ("train.py", "pos_block = (anchors[:, :, None] + torch.arange(block)).reshape(rows, -1)",
          "pos_block = (length + torch.arange(n * block)).expand(rows, -1)"),
         ("train.py", "mask_id = vocab - 1", "mask_id = target.config.eos_token_id")])

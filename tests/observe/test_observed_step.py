@@ -169,7 +169,8 @@ def test_trainable_target_embedding_found_and_nothing_unexercised_matches(tmp_pa
         assert not any("probe observed-step agrees" in note for note in found[invariant]["notes"])
     attention = {f["id"]: f for f in report["findings"]}
     assert attention["dflash.blocks_isolated"]["status"] == "mismatch"
-    assert "slot 0 of block 1 sees block keys 0..4 (its block is 4..7)" in probe_value(attention["dflash.blocks_isolated"])
+    isolated = probe_value(attention["dflash.blocks_isolated"])
+    assert "slot 0 of block 1 sees block keys 0..4 (its block is 4..7)" in isolated
     assert attention["dflash.block_bidirectional"]["status"] == "mismatch"
     assert "see [1, 2, 3, 4] of the block's 4 tokens (causal within the block)" in \
         probe_value(attention["dflash.block_bidirectional"])
