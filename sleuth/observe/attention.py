@@ -234,9 +234,14 @@ class AttentionWatch:
 
     # --- attention calls --------------------------------------------------------------------------------
 
+    def compiling(self) -> bool:
+        """Under torch.compile's tracing the record (host copies, Python loops) would break the graph: not observed."""
+        return bool(getattr(getattr(self.torch, "compiler", None), "is_compiling", lambda: False)())
+
     def on_sdpa(self, query: Any, key: Any, mask: Any, is_causal: bool) -> None:
         torch = self.torch
-        if not (isinstance(query, torch.Tensor) and query.requires_grad and torch.is_grad_enabled()):
+        if self.compiling() or not (isinstance(query, torch.Tensor) and query.requires_grad
+                                    and torch.is_grad_enabled()):
             return
         lq, lk = int(query.shape[-2]), int(key.shape[-2])
         lead = tuple(int(d) for d in query.shape[:-2])
@@ -271,8 +276,7 @@ class AttentionWatch:
         """The mask a BlockMask stands for, element by element: its mask_mod evaluated over (row, query, key) for
         the first head, one row at a time (a score_mod that adds -inf is not seen)."""
         torch = self.torch
-        compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
-        if compiling or not (isinstance(query, torch.Tensor) and query.requires_grad and torch.is_grad_enabled()):
+        if self.compiling() or not (isinstance(query, torch.Tensor) and query.requires_grad and torch.is_grad_enabled()):
             return
         lq, lk = int(query.shape[-2]), int(key.shape[-2])
         rows = int(query.shape[0]) if query.dim() == 4 else 1
@@ -291,8 +295,8 @@ class AttentionWatch:
         self.record("flex_attention: the block mask's mask_mod", rows, visible, lq, lk, True)
 
     def on_scores(self, scores: Any) -> None:
-        if not (scores.is_floating_point() and scores.dim() >= 2 and scores.requires_grad
-                and self.torch.is_grad_enabled()):
+        if self.compiling() or not (scores.is_floating_point() and scores.dim() >= 2 and scores.requires_grad
+                                    and self.torch.is_grad_enabled()):
             return
         if scores.shape[-1] in self.vocab:  # a softmax over the vocabulary (a loss), not over keys
             return

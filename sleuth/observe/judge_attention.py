@@ -90,7 +90,9 @@ def _judge(observation: dict[str, Any]) -> tuple[list[Verdict], list[str]]:
         context = leak if leak is not None else _unknown(CONTEXT, why)
         return [context, *[_unknown(i, why) for i in (ISOLATED, BIDIRECTIONAL)], _mask_token_alone(record, why),
                 _unknown(POSITIONS, why)], []
-    last = calls[-1]
+    # The last call whose keys outnumber its queries (context + block): a softmax over something else that carries
+    # gradient (a router's gate) has no context part.
+    last = next((c for c in reversed(calls) if c["lk"] > c["lq"]), calls[-1])
     lq, lk = int(last["lq"]), int(last["lk"])
     calls = [c for c in calls if c["lq"] == lq and c["lk"] == lk]
     split = lk - lq
