@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from sleuth.observe.judge_attention import ATTENTION_INVARIANTS, judge_attention
 from sleuth.observe.optimization_judge import describe_optimization, judge_optimization
 from sleuth.observe.reference import accepted_gammas, slot_weight, target_layer_ids
 from sleuth.probes.answer import safe_text
@@ -20,7 +21,7 @@ NOT_EXERCISED = "not exercised by the observed step"
 # Invariants the observation decides (each gets a verdict, unknown where the step did not exercise it).
 OBSERVED_INVARIANTS = ("dflash.target_layer_ids", "dflash.fc_input_layers", "dflash.frozen_embed_head",
                        "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained", "dflash.target_shift",
-                       "dflash.target_logits_source")
+                       "dflash.target_logits_source") + ATTENTION_INVARIANTS
 SHIFTS = (0, 1, 2)  # label of slot j = the teacher's top-1 at anchor + j - shift; the reference's shift is 1
 PATTERN_TOLERANCE = 1e-3
 MAX_BLOCK = 128
@@ -50,10 +51,11 @@ def judge(observation: dict[str, Any], expectations: Expectations) -> tuple[list
             verdicts += part(observation, expectations)
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as exc:
             invariants = {_layers: OBSERVED_INVARIANTS[:2], _frozen: OBSERVED_INVARIANTS[2:3],
-                          _weights: OBSERVED_INVARIANTS[3:]}[part]
+                          _weights: OBSERVED_INVARIANTS[3:7]}[part]
             verdicts += [_unknown(i, f"the observation is malformed ({type(exc).__name__})") for i in invariants]
     verdicts += judge_optimization(observation)  # optimizer groups, the schedule's horizon, clipping and resume
-    return verdicts, notes + describe_optimization(observation)
+    attention, attention_notes = judge_attention(observation)
+    return verdicts + attention, notes + attention_notes + describe_optimization(observation)
 
 
 # --- target layers ------------------------------------------------------------------------------------------
@@ -216,7 +218,7 @@ def block_pattern(weights: list[float], shape: list[int]) -> tuple[int, list[lis
 
 
 def _weights(observation: dict[str, Any], expectations: Expectations) -> list[Verdict]:
-    gamma_id, anchor_id, shift_id, source_id = OBSERVED_INVARIANTS[3:]
+    gamma_id, anchor_id, shift_id, source_id = OBSERVED_INVARIANTS[3:7]
     logits = observation.get("logits")
     if not isinstance(logits, dict):
         why = (f"{NOT_EXERCISED}: no module output with the vocabulary's width received a softmax loss's gradient "

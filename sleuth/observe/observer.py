@@ -28,6 +28,7 @@ import time
 import weakref
 from typing import Any
 
+from sleuth.observe.attention import AttentionWatch
 from sleuth.observe.optimization import OptimWatch
 
 ANSWER_ENV = "SLEUTH_OBSERVE_ANSWER"
@@ -162,6 +163,7 @@ class Observer:
         self.teachers: list[dict[str, Any]] = []
         self.due = False
         self.done = False
+        self.attention = AttentionWatch(torch)
         self.new_window()
         self.observed: dict[str, Any] = {"frozen": {}}
 
@@ -172,6 +174,7 @@ class Observer:
         self.losses: list[dict[str, Any]] = []
         self.called: set[int] = set()
         self.snapshots: dict[int, Any] = {}
+        self.attention.reset()
 
     # --- instrumentation --------------------------------------------------------------------------------
 
@@ -182,6 +185,7 @@ class Observer:
 
         module_mod.register_module_forward_pre_hook(self.on_pre_forward)
         module_mod.register_module_forward_hook(self.on_forward)
+        self.attention.patch()
         for name in ("cat", "concat", "concatenate", "stack"):
             original = getattr(torch, name, None)
             if original is not None:
@@ -427,6 +431,7 @@ class Observer:
             "frozen": self.describe_frozen(names),
             "schedulers": [self.describe_scheduler(s) for s in self.schedulers if s["ref"]() is not None],
             "optimization": self.optim.describe(names),
+            "attention": self.attention.describe(names, self.gathered),
         }
 
     def names(self) -> dict[str, dict[int, Any]]:
