@@ -99,7 +99,7 @@ def _layers(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
     stack = _text(next((c.get("stack") for c in chunks if c.get("stack")), "?"))
     coverage = {"features": f"{features.get('kind')} at {site}, shape {features.get('shape')}",
                 "target_stack": f"{stack} ({depth} layers)", "layers_gathered": layers, "layers_reaching_loss": reached}
-    measurement = (f"gradient of the observed step's loss at each gathered block: "
+    measurement = ("gradient of the observed step's loss at each gathered block: "
                    + ", ".join(f"layer {layer}: {_num(c.get('grad_abs_sum'))}" for layer, c in zip(layers, chunks)))
     verdicts: list[Verdict] = []
     everything = len(set(layers)) >= depth > 0
