@@ -66,6 +66,7 @@ def write_diagnosis(inv: Any, findings: list[Finding]) -> tuple[Report, Path, di
             checkpoint=str(inv.checkpoint) if inv.checkpoint else None,
             code=str(inv.code) if inv.code else None,
             playbook=_playbook_name(inv.playbook, inv.request.playbook),
+            variant=getattr(inv, "variant", None),
         ),
         reference=_reference_summary(inv.resolution),
         regression=inv.regression,
