@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from family_fixtures import B, clean, planted, write_export
+from family_fixtures import LAYER_CONFIG, SLIDING, B, base_shapes, clean, dflash2_shapes, dspark_shapes, planted, write_export
 from typer.testing import CliRunner
 
 from sleuth.checks import ContractContext, apply_contract_checks
@@ -121,3 +121,51 @@ def test_diagnose_names_the_variant_and_finds_the_defect(tmp_path, monkeypatch):
     assert findings["dspark.anchor_slot_trained"]["status"] == "mismatch"
     assert not {i for i in findings if i.startswith(("dflash2.", "domino.", "jetspec."))}
     assert "Drafter variant: dspark" in (directory / "diagnosis" / "report.md").read_text()
+
+
+def write_own_run(path: Path, config: dict, shapes: dict, drafter: dict) -> Path:
+    """Our trainer's run directory (run-directory contract): config.json with `drafter_kind`, run.json `drafter`,
+    the newest checkpoint's drafter.safetensors."""
+    import numpy as np
+    from contract_fixtures import write_run
+    from safetensors.numpy import save_file
+
+    write_run(path, config=config, drafter=drafter)
+    step = path / "checkpoints" / "step-00000040"
+    step.mkdir(parents=True)
+    save_file({name: np.zeros(shape, np.float32) for name, shape in shapes.items()}, str(step / "drafter.safetensors"))
+    (path / "checkpoints" / "latest").write_text("step-00000040")
+    return path
+
+
+def own_run_findings(path: Path) -> dict:
+    info = read_run(path)
+    ctx = ContractContext(run=info, config=info.config, config_source=str(info.config_path), rules=RULES)
+    assert ctx.variant.source.endswith("drafter_kind")
+    return {f.id: f for f in apply_contract_checks([], ctx)}
+
+
+DSPARK_RUN = {"drafter_kind": "dspark", "sample_from_anchor": True, "markov_rank": 4, "confidence_head_with_markov": True}
+
+
+@pytest.mark.parametrize(("name", "config", "shapes", "invariant"), [
+    ("clean", DSPARK_RUN, dspark_shapes(), None),
+    ("w1_reduced", DSPARK_RUN, {**dspark_shapes(), "markov_head.markov_w1.weight": [32, 4]}, "dspark.markov_shapes"),
+    ("rank_0_with_markov", {**DSPARK_RUN, "markov_rank": 0}, base_shapes(), "dspark.markov_shapes"),
+])
+def test_our_own_dspark_run_is_read_from_its_config_and_checkpoint(tmp_path, name, config, shapes, invariant):
+    found = own_run_findings(write_own_run(tmp_path / name, config, shapes, {"draft_config": dict(LAYER_CONFIG)}))
+    mismatches = sorted(i for i, f in found.items() if f.status == "mismatch")
+    assert mismatches == ([invariant] if invariant else [])
+    assert found["dspark.markov_shapes"].evidence
+
+
+def test_our_own_dflash2_run_trained_causal_in_sliding_layers(tmp_path):
+    layer = {**LAYER_CONFIG, **SLIDING}
+    config = {"drafter_kind": "dflash2", "conv_kernel_size": 2, "conv_group_size": 8}
+    clean_run = own_run_findings(write_own_run(tmp_path / "clean", config, dflash2_shapes(),
+                                               {"draft_config": layer, "sliding_window_non_causal": True}))
+    assert [i for i, f in clean_run.items() if f.status == "mismatch"] == []
+    causal = own_run_findings(write_own_run(tmp_path / "causal", config, dflash2_shapes(),
+                                            {"draft_config": layer, "sliding_window_non_causal": False}))
+    assert causal["dflash2.noncausal_swa"].status == "mismatch"
