@@ -111,6 +111,18 @@ def sample_from_anchor(config: dict[str, Any] | None) -> tuple[str, bool] | None
     return (found[0], found[1]) if found is not None and isinstance(found[1], bool) else None
 
 
+def anchor_first(ctx: ContractContext) -> tuple[bool | None, str]:
+    """Whether the drafter drafts from the anchor, and why: the config's sample_from_anchor, else DSpark's layout
+    in every reference (speculators 0.9.0 dspark/config.py:73 defaults it true; DeepSpec and SpecForge are
+    anchor-first), else unknown."""
+    stated = sample_from_anchor(ctx.config)
+    if stated is not None:
+        return stated[1], f"sample_from_anchor {str(stated[1]).lower()}"
+    if ctx.variant.kind == DSPARK:
+        return True, "DSpark, no sample_from_anchor stated: anchor-first in every reference"
+    return None, ""
+
+
 def speculative_tokens(config: dict[str, Any] | None) -> int | None:
     methods = ((config or {}).get("speculators_config") or {}).get("proposal_methods") if isinstance(
         (config or {}).get("speculators_config"), dict) else None
@@ -414,7 +426,7 @@ def check_dspark_anchor_slot_trained(ctx: ContractContext) -> Finding:
         else:
             reading.agreements.append(f"speculative_tokens {drafted} for block_size {block}")
     base = _anchor_first_findings(ctx).get("dflash.anchor_slot_untrained")
-    if (layout is not None and layout[1] and base is not None and base.observed in ANCHOR_FIRST_VALUES[base.id]
+    if (anchor_first(ctx)[0] and base is not None and base.observed in ANCHOR_FIRST_VALUES[base.id]
             and not _behind_switch(base)):
         code = [e for e in base.evidence if e.kind in ("code", "probe")]
         if base.observed == ANCHOR_FIRST_VALUES[base.id][0] and code:
@@ -632,8 +644,8 @@ def apply_variant_scope(findings: list[Finding], ctx: ContractContext) -> list[F
     moves with DSpark's anchor-first layout (slot 0 trained, targets at a+k)."""
     variant = ctx.variant.kind
     kept = [f for f in findings if f.id not in ctx.rules or applies(ctx.rules[f.id], variant)]
-    layout = sample_from_anchor(ctx.config)
-    if not (layout is not None and layout[1]):
+    first_layout, why = anchor_first(ctx)
+    if not first_layout:
         return kept
     out = []
     for finding in kept:
@@ -642,8 +654,8 @@ def apply_variant_scope(findings: list[Finding], ctx: ContractContext) -> list[F
             out.append(finding)
             continue
         bonus, first = values
-        note = (f"the drafter drafts from the anchor (sample_from_anchor true, {ctx.variant.describe()}): the rule's "
-                f"value is {first!r}, not {bonus!r}")
+        note = (f"the drafter drafts from the anchor ({why}; variant {ctx.variant.describe()}): the rule's value is "
+                f"{first!r}, not {bonus!r}")
         if finding.observed == first and finding.status == "mismatch":
             measured = any(e.kind == "probe" for e in finding.evidence)
             finding = finding.model_copy(update={

@@ -8,7 +8,8 @@ Domino a prefix GRU; JetSpec keeps DFlash's weights and runs the block causally.
     2. speculators' `speculators_model_type` / `speculators_config.algorithm` (speculators 0.9.0 registers
        `dflash`, `dflash2`, `dspark`: models/*/config.py)
     3. a z-lab / SGLang / SpecForge nested `dflash_config`: `projector_type` (SpecForge's `--to hf` export),
-       `architectures` (vLLM #52816 dispatches on `DFlash2DraftModel`), then the variant's own fields
+       `architectures` (vLLM #52816 dispatches on `DFlash2DraftModel`); only without any of these, the variant's
+       own fields set to a non-zero value
     4. the checkpoint's tensor names: the modules only that variant owns
 
 A later source that names another variant is kept as a conflict note (the weights show what was trained).
@@ -103,6 +104,10 @@ def _config_markers(config: dict[str, Any], where: str) -> list[tuple[str, str]]
         kind = _kind_of_word(arch)
         if kind and kind != DFLASH:
             found.append((kind, f"{where} architectures {arch}"))
+    if found:
+        # A named variant decides: a trainer that writes its whole resolved config carries every variant's
+        # fields at their defaults (conv_kernel_size 2 in a plain DFlash run), which name nothing.
+        return found
     for kind, keys in VARIANT_FIELDS.items():
         for holder, label in ((nested, "dflash_config."), (config, "")):
             set_keys = [k for k in keys if _nonzero(holder.get(k))]

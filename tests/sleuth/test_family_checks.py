@@ -80,10 +80,14 @@ def test_the_variant_is_read_from_each_marker():
 ANCHOR_CODE = FIXTURES / "dflash.anchor_slot_untrained"
 
 
-@pytest.mark.parametrize(("code", "status"), [("valid_zeroed.py", "mismatch"), ("invalid_not_zeroed.py", "unknown")])
-def test_slot_0_zeroed_in_an_anchor_first_dspark_is_a_mismatch(tmp_path, code, status):
+@pytest.mark.parametrize(("code", "status", "stated"), [
+    ("valid_zeroed.py", "mismatch", True), ("invalid_not_zeroed.py", "unknown", True),
+    ("valid_zeroed.py", "mismatch", False), ("invalid_not_zeroed.py", "unknown", False),
+])
+def test_slot_0_zeroed_in_an_anchor_first_dspark_is_a_mismatch(tmp_path, code, status, stated):
     # The same code reads the other way round once the run drafts from the anchor: zeroing slot 0 is the defect.
-    config = {"drafter_kind": "dspark", "sample_from_anchor": True, "block_size": 8}
+    # Unstated, DSpark's layout is every reference's: anchor-first.
+    config = {"drafter_kind": "dspark", "block_size": 8, **({"sample_from_anchor": True} if stated else {})}
     (tmp_path / "config.json").write_text(json.dumps(config))
     findings = check_invariants(PLAYBOOK, config=config, config_source=str(tmp_path / "config.json"),
                                 code=ANCHOR_CODE / code, trace=Trace())
@@ -169,3 +173,10 @@ def test_our_own_dflash2_run_trained_causal_in_sliding_layers(tmp_path):
     causal = own_run_findings(write_own_run(tmp_path / "causal", config, dflash2_shapes(),
                                             {"draft_config": layer, "sliding_window_non_causal": False}))
     assert causal["dflash2.noncausal_swa"].status == "mismatch"
+
+
+def test_a_named_variant_is_not_overruled_by_default_fields_of_the_others():
+    # A resolved config carries every variant's fields at their defaults: drafter_kind decides.
+    config = {"drafter_kind": "dflash", "conv_kernel_size": 2, "markov_rank": 256, "selector_top_k": 16}
+    variant = detect_variant(config)
+    assert variant.kind == "dflash" and variant.marked and not variant.notes
