@@ -165,6 +165,7 @@ class _Investigation(InputDiscovery):
         self.rules: list[Rule] = []
         self.resolution: Any = None
         self.variant: str | None = None  # the DFlash-family variant, as the contract checks read it
+        self.variant_kind: str | None = None
 
     @property
     def engine(self) -> Engine:
@@ -301,7 +302,7 @@ class _Investigation(InputDiscovery):
             )
             findings = apply_contract_checks(findings, context)
             if self.variant is None or context.variant.marked:
-                self.variant = context.variant.describe()
+                self.variant, self.variant_kind = context.variant.describe(), context.variant.kind
             step.outcome = ", ".join(f"{f.id.split('.', 1)[-1]} {f.status}" for f in findings
                                      if f.id in _contract_ids()) or "no contract checks"
         return findings

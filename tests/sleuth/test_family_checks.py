@@ -108,6 +108,7 @@ def test_a_plain_dflash_export_gets_nothing_new(tmp_path, monkeypatch):
     ids = {f["id"] for f in report["findings"]}
     assert ids and not ids & FAMILY_IDS
     assert report["inputs"]["variant"].startswith("dflash (no variant marker")
+    assert not {rule["id"] for rule in report["rules"]} & FAMILY_IDS  # nor their rules in the report
     assert [f["id"] for f in report["findings"] if f["status"] == "mismatch"] == []
 
 
