@@ -144,7 +144,7 @@ def _shape(t: Any) -> list[int]:
 
 
 def _finish(ctx: ContractContext, invariant_id: str, reading: Reading, expected: str, *, fix: str,
-            reason: str, applicability: str = "safe", nothing: str = "") -> Finding:
+            reason: str, applicability: str = "safe") -> Finding:
     if reading.problems:
         return ctx.finding(invariant_id, "mismatch", expected=expected, observed="; ".join(reading.problems),
                            evidence=reading.evidence, confidence=0.85, reason=reason, notes=reading.notes,
@@ -157,8 +157,8 @@ def _finish(ctx: ContractContext, invariant_id: str, reading: Reading, expected:
                    "reported, not claimed as a match" + (f" ({'; '.join(reading.missing)} not read)" if reading.missing else ""))
         return finding.model_copy(update={"static_agreement": True})
     return ctx.finding(invariant_id, "unknown", expected=expected, evidence=reading.evidence, notes=reading.notes,
-                       reason=nothing or ("nothing decides it: " + "; ".join(reading.missing) if reading.missing
-                                          else "nothing in the inputs decides it"))
+                       reason=("nothing decides it: " + "; ".join(reading.missing) if reading.missing
+                               else "nothing in the inputs decides it"))
 
 
 # --- DFlash2 ------------------------------------------------------------------------------------------------
@@ -240,6 +240,18 @@ def _conv_params(config: dict[str, Any] | None) -> tuple[int | None, int | None,
     return k_value, g_value, how
 
 
+def _projection_problem(shape: list[int], k: int, hidden: int, group: int | None) -> str | None:
+    """kernel_projection.weight is [2*k*H/g, H]: one delta per tap and channel group, for the input and output
+    convolutions. Without g from the config, its rows must still be 2k times a group count that divides H."""
+    if len(shape) != 2 or shape[1] != hidden:
+        return f"not [2*k*H/g, {hidden}]"
+    if group:
+        want = 2 * k * (hidden // group)
+        return None if hidden % group == 0 and shape[0] == want else f"the rule gives [{want}, {hidden}] for k={k}, g={group}"
+    groups, rest = divmod(shape[0], 2 * k)
+    return None if not rest and groups and hidden % groups == 0 else f"{shape[0]} rows are not 2*k*(H/g) for k={k}"
+
+
 def check_dflash2_conv_shapes(ctx: ContractContext) -> Finding:
     """dflash2.conv_shapes: [S090] dflash2/model_definitions.py:57-78, 117-135."""
     config, where, reading = ctx.config, _where(ctx), Reading()
@@ -273,14 +285,10 @@ def check_dflash2_conv_shapes(ctx: ContractContext) -> Finding:
         if hidden is not None and h_ckpt != hidden:
             reading.problems.append(f"{base.name} {shape} is over H={h_ckpt}, the drafter's hidden size is {hidden}")
         projection = projections.get(module)
-        group = g if g else None
         if projection is not None:
-            p_shape = _shape(projection)
-            want_rows = 2 * k_ckpt * (h_ckpt // group) if group and h_ckpt % group == 0 else None
-            if len(p_shape) != 2 or p_shape[1] != h_ckpt or (want_rows is not None and p_shape[0] != want_rows) \
-                    or (want_rows is None and (p_shape[0] % (2 * k_ckpt) or h_ckpt % (p_shape[0] // (2 * k_ckpt) or 1))):
-                reading.problems.append(f"{projection.name} {p_shape}, the rule gives [2*k*H/g, H] = "
-                                        f"[{want_rows if want_rows is not None else '2*k*H/g'}, {h_ckpt}]")
+            problem = _projection_problem(_shape(projection), k_ckpt, h_ckpt, g)
+            if problem:
+                reading.problems.append(f"{projection.name} {_shape(projection)}: {problem}")
         else:
             reading.problems.append(f"{module}.kernel_projection.weight is missing beside {base.name}")
     if bases and not reading.problems:
