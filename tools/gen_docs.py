@@ -307,6 +307,9 @@ def invariants_page(root: Path = ROOT) -> str:
         fix = inv.get("fix", {}) or {}
         lines += [f"## `{inv['id']}`", "", f"**{inv.get('title', '')}** · severity {inv.get('severity', '')}, "
                   f"rank {inv.get('rank', '')}", ""]
+        if inv.get("variants"):
+            lines += ["**Variants.** " + ", ".join(f"`{v}`" for v in inv["variants"]) + " only (the variant is read "
+                      "by `sleuth/evidence/variant.py`; other variants skip this invariant).", ""]
         for label, key in (("What", "what"), ("Why", "why"), ("Example of a violation", "example")):
             if why.get(key):
                 lines += [f"**{label}.** {prose(' '.join(str(why[key]).split()))}", ""]

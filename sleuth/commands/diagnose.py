@@ -110,8 +110,9 @@ def diagnose_command(
     served_by: Annotated[
         str | None,
         typer.Option("--served-by", metavar="ENGINE", help="The engine you serve the drafter with: vllm | speculators "
-                     "| zlab | sglang | specforge | ik_llama.cpp (playbooks/serving/engines.yaml); a sliding-window "
-                     "drafter it does not build as trained is a mismatch."),
+                     "| zlab | sglang | specforge | ik_llama.cpp | vllm-v1 (playbooks/serving/engines.yaml); a "
+                     "sliding-window drafter it does not build as trained, or a DFlash2 / DSpark export it reads "
+                     "otherwise (config layout, selector, sample_from_anchor), is a mismatch."),
     ] = None,
 ) -> None:
     """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl.
