@@ -55,7 +55,7 @@ from trainer.run.rundir import (
     claim_run,
     now_iso,
 )
-from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
+from trainer.run.step import StepPlan, sample_step_anchors, training_step
 from trainer.target.fidelity import FidelityRecord
 from trainer.target.frozen import PACKING_MODES, FrozenTarget
 
@@ -96,13 +96,20 @@ def lr_at(config: TrainConfig, step: int) -> float:
 
 def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> DFlashDrafter:
     torch.manual_seed(config.seed)  # the drafter's init depends on the seed alone
-    drafter = DFlashDrafter.from_target_config(
+    kind_options: dict[str, Any] = {}
+    drafter_class: type[DFlashDrafter] = DFlashDrafter
+    if config.drafter_kind == "dspark":
+        from trainer.model.dspark import DSparkDrafter
+
+        drafter_class, kind_options = DSparkDrafter, {"dspark": plan.dspark}
+    drafter = drafter_class.from_target_config(
         target.model.config,
         num_layers=config.draft_layers,
         num_features=len(plan.feature_layer_ids),
         block_size=config.block_size,
         mask_token_id=plan.mask_token_id,
         shape=config.draft_config.as_shape(),
+        **kind_options,
     )
     return drafter.to(device=target.device, dtype=target.dtype)
 
@@ -331,7 +338,7 @@ def _train(
         anchors, anchor_valid = sample_step_anchors(global_batch, plan, config.seed, step)
         rows = dist.rows(config.batch_size)
         batch = {key: value[rows].to(torch_device) for key, value in global_batch.items()}
-        loss, metrics = dflash_step(target, model, batch, anchors[rows], anchor_valid[rows], plan)
+        loss, metrics = training_step(target, model, batch, anchors[rows], anchor_valid[rows], plan)
         optimizer_step(config, drafter, optimizer, loss)
         tokens_since += metrics.pop("tokens")
         counts = metrics.pop("counts")
@@ -581,7 +588,7 @@ class _Validator:
             batch = batch_for_step(self.packed, index, self.config.batch_size, self.config.seed)
             anchors, anchor_valid = sample_step_anchors(batch, self.plan, self.config.seed, index)
             local = {key: value[rows].to(self.device) for key, value in batch.items()}
-            loss, metrics = dflash_step(self.target, model, local, anchors[rows], anchor_valid[rows], self.plan)
+            loss, metrics = training_step(self.target, model, local, anchors[rows], anchor_valid[rows], self.plan)
             loss_sum += float(loss)
             for key, value in metrics["counts"].items():
                 if isinstance(value, list):
