@@ -484,7 +484,9 @@ def _our_run_drafter(directory: Path, target: Any, device: torch.device) -> tupl
         )
     # mask None: the loop takes the drafter's own, exactly as `trainer eval RUN` and the run's eval.json do.
     # A draft-vocabulary run drafts among its vocabulary's target ids, as `trainer eval RUN` does.
-    drafter = loaded.drafter if loaded.draft_token_ids is None else loaded.proposer()
+    # A DSpark run drafts through its Markov head, which only its proposer applies.
+    plain = loaded.draft_token_ids is None and loaded.config.drafter_kind == "dflash"
+    drafter = loaded.drafter if plain else loaded.proposer()
     return (drafter, list(loaded.feature_layer_ids), loaded.config.block_size, None,
             f"{directory.name}@{loaded.step}", "run")
 

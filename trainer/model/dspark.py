@@ -71,6 +71,19 @@ class MarkovHead(nn.Module):
             outputs.append(out)
         return torch.stack(outputs, dim=1)
 
+    def step(
+        self,
+        prev_emb: Tensor,  # [M, r] W1[prev_k] of one slot
+        hidden: Tensor,  # [M, H] that slot's backbone state
+        state: Tensor | None,  # [M, r] the rnn head's state after slot k-1 (None before slot 0)
+    ) -> tuple[Tensor, Tensor | None]:  # slot k's features [M, r], the state after it
+        """One slot of `features`, for decoding left to right (prev_k is the token drafted at slot k-1)."""
+        prev_emb = prev_emb.to(self.markov_w2.weight.dtype)
+        if self.head_type == "rnn":
+            state = prev_emb.new_zeros(prev_emb.shape[0], self.rank) if state is None else state
+            return self.rnn_step(prev_emb, hidden.to(prev_emb.dtype), state)
+        return self.features(prev_emb[:, None], hidden[:, None])[:, 0], state
+
     def rnn_step(self, prev_emb: Tensor, hidden: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:  # [M, r] each
         gate, candidate, out = self.joint_proj(torch.cat([state, prev_emb, hidden], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)

@@ -632,12 +632,12 @@ class _Evaluator:
         return report.model_dump()
 
     def _evaluate(self, drafter: DFlashDrafter, **options: Any) -> Any:
-        from trainer.eval.speculative import DFlashProposer, evaluate
+        from trainer.eval.speculative import evaluate
 
         # Offline hidden states: generation needs the whole target, loaded when eval first runs.
         target = self.target.full_target() if hasattr(self.target, "full_target") else self.target
         return evaluate(
-            DFlashProposer(drafter, target, self.vocab_ids),
+            proposer_for(self.config, drafter, target, self.vocab_ids),
             target,
             self.prompts,
             feature_layer_ids=self.feature_layer_ids,
@@ -656,9 +656,24 @@ class _Evaluator:
         return {**self._run(drafter, measure_speedup=True), "prompts": self.rendering}
 
 
+def proposer_for(config: TrainConfig, drafter: DFlashDrafter, target: Any, vocab_ids: torch.Tensor | None) -> Any:
+    """What speculative decoding drafts with for this run's drafter kind."""
+    if config.drafter_kind == "dspark":
+        from trainer.eval.dspark import DSparkProposer
+
+        return DSparkProposer(drafter, target, vocab_ids)
+    from trainer.eval.speculative import DFlashProposer
+
+    return DFlashProposer(drafter, target, vocab_ids)
+
+
 def training_semantics(config: TrainConfig, target: FrozenTarget) -> Any:
-    """What the run's training step scores a slot against, for teacher-forced acceptance at eval time."""
+    """What the run's training step scores a slot against, for teacher-forced acceptance at eval time
+    (None for a DSpark run: the teacher-forced replay models DFlash's slots and no Markov head)."""
     from trainer.eval.teacher_forced import TrainingSemantics
+
+    if config.drafter_kind != "dflash":
+        return None
 
     plan = StepPlan.from_config(config, target)
     return TrainingSemantics(
@@ -719,9 +734,7 @@ class LoadedRun:
 
     def proposer(self) -> Any:
         """What speculative decoding drafts with: the drafter on the target's embeddings and head."""
-        from trainer.eval.speculative import DFlashProposer
-
-        return DFlashProposer(self.drafter, self.target, self.draft_token_ids)
+        return proposer_for(self.config, self.drafter, self.target, self.draft_token_ids)
 
 
 def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:
