@@ -22,7 +22,8 @@ from torch import Tensor
 from parity_harness import Inputs, ModelDims, StandInTarget, patched
 
 from trainer.model.dspark import DSparkDrafter
-from trainer.run.step import StepPlan, sample_step_anchors, training_step
+from trainer.run.step import StepPlan, sample_step_anchors
+from trainer.run.steps import training_step
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ from trainer.run.rundir import (
     claim_run,
     now_iso,
 )
-from trainer.run.step import StepPlan, sample_step_anchors, training_step
+from trainer.run.step import StepPlan, sample_step_anchors
+from trainer.run.steps import training_step
 from trainer.target.fidelity import FidelityRecord
 from trainer.target.frozen import PACKING_MODES, FrozenTarget
 

@@ -35,7 +35,7 @@ class StepPlan:
     draft_token_ids: torch.Tensor | None = None  # [Vd] target ids of a reduced draft vocabulary (sorted)
     loss_chunk_size: int | None = None  # block slots whose logits the loss holds at once (None: by vocabulary)
     draft_attention: DraftAttention | None = None  # the drafter's per-layer attention (sliding windows)
-    drafter_kind: str = "dflash"  # which step trains it: STEPS below
+    drafter_kind: str = "dflash"  # which step trains it (trainer/run/steps.py `training_step`)
     dspark: dict[str, Any] | None = None  # DSparkConfig as a dict (drafter_kind "dspark")
 
     @classmethod
@@ -76,22 +76,6 @@ def sample_step_anchors(
     generator = torch.Generator(device="cpu")
     generator.manual_seed((seed * 1_000_003 + step) % 2**63)  # any seed in [0, 2**63) stays in 64 bits
     return sample_anchors(batch["loss_mask"], batch["doc_ids"], plan.block_size, plan.max_anchors, generator)
-
-
-def training_step(
-    target: FrozenTarget,
-    drafter: torch.nn.Module,
-    batch: dict[str, torch.Tensor],
-    anchors: torch.Tensor,
-    anchor_valid: torch.Tensor,
-    plan: StepPlan,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Loss and metrics of one step of the run's drafter kind (the loop and validation call this)."""
-    if plan.drafter_kind == "dspark":
-        from trainer.run.dspark_step import dspark_step
-
-        return dspark_step(target, drafter, batch, anchors, anchor_valid, plan)
-    return dflash_step(target, drafter, batch, anchors, anchor_valid, plan)
 
 
 @dataclass
