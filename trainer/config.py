@@ -155,6 +155,10 @@ class DSparkConfig(BaseModel):
         True, description="The confidence head also reads W1[prev] (needs markov_rank > 0).")
     confidence_head_alpha: float = Field(
         1.0, ge=0, description="Weight of the confidence head's BCE in the loss.")
+    draft_confidence_min: float | None = Field(
+        None, gt=0, le=1, description="Decoding (eval) only: draft slot k while the confidence head's predicted "
+        "chance that slots up to k are all accepted, prod sigmoid(c_j), is at least this (at least one slot); "
+        "llama.cpp's --spec-draft-conf-min. None: every slot drafts. Needs the confidence head.")
 
     @model_validator(mode="before")
     @classmethod
@@ -168,6 +172,8 @@ class DSparkConfig(BaseModel):
 
     @model_validator(mode="after")
     def _heads_consistent(self) -> DSparkConfig:
+        if self.draft_confidence_min is not None and not self.enable_confidence_head:
+            raise ValueError("dspark.draft_confidence_min needs the confidence head (enable_confidence_head: true)")
         if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
             raise ValueError("dspark.confidence_head_with_markov requires dspark.markov_rank > 0 (or set "
                              "confidence_head_with_markov: false)")

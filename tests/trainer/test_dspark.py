@@ -31,6 +31,7 @@ def test_a_dspark_run_saves_speculators_defaults_and_a_dflash_run_none():
     assert config.dspark.model_dump() == {
         "sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla",
         "enable_confidence_head": True, "confidence_head_with_markov": True, "confidence_head_alpha": 1.0,
+        "draft_confidence_min": None,  # ours: a decoding-time threshold, off
     }
     plain = build_config()
     assert plain.drafter_kind == "dflash" and plain.dspark is None
@@ -43,6 +44,8 @@ def test_a_dspark_run_saves_speculators_defaults_and_a_dflash_run_none():
     (["drafter_kind=dspark", "dspark.markov_head_type=lstm"], "dspark.markov_head_type"),
     (["drafter_kind=dspark", "loss_weighting=dpace"], "loss_weighting 'decay' only"),
     (["drafter_kind=dspark", "dspark.with_markov=true"], "unknown config key 'dspark.with_markov'"),
+    (["drafter_kind=dspark", "dspark.enable_confidence_head=false", "dspark.draft_confidence_min=0.5"],
+     "draft_confidence_min needs the confidence head"),
 ])
 def test_bad_dspark_settings_are_one_line_errors(overrides, message):
     with pytest.raises(ConfigError) as error:
@@ -233,3 +236,42 @@ def test_export_writes_speculators_dspark_and_refuses_zlab(dspark_run, tmp_path)
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
     assert (config["markov_rank"], config["markov_head_type"]) == (16, "vanilla")
     assert config["enable_confidence_head"] and config["confidence_head_with_markov"]
+
+
+def test_confidence_scheduled_drafting_stops_where_the_predicted_prefix_falls_below_the_threshold(dspark_run):
+    from transformers import DynamicCache
+
+    from trainer.eval.dspark import DSparkProposer
+    from trainer.eval.speculative import evaluate
+    from trainer.run.loop import load_run
+
+    loaded = load_run(dspark_run, "cpu")
+    drafter, target = loaded.drafter, loaded.target
+    g = torch.Generator().manual_seed(6)
+    context, B = 10, 7
+    features = torch.randn(1, context, len(loaded.feature_layer_ids) * target.hidden_size, generator=g)
+    block = torch.full((1, B), drafter.mask_token_id)
+    block[0, 0] = 9
+    positions = torch.arange(context + B)[None]
+
+    def propose(confidence_min):
+        return DSparkProposer(drafter, target, confidence_min=confidence_min).propose(block, features, positions,
+                                                                                      DynamicCache())[0]
+
+    full = propose(None)
+    with torch.no_grad():  # the confidence head on the drafted chain, as the training forward computes it
+        hidden = drafter(target.embed(block), features, positions)
+        prev = torch.cat([block[0, :1], full.argmax(-1)[:-1]])[None]
+        _, confidence = drafter.heads(hidden, prev)
+    prefix = torch.sigmoid(confidence[0]).cumprod(0)  # [7] predicted chance that slots 0..k are all accepted
+    assert bool((prefix[1:] < prefix[:-1]).all())
+    threshold = float(prefix[2] + prefix[3]) / 2
+    torch.testing.assert_close(propose(threshold), full[:3])  # fewer drafts, never different ones
+    torch.testing.assert_close(propose(1e-12), full)
+    assert propose(1.0).shape[0] == 1  # one slot always drafts
+
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]]
+    report = evaluate(DSparkProposer(drafter, target, confidence_min=1.0), target, prompts,
+                      feature_layer_ids=loaded.feature_layer_ids, block_size=B, max_new_tokens=10,
+                      measure_speedup=False, check_lossless=True)
+    assert report.lossless is True and sum(report.acceptance_histogram[2:]) == 0  # one draft + bonus at most

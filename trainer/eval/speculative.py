@@ -27,6 +27,8 @@ length); the cut only shows in `tokens_per_target_forward` and in the output.
 
 from __future__ import annotations
 
+import copy
+
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -405,6 +407,8 @@ def speculative_generate(
             positions = torch.arange(start - context_len, start + B, device=device)[None]  # [1, C+B]
             draft_logits = proposer.propose(draft_block, new_context, positions, draft_cache)[0]  # [P, V]
             _crop(draft_cache, start)  # drop the block's K/V; keep context 0..start-1
+            if draft_logits.shape[0] < block.shape[1] - 1:  # a proposer that stopped drafting early this step
+                block = block[:, : draft_logits.shape[0] + 1].clone()
             if temperature == 0:
                 block[0, 1:] = draft_logits.argmax(dim=-1)
             else:
@@ -561,8 +565,9 @@ def evaluate(
         pass  # the drafter's own attention: our training mask, speculators' / vLLM's
     elif isinstance(drafter, nn.Module):
         drafter = DFlashProposer(drafter, target, served_as=engine)
-    elif isinstance(drafter, DFlashProposer):  # the same proposer class (DSpark's too), built as the engine does
-        drafter = type(drafter)(drafter.drafter, drafter.target, drafter.vocab_ids, served_as=engine)
+    elif isinstance(drafter, DFlashProposer):  # the same proposer (DSpark's too, settings kept), as the engine builds it
+        drafter = copy.copy(drafter)
+        drafter.served_as = engine
     else:
         raise EvalError(f"--served-as needs a DFlash drafter; {type(drafter).__name__} builds its own attention")
     if check_lossless is None:

@@ -662,7 +662,7 @@ def proposer_for(config: TrainConfig, drafter: DFlashDrafter, target: Any, vocab
     if config.drafter_kind == "dspark":
         from trainer.eval.dspark import DSparkProposer
 
-        return DSparkProposer(drafter, target, vocab_ids)
+        return DSparkProposer(drafter, target, vocab_ids, confidence_min=config.dspark.draft_confidence_min)
     from trainer.eval.speculative import DFlashProposer
 
     return DFlashProposer(drafter, target, vocab_ids)
