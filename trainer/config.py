@@ -436,6 +436,9 @@ class TrainConfig(BaseModel):
                              "implemented for DSpark here)")
         if self.draft_vocab_size is not None:
             raise ValueError("drafter_kind 'dspark' needs the target's full vocabulary here (draft_vocab_size: null)")
+        if self.parallelism == "fsdp2":
+            # the heads run outside the drafter's sharded forward (trainer/run/dspark_step.py)
+            raise ValueError("drafter_kind 'dspark' trains with parallelism 'ddp' (fsdp2 is not implemented for it)")
 
     # --- derived values ----------------------------------------------------------------------------------
     def resolved_layer_ids(self, num_target_layers: int) -> list[int]:

@@ -43,6 +43,8 @@ def test_a_dspark_run_saves_speculators_defaults_and_a_dflash_run_none():
     (["dspark.markov_rank=8"], "drafter_kind is 'dflash'"),
     (["drafter_kind=dspark", "dspark.markov_head_type=lstm"], "dspark.markov_head_type"),
     (["drafter_kind=dspark", "loss_weighting=dpace"], "loss_weighting 'decay' only"),
+    (["drafter_kind=dspark", "parallelism=fsdp2"], "fsdp2 is not implemented"),
+    (["drafter_kind=dspark", "draft_vocab_size=64"], "full vocabulary"),
     (["drafter_kind=dspark", "dspark.with_markov=true"], "unknown config key 'dspark.with_markov'"),
     (["drafter_kind=dspark", "dspark.enable_confidence_head=false", "dspark.draft_confidence_min=0.5"],
      "draft_confidence_min needs the confidence head"),
