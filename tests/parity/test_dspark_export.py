@@ -101,3 +101,17 @@ def test_speculators_loads_our_dspark_export_with_equal_logits(head_type, sample
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_confidence, expected_confidence, rtol=0, atol=1e-5)
     assert expected.std() > 0.1 and drafter.markov_head.markov_w2(markov).abs().max() > 0
+
+    if head_type == "vanilla":
+        # A checkpoint written by speculators itself (from the loaded export) decodes in `trainer eval DIR
+        # --target` exactly as the run does: same tau, same per-slot acceptance, at temperature 0.
+        from trainer.eval.foreign import evaluate_drafters
+
+        saved = tmp_path / "saved-by-speculators"
+        model.save_pretrained(saved)
+        theirs, own = evaluate_drafters([saved, run_dir], str(target), prompts=2, max_new_tokens=12,
+                                        block_size=None, temperature=0.0, data="embedded", seed=0, device="cpu")
+        assert (theirs["layout"], own["layout"]) == ("speculators", "run")
+        for key in ("tau", "acceptance_histogram", "per_position_acceptance", "output_tokens", "verify_steps"):
+            assert theirs[key] == own[key], key
+        assert theirs["lossless"] is True and len(theirs["acceptance_histogram"]) == BLOCK + 1

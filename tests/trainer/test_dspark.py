@@ -277,3 +277,18 @@ def test_confidence_scheduled_drafting_stops_where_the_predicted_prefix_falls_be
                       feature_layer_ids=loaded.feature_layer_ids, block_size=B, max_new_tokens=10,
                       measure_speedup=False, check_lossless=True)
     assert report.lossless is True and sum(report.acceptance_histogram[2:]) == 0  # one draft + bonus at most
+
+
+def test_trainer_eval_reads_the_export_as_it_decodes_the_run(dspark_run, tmp_path):
+    # `trainer eval DIR --target` on the speculators export: same drafter, same heads, so the same decoding.
+    from trainer.eval.foreign import evaluate_drafters
+    from trainer.export import export_run
+
+    export_run(dspark_run, tmp_path / "spec", "speculators")
+    target = json.loads((dspark_run / "config.json").read_text())["target"]
+    exported, own = evaluate_drafters([tmp_path / "spec", dspark_run], target, prompts=2, max_new_tokens=12,
+                                      block_size=None, temperature=0.0, data="embedded", seed=0, device="cpu")
+    assert (exported["layout"], own["layout"]) == ("speculators", "run")
+    for key in ("tau", "acceptance_histogram", "per_position_acceptance", "output_tokens", "verify_steps"):
+        assert exported[key] == own[key], key
+    assert exported["lossless"] is True and len(exported["acceptance_histogram"]) == 8
