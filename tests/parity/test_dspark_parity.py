@@ -36,7 +36,8 @@ def test_loss_counts_and_gradients_match_speculators(case: DSparkCase):
     assert result.anchor_valid.any(), "the case drew no anchors: nothing would be compared"
     assert result.our_loss == pytest.approx(result.their_loss, rel=LOSS_RTOL, abs=LOSS_ATOL)
     if case.enable_confidence_head:
-        assert result.our_metrics["confidence_loss"] == pytest.approx(result.their_confidence_loss, rel=1e-5)
+        ours = result.our_metrics["kind_metrics"]["dspark_confidence_loss"]
+        assert ours == pytest.approx(result.their_confidence_loss, rel=1e-5)
     total = result.their_counts["full_acc_total"]
     assert result.our_metrics["acc"] == pytest.approx(result.their_counts["full_acc_sum"] / total, abs=1e-7)
     assert result.our_metrics["position_acc"] == pytest.approx(result.their_position_acc(), abs=1e-7)

@@ -194,6 +194,10 @@ def test_the_preset_trains_and_decodes_losslessly_with_b_proposals(dspark_run):
     assert saved["drafter_kind"] == "dspark" and saved["dspark"]["markov_rank"] == 16
     rows = [json.loads(line) for line in (dspark_run / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(row["loss"]) for row in rows) and len(rows[-1]["position_acc"]) == 7  # slot 0 trained
+    # DSpark's terms per logged step: loss = main + alpha * confidence (alpha 1.0 in the preset)
+    last = rows[-1]
+    assert last["loss"] == pytest.approx(last["dspark_main_loss"] + last["dspark_confidence_loss"], rel=1e-5)
+    assert 0.0 < last["dspark_accept_rate"] <= 1.0
     report = json.loads((dspark_run / "eval.json").read_text())
     assert report["lossless"] is True and report["tau"] >= 1.0
     # sample_from_anchor: 7 drafts per verify step, so an acceptance length of up to 8

@@ -86,15 +86,17 @@ class DSparkLoss:
     main: Tensor  # scalar: the ce / kl term
     confidence: Tensor | None  # scalar BCE term (before alpha), None without a confidence head
     accept_rate: Tensor  # [N, A, B] float32 1 - TV per slot (0 where not label-valid), no grad
+    label_valid: Tensor  # [N, A, B] bool: the slots that carry a loss
     counts: dict[str, Any]  # block_counts over the trained slots (slot 0 first when it is trained)
 
     def metrics(self) -> dict[str, Any]:
-        valid = self.accept_rate > 0
-        extra: dict[str, Any] = {"main_loss": float(self.main.detach())}
+        """block_counts' metrics, plus `kind_metrics`: DSpark's own scalars, which the loop logs per step."""
+        kind: dict[str, float] = {"dspark_main_loss": float(self.main.detach())}
         if self.confidence is not None:
-            extra["confidence_loss"] = float(self.confidence.detach())
-        extra["accept_rate"] = float(self.accept_rate[valid].mean()) if valid.any() else 0.0
-        return {**metrics_from_counts(self.counts), **extra, "counts": self.counts}
+            kind["dspark_confidence_loss"] = float(self.confidence.detach())
+        valid = self.label_valid
+        kind["dspark_accept_rate"] = float(self.accept_rate[valid].mean()) if valid.any() else 0.0
+        return {**metrics_from_counts(self.counts), "counts": self.counts, "kind_metrics": kind}
 
 
 def dspark_loss(
@@ -125,7 +127,7 @@ def dspark_loss(
         count = valid.flatten(1).sum(dim=1).float()  # [N]
         confidence = (per_row / (count + CONFIDENCE_REDUCTION_EPS)).mean()
         loss = loss + confidence_alpha * confidence
-    label_valid = weights > 0
+    label_valid = trained = weights > 0
     correct = main.draft_ids == main.teacher_ids
     if sample_from_anchor:
         # block_counts skips column 0 (DFlash's untrained anchor slot); here slot 0 is a prediction, so a
@@ -133,7 +135,7 @@ def dspark_loss(
         pad = torch.zeros_like(label_valid[..., :1])
         correct, label_valid = torch.cat([pad, correct], dim=-1), torch.cat([pad, label_valid], dim=-1)
     counts = block_counts(correct.flatten(0, 1), label_valid.flatten(0, 1))
-    return DSparkLoss(loss, main.loss, confidence, rate, counts)
+    return DSparkLoss(loss, main.loss, confidence, rate, trained, counts)
 
 
 @torch.no_grad()

@@ -343,13 +343,15 @@ def _train(
         optimizer_step(config, drafter, optimizer, loss)
         tokens_since += metrics.pop("tokens")
         counts = metrics.pop("counts")
+        kind_metrics = metrics.pop("kind_metrics", {})  # a drafter kind's own per-step scalars (DSpark's loss terms)
 
         eval_due = config.eval_every is not None and step % config.eval_every == 0
         if step % config.log_every == 0 or step == config.steps or eval_due:
             # The loss is a mean over rows and every rank holds as many rows: the mean of rank losses is the
             # global loss. Accuracy-type metrics are recomputed from counts summed over ranks.
-            summed = dist.sum({"loss": float(loss.detach()), "tokens": tokens_since, **counts})
-            global_metrics = {"loss": summed["loss"] / dist.world_size, **metrics_from_counts(summed)}
+            summed = dist.sum({"loss": float(loss.detach()), "tokens": tokens_since, **counts, **kind_metrics})
+            global_metrics = {"loss": summed["loss"] / dist.world_size, **metrics_from_counts(summed),
+                              **{key: summed[key] / dist.world_size for key in kind_metrics}}
             elapsed = time.perf_counter() - clock
             row: dict[str, Any] = {
                 "step": step,
