@@ -28,7 +28,6 @@ length); the cut only shows in `tokens_per_target_forward` and in the output.
 from __future__ import annotations
 
 import copy
-
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
