@@ -5,7 +5,7 @@
 
 Each page below is rendered from the object that defines it, never from prose kept beside it:
 
-- `config.md`         trainer/config.py: TrainConfig and DraftConfig (fields, types, defaults, bounds,
+- `config.md`         trainer/config.py: TrainConfig, DraftConfig and DSparkConfig (fields, types, defaults, bounds,
                       descriptions) and PRESETS
 - `cli.md`            the typer apps of trainer/cli.py and sleuth/cli.py (commands, arguments, options, help)
 - `invariants.md`     playbooks/dflash.yaml (id, what, why, fix) and tests/fixtures/invariants/<id>/
@@ -115,7 +115,7 @@ def is_required(field: Any) -> bool:
 # --- config.md ---------------------------------------------------------------------------------------------
 
 def config_page() -> str:
-    from trainer.config import CONFIG_SCHEMA_VERSION, PRESETS, DraftConfig, TrainConfig
+    from trainer.config import CONFIG_SCHEMA_VERSION, PRESETS, DraftConfig, DSparkConfig, TrainConfig
 
     lines = [
         GENERATED_NOTE.format(source="trainer/config.py"),
@@ -153,6 +153,22 @@ def config_page() -> str:
     ]
     for name, field in DraftConfig.model_fields.items():
         lines.append(f"| `draft_config.{name}` | {type_name(field.annotation)} | "
+                     f"{code(json_value(model_default(field)))} | {bounds_cell(field)} | "
+                     f"{cell(field.description or '')} |")
+    lines += [
+        "",
+        "## `dspark`: DSpark's heads and loss (drafter_kind: dspark)",
+        "",
+        cell(DSparkConfig.__doc__ or ""),
+        "",
+        "Set one key with `--set dspark.markov_rank=64`; a `drafter_kind: dspark` run saves every key, with "
+        "speculators' defaults where none is given.",
+        "",
+        "| key | type | default | bounds | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, field in DSparkConfig.model_fields.items():
+        lines.append(f"| `dspark.{name}` | {type_name(field.annotation)} | "
                      f"{code(json_value(model_default(field)))} | {bounds_cell(field)} | "
                      f"{cell(field.description or '')} |")
     lines += [

@@ -55,7 +55,8 @@ from trainer.run.rundir import (
     claim_run,
     now_iso,
 )
-from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
+from trainer.run.step import StepPlan, sample_step_anchors
+from trainer.run.steps import training_step
 from trainer.target.fidelity import FidelityRecord
 from trainer.target.frozen import PACKING_MODES, FrozenTarget
 
@@ -96,13 +97,20 @@ def lr_at(config: TrainConfig, step: int) -> float:
 
 def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> DFlashDrafter:
     torch.manual_seed(config.seed)  # the drafter's init depends on the seed alone
-    drafter = DFlashDrafter.from_target_config(
+    kind_options: dict[str, Any] = {}
+    drafter_class: type[DFlashDrafter] = DFlashDrafter
+    if config.drafter_kind == "dspark":
+        from trainer.model.dspark import DSparkDrafter
+
+        drafter_class, kind_options = DSparkDrafter, {"dspark": plan.dspark}
+    drafter = drafter_class.from_target_config(
         target.model.config,
         num_layers=config.draft_layers,
         num_features=len(plan.feature_layer_ids),
         block_size=config.block_size,
         mask_token_id=plan.mask_token_id,
         shape=config.draft_config.as_shape(),
+        **kind_options,
     )
     return drafter.to(device=target.device, dtype=target.dtype)
 
@@ -331,17 +339,19 @@ def _train(
         anchors, anchor_valid = sample_step_anchors(global_batch, plan, config.seed, step)
         rows = dist.rows(config.batch_size)
         batch = {key: value[rows].to(torch_device) for key, value in global_batch.items()}
-        loss, metrics = dflash_step(target, model, batch, anchors[rows], anchor_valid[rows], plan)
+        loss, metrics = training_step(target, model, batch, anchors[rows], anchor_valid[rows], plan)
         optimizer_step(config, drafter, optimizer, loss)
         tokens_since += metrics.pop("tokens")
         counts = metrics.pop("counts")
+        kind_metrics = metrics.pop("kind_metrics", {})  # a drafter kind's own per-step scalars (DSpark's loss terms)
 
         eval_due = config.eval_every is not None and step % config.eval_every == 0
         if step % config.log_every == 0 or step == config.steps or eval_due:
             # The loss is a mean over rows and every rank holds as many rows: the mean of rank losses is the
             # global loss. Accuracy-type metrics are recomputed from counts summed over ranks.
-            summed = dist.sum({"loss": float(loss.detach()), "tokens": tokens_since, **counts})
-            global_metrics = {"loss": summed["loss"] / dist.world_size, **metrics_from_counts(summed)}
+            summed = dist.sum({"loss": float(loss.detach()), "tokens": tokens_since, **counts, **kind_metrics})
+            global_metrics = {"loss": summed["loss"] / dist.world_size, **metrics_from_counts(summed),
+                              **{key: summed[key] / dist.world_size for key in kind_metrics}}
             elapsed = time.perf_counter() - clock
             row: dict[str, Any] = {
                 "step": step,
@@ -581,7 +591,7 @@ class _Validator:
             batch = batch_for_step(self.packed, index, self.config.batch_size, self.config.seed)
             anchors, anchor_valid = sample_step_anchors(batch, self.plan, self.config.seed, index)
             local = {key: value[rows].to(self.device) for key, value in batch.items()}
-            loss, metrics = dflash_step(self.target, model, local, anchors[rows], anchor_valid[rows], self.plan)
+            loss, metrics = training_step(self.target, model, local, anchors[rows], anchor_valid[rows], self.plan)
             loss_sum += float(loss)
             for key, value in metrics["counts"].items():
                 if isinstance(value, list):
@@ -625,12 +635,12 @@ class _Evaluator:
         return report.model_dump()
 
     def _evaluate(self, drafter: DFlashDrafter, **options: Any) -> Any:
-        from trainer.eval.speculative import DFlashProposer, evaluate
+        from trainer.eval.speculative import evaluate
 
         # Offline hidden states: generation needs the whole target, loaded when eval first runs.
         target = self.target.full_target() if hasattr(self.target, "full_target") else self.target
         return evaluate(
-            DFlashProposer(drafter, target, self.vocab_ids),
+            proposer_for(self.config, drafter, target, self.vocab_ids),
             target,
             self.prompts,
             feature_layer_ids=self.feature_layer_ids,
@@ -649,9 +659,24 @@ class _Evaluator:
         return {**self._run(drafter, measure_speedup=True), "prompts": self.rendering}
 
 
+def proposer_for(config: TrainConfig, drafter: DFlashDrafter, target: Any, vocab_ids: torch.Tensor | None) -> Any:
+    """What speculative decoding drafts with for this run's drafter kind."""
+    if config.drafter_kind == "dspark":
+        from trainer.eval.dspark import DSparkProposer
+
+        return DSparkProposer(drafter, target, vocab_ids, confidence_min=config.dspark.draft_confidence_min)
+    from trainer.eval.speculative import DFlashProposer
+
+    return DFlashProposer(drafter, target, vocab_ids)
+
+
 def training_semantics(config: TrainConfig, target: FrozenTarget) -> Any:
-    """What the run's training step scores a slot against, for teacher-forced acceptance at eval time."""
+    """What the run's training step scores a slot against, for teacher-forced acceptance at eval time
+    (None for a DSpark run: the teacher-forced replay models DFlash's slots and no Markov head)."""
     from trainer.eval.teacher_forced import TrainingSemantics
+
+    if config.drafter_kind != "dflash":
+        return None
 
     plan = StepPlan.from_config(config, target)
     return TrainingSemantics(
@@ -712,9 +737,7 @@ class LoadedRun:
 
     def proposer(self) -> Any:
         """What speculative decoding drafts with: the drafter on the target's embeddings and head."""
-        from trainer.eval.speculative import DFlashProposer
-
-        return DFlashProposer(self.drafter, self.target, self.draft_token_ids)
+        return proposer_for(self.config, self.drafter, self.target, self.draft_token_ids)
 
 
 def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:
