@@ -116,9 +116,7 @@ def _layers(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
                                  f"(nn.Linear({len(layers)}*H, H)) at the drafter's fc", coverage=coverage))
         chosen = layers
     else:
-        verdicts.append(_verdict(ids[1], "match", hypothesis="every target layer the run gathers reaches fc and the loss",
-                                 measurement=measurement, observed=f"all {len(layers)} gathered layers {layers} reach "
-                                 "the loss", expected="fc over all k selected layers", coverage=coverage))
+        verdicts.append(_all_gathered_reach(ids[1], observation, layers, depth, measurement, coverage))
         chosen = layers
     if not chosen or depth < 4:
         verdicts.append(_unknown(ids[0], f"{NOT_EXERCISED}: the layers that reach the loss ({chosen}) or the target "
@@ -133,6 +131,39 @@ def _layers(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
                              fix="" if status == "match" else f"read decoder layers {rule} (HF hidden_states[i + 1])",
                              coverage=coverage))
     return verdicts
+
+
+def _all_gathered_reach(invariant: str, observation: dict[str, Any], layers: list[int], depth: int,
+                        measurement: str, coverage: dict[str, Any]) -> Verdict:
+    """Every gathered layer reaches the loss; that is all k the run selected only where the selection is seen.
+
+    The step shows what was concatenated, not what the run meant to concatenate: a selection sliced before the
+    gathering (`ids[:-1]`) leaves every gathered layer reaching the loss. The selection is seen where the run's
+    command or config names it (its count must be the gathered count), or where the gathered layers are the
+    reference's whole selection for their count (a slice of one is not)."""
+    hypothesis = "fc reads every target layer the run selects"
+    declared = (observation.get("configured") or {}).get("layer_ids")
+    observed = f"all {len(layers)} gathered layers {layers} reach the loss"
+    if isinstance(declared, dict) and isinstance(declared.get("value"), list):
+        named = declared["value"]
+        where = f"`{declared.get('key')}` in {declared.get('source')}"
+        if len(named) == len(layers):
+            return _verdict(invariant, "match", hypothesis=hypothesis, measurement=measurement,
+                            observed=f"{observed}; the run selects {len(named)} ({where}: {named})",
+                            expected="fc over all k selected layers", coverage=coverage)
+        return _verdict(invariant, "mismatch", hypothesis=hypothesis, measurement=measurement,
+                        observed=f"fc reads {len(layers)} layers {layers}; the run selects {len(named)} ({where}: {named})",
+                        expected=f"fc over all {len(named)} selected layers",
+                        fix=f"gather all {len(named)} selected layers into fc's input (nn.Linear({len(named)}*H, H))",
+                        coverage=coverage)
+    if depth >= 4 and sorted(layers) == target_layer_ids(depth, len(layers)):
+        return _verdict(invariant, "match", hypothesis=hypothesis, measurement=measurement,
+                        observed=f"{observed}; they are the reference's whole selection for {len(layers)} layers",
+                        expected="fc over all k selected layers", coverage=coverage)
+    return _unknown(invariant, f"{NOT_EXERCISED} as a selection: {observed}, but which layers the run selected is not "
+                    f"seen (a selection sliced before the gathering leaves the rest unread and unseen) and {layers} is "
+                    "not the reference's whole selection for its count; name the ids in the run's config "
+                    "(target_layer_ids) for a verdict")
 
 
 def _num(value: Any) -> str:

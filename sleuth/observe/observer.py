@@ -190,6 +190,13 @@ class Observer:
             original = getattr(torch, name, None)
             if original is not None:
                 setattr(torch, name, self.gathering(original, name))
+        # A head applied functionally (F.linear or `@` on a borrowed weight) is no module call: its output is
+        # taken as draft logits where it is made (the module hook, if a module made it, names the module).
+        functional = torch.nn.functional
+        for owner, name in ((functional, "linear"), (torch, "matmul"), (torch.Tensor, "__matmul__")):
+            original = getattr(owner, name, None)
+            if original is not None:
+                setattr(owner, name, self.head_product(original))
         original_backward = torch.Tensor.backward
         original_autograd = torch.autograd.backward
         observer = self
@@ -280,12 +287,33 @@ class Observer:
                                                    "before": source[4] if source is not None else None}]
         if (tensor.requires_grad and torch.is_grad_enabled() and tensor.dim() >= 2 and tensor.shape[-1] in self.vocab
                 and tensor.is_floating_point()):
-            if any(h["tensor"]() is tensor for h in self.logits):
+            self.note_logits(tensor, module)
+
+    def head_product(self, original):  # noqa: ANN001, ANN201
+        observer = self
+
+        def product(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out = original(*args, **kwargs)
+            if (isinstance(out, observer.torch.Tensor) and out.requires_grad and out.dim() >= 2
+                    and out.shape[-1] in observer.vocab and out.is_floating_point()
+                    and observer.torch.is_grad_enabled()):
+                observer.note_logits(out, None)
+            return out
+
+        return product
+
+    def note_logits(self, tensor: Any, module: Any) -> None:
+        """A candidate for the draft logits: an output of a vocabulary's width that trains; the innermost module
+        that returned it (if any) is its head."""
+        for held in self.logits:
+            if held["tensor"]() is tensor:
+                if held["module"]() is None and module is not None:
+                    held["module"] = weakref.ref(module)
                 return  # a module that returns its head's output (a drafter class): the head is the innermost
-            holder: dict[str, Any] = {"module": weakref.ref(module), "logits": tensor.detach(),
-                                      "shape": list(tensor.shape), "tensor": weakref.ref(tensor)}
-            tensor.register_hook(lambda grad, holder=holder: holder.__setitem__("grad", grad.detach()))
-            self.logits = [*self.logits[-3:], holder]
+        holder: dict[str, Any] = {"module": weakref.ref(module) if module is not None else (lambda: None),
+                                  "logits": tensor.detach(), "shape": list(tensor.shape), "tensor": weakref.ref(tensor)}
+        tensor.register_hook(lambda grad, holder=holder: holder.__setitem__("grad", grad.detach()))
+        self.logits = [*self.logits[-3:], holder]
 
     def producer(self, tensor: Any) -> tuple[Any, ...] | None:
         """The output entry of the module call that produced `tensor`, or the tensor it is a view of."""
@@ -594,12 +622,18 @@ class Observer:
         sized = [(sum(p.numel() for p in m.parameters()), m) for m in producers]
         head_ids = {id(min((item for item in sized if item[0] > 0), key=lambda item: item[0])[1])} \
             if any(item[0] > 0 for item in sized) else set()
+        # Of the head module's parameters only those of the vocabulary's width are the head's: a drafter that
+        # applies a borrowed weight functionally (F.linear on a buffer) produced the logits itself, and its
+        # trainable layers are not a head.
+        vocab = last["shape"][-1] if last is not None else None
         rows = []
         for module in self.watched_modules():
             role = "embeddings" if isinstance(module, torch.nn.Embedding) else "draft head"
             if role == "draft head" and id(module) not in head_ids:
                 continue
             for pname, param in module.named_parameters():
+                if role == "draft head" and vocab not in tuple(param.shape):
+                    continue
                 step = self.observed["frozen"].get(id(param))
                 rows.append({"role": role, "module": names["modules"].get(id(module), type(module).__name__),
                              "param": names["params"].get(id(param), pname), "shape": list(param.shape),

@@ -293,8 +293,10 @@ class OptimWatch:
             producers = [h["module"]() for h in self.observer.logits if "grad" in h]
             sized = [(sum(p.numel() for p in m.parameters()), m) for m in producers + [module] if m is not None]
             sized = [item for item in sized if item[0] > 0]
-            if sized:
-                found.update(id(p) for p in min(sized, key=lambda item: item[0])[1].parameters())
+            if sized:  # only the head's tensors of the vocabulary's width (observer.describe_frozen says why)
+                vocab = last["shape"][-1]
+                found.update(id(p) for p in min(sized, key=lambda item: item[0])[1].parameters()
+                             if vocab in tuple(p.shape))
         return found
 
     def describe_optimizer(self, record: dict[str, Any], names: dict[str, dict[int, Any]],

@@ -98,8 +98,8 @@ def _flatten(data: Any, out: dict[str, list[Any]], depth: int = 0) -> None:
         return
     if isinstance(data, dict):
         for key, value in list(data.items())[:2000]:
-            if isinstance(value, (dict, list)) and not (isinstance(value, list) and len(value) == 2
-                                                        and all(_float(v) is not None for v in value)):
+            # A list of plain values (betas, a layer selection) is one value; a list of sections is walked.
+            if isinstance(value, dict) or (isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value)):
                 _flatten(value, out, depth + 1)
             else:
                 out.setdefault(_key(str(key)), []).append(value)
@@ -215,6 +215,13 @@ def _configured(layers: list[tuple[str, dict[str, list[Any]]]]) -> dict[str, Any
             out["weight_decay"] = [{"value": v, "key": k, "source": source} for k, v in decays]
             break
     for source, flat in layers:
+        selections = [(k, v) for k, vs in flat.items() if _names_layer_selection(k) for v in vs
+                      if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) for i in v)]
+        if selections:
+            key, ids = selections[0]
+            out["layer_ids"] = {"value": ids, "key": key, "source": source}
+            break
+    for source, flat in layers:
         betas = next((v for v in flat.get("betas", []) + flat.get("adam_betas", []) if isinstance(v, list)), None)
         one = next((_float(v) for k in ("adam_beta1", "beta1") for v in flat.get(k, [])), None)
         two = next((_float(v) for k in ("adam_beta2", "beta2") for v in flat.get(k, [])), None)
@@ -223,6 +230,14 @@ def _configured(layers: list[tuple[str, dict[str, list[Any]]]]) -> dict[str, Any
             out["betas"] = {"value": pair, "source": source}
             break
     return out
+
+
+def _names_layer_selection(key: str) -> bool:
+    """A key that names which target layers feed the drafter (target_layer_ids, aux_hidden_state_layer_ids,
+    feature_layers, tap_layers, ...), not the drafter's own layers (layer_types, num_hidden_layers)."""
+    words = set(key.split("_"))
+    return bool(words & {"layer", "layers"}) and bool(words & {"ids", "id", "target", "aux", "tap", "taps", "feature",
+                                                                 "features", "hidden", "selected"})
 
 
 def horizon_hint(configured: dict[str, Any]) -> str:
