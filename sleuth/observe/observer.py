@@ -196,7 +196,8 @@ class Observer:
         for owner, name in ((functional, "linear"), (torch, "matmul"), (torch.Tensor, "__matmul__")):
             original = getattr(owner, name, None)
             if original is not None:
-                setattr(owner, name, self.head_product(original))
+                setattr(owner, name, self.head_product(original, "F.linear" if name == "linear" else
+                                                       "torch.matmul" if name == "matmul" else "@"))
         original_backward = torch.Tensor.backward
         original_autograd = torch.autograd.backward
         observer = self
@@ -289,7 +290,7 @@ class Observer:
                 and tensor.is_floating_point()):
             self.note_logits(tensor, module)
 
-    def head_product(self, original):  # noqa: ANN001, ANN201
+    def head_product(self, original, label: str):  # noqa: ANN001, ANN201
         observer = self
 
         def product(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -297,12 +298,12 @@ class Observer:
             if (isinstance(out, observer.torch.Tensor) and out.requires_grad and out.dim() >= 2
                     and out.shape[-1] in observer.vocab and out.is_floating_point()
                     and observer.torch.is_grad_enabled()):
-                observer.note_logits(out, None)
+                observer.note_logits(out, None, f"{label} at {_site()}")
             return out
 
         return product
 
-    def note_logits(self, tensor: Any, module: Any) -> None:
+    def note_logits(self, tensor: Any, module: Any, made_by: str | None = None) -> None:
         """A candidate for the draft logits: an output of a vocabulary's width that trains; the innermost module
         that returned it (if any) is its head."""
         for held in self.logits:
@@ -311,7 +312,8 @@ class Observer:
                     held["module"] = weakref.ref(module)
                 return  # a module that returns its head's output (a drafter class): the head is the innermost
         holder: dict[str, Any] = {"module": weakref.ref(module) if module is not None else (lambda: None),
-                                  "logits": tensor.detach(), "shape": list(tensor.shape), "tensor": weakref.ref(tensor)}
+                                  "logits": tensor.detach(), "shape": list(tensor.shape), "tensor": weakref.ref(tensor),
+                                  "made_by": made_by}
         tensor.register_hook(lambda grad, holder=holder: holder.__setitem__("grad", grad.detach()))
         self.logits = [*self.logits[-3:], holder]
 
@@ -560,8 +562,9 @@ class Observer:
                         -1, t["top1"].shape[-1]).tolist(), "ids": t["ids"].reshape(-1, t["ids"].shape[-1]).tolist()}
                     for t in self.teachers if t["top1"].numel() <= MAX_TEACHER]
         return {"labels": labels, "block_ids": block_ids if labels is not None else None, "teachers": teachers,
-                "module": names["modules"].get(id(module), type(module).__name__) if module is not None else "?",
-                "class": type(module).__name__ if module is not None else "?", "shape": holder["shape"],
+                "module": names["modules"].get(id(module), type(module).__name__) if module is not None else
+                (holder.get("made_by") or "?"),
+                "class": type(module).__name__ if module is not None else "function", "shape": holder["shape"],
                 "positions": int(grad.shape[0]), "active_positions": int(active.sum()),
                 "hard_labels": hard, "weights": weights, "truncated": int(grad.shape[0]) > MAX_WEIGHTS}
 
