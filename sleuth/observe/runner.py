@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.observe.judge import OBSERVED_INVARIANTS, judge
+from sleuth.observe.needs import missing_need, named_inputs
 from sleuth.probes.answer import safe_text
 from sleuth.probes.runner import (
     SLEUTH_PACKAGE,
@@ -98,14 +99,20 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
             return _failed(outcome, f"the command's interpreter {interpreter} has no torch: give --probe-python an "
                            "environment where `import torch` works")
         limits = Limits.for_timeout(timeout_s, threads)
+        # What the user prepared for the command (a target, a feature cache) is what its arguments name: visible to
+        # it read-only at the same path, and nothing else of the user's files.
+        inputs = [str(path) for path in named_inputs(command, here, code)]
+        if inputs:
+            outcome.notes.append("visible to the command read-only, as its arguments name them: " + ", ".join(inputs))
         if announce:
             announce(safe_text(f"observing: `{shown}` on a copy of {code} ({len(files)} files, "
                                f"sha256:{(outcome.code_sha256 or '')[:16]}), at your request (--probe), for "
                                f"{spec['steps']} optimizer step(s), in {interpreter}; isolation {planned_level()}; "
-                               f"at most {timeout_s:g} s"))
+                               f"at most {timeout_s:g} s" + (f"; it may read {', '.join(inputs)}" if inputs else "")))
         try:
             finished = run_confined([interpreter, "-m", "sleuth.observe.launch", str(spec_path)], box=box, env=env,
-                                    read_paths=read_paths_for(facts, interpreter), timeout_s=timeout_s, limits=limits)
+                                    read_paths=[*read_paths_for(facts, interpreter), *inputs], timeout_s=timeout_s,
+                                    limits=limits)
         except SandboxError as exc:
             return _failed(outcome, str(exc))
         outcome.isolation = finished.isolation
@@ -114,6 +121,7 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
         if finished.swept:
             outcome.notes.append(f"{finished.swept} process(es) the command left running were killed")
         last = safe_text((finished.stderr_tail.strip().splitlines() or [""])[-1].strip(), limit=300)
+        needed = missing_need(finished.stderr_tail, interpreter) or missing_need(finished.stdout_tail, interpreter)
         if finished.timed_out:
             # The sandbox refuses unix sockets (docs/security.md), and worker processes that hand tensors back over
             # them (torch's DataLoader with num_workers > 0) then wait forever instead of failing: say so.
@@ -128,6 +136,11 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
         ended = observation.get("ended")
         if ended != "observed":
             why = observation.get("error")
+            steps_done = observation.get("steps") or 0
+            if needed and not steps_done and observation.get("returncode") not in (None, 0):
+                # What it lacked says more than how the observer saw it end (no torch imported, no step).
+                why = (f"the command cannot run here: {needed} (exit status {observation.get('returncode')}"
+                       + (f"; last output: {last}" if last else "") + ")")
             if not why and ended == "no_observation":
                 why = (f"the command ended (exit status {observation.get('returncode')}) and sleuth's observer never "
                        "reported: not a Python command, a Python started with -I, -E or -S (which skip the observer), "
@@ -138,7 +151,6 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
                        "update or torch.func transforms are not observed yet" + (f"; last output: {last}" if last else ""))
             if not why:
                 code_text = observation.get("returncode")
-                steps_done = observation.get("steps") or 0
                 why = (f"the command ended (exit status {code_text if code_text is not None else '?'}) after "
                        f"{steps_done} optimizer step(s), before the {spec['steps']} observed"
                        + (f": {last}" if last else ""))
