@@ -55,6 +55,34 @@ def named_inputs(command: list[str], cwd: Path, code: Path) -> list[Path]:
     return list(found)
 
 
+def unreadable_by_others(paths: list[Path], limit: int = 2000) -> list[Path]:
+    """Of the inputs (and the files in them, a bounded walk), those other users cannot read: the observed
+    command runs as an unprivileged user where sleuth isolates it with namespaces, so it cannot read them."""
+    import stat
+
+    found: list[Path] = []
+    seen = 0
+    for root in paths:
+        walk = [root]
+        while walk and seen < limit and len(found) < 8:
+            path = walk.pop()
+            seen += 1
+            try:
+                mode = path.stat().st_mode
+            except OSError:
+                continue
+            wanted = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+            if mode & wanted != wanted:
+                found.append(path)
+                continue
+            if stat.S_ISDIR(mode):
+                try:
+                    walk.extend(sorted(path.iterdir())[:limit])
+                except OSError:
+                    continue
+    return found
+
+
 def _words(word: str) -> list[str]:
     """The argument, and its value when it is `--flag=VALUE` or `KEY=VALUE`."""
     if "=" in word:

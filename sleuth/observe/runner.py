@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.observe.judge import OBSERVED_INVARIANTS, judge
-from sleuth.observe.needs import missing_need, named_inputs
+from sleuth.observe.needs import missing_need, named_inputs, unreadable_by_others
 from sleuth.probes.answer import safe_text
 from sleuth.probes.runner import (
     SLEUTH_PACKAGE,
@@ -104,6 +104,12 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
         inputs = [str(path) for path in named_inputs(command, here, code)]
         if inputs:
             outcome.notes.append("visible to the command read-only, as its arguments name them: " + ", ".join(inputs))
+        hidden = [str(p) for p in unreadable_by_others([Path(p) for p in inputs])] if hasattr(os, "geteuid") \
+            and os.geteuid() == 0 and not planned_level().startswith("process") else []
+        if hidden:
+            # sleuth as root runs the command as nobody: the user's 0600 files are there but unreadable to it.
+            outcome.notes.append("not readable by other users, so not by the observed command (it runs as an "
+                                 f"unprivileged user): {', '.join(hidden)}; chmod o+r (o+rx for folders) to let it")
         if announce:
             announce(safe_text(f"observing: `{shown}` on a copy of {code} ({len(files)} files, "
                                f"sha256:{(outcome.code_sha256 or '')[:16]}), at your request (--probe), for "
@@ -137,7 +143,11 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
         if ended != "observed":
             why = observation.get("error")
             steps_done = observation.get("steps") or 0
-            if needed and not steps_done and observation.get("returncode") not in (None, 0):
+            returncode = observation.get("returncode")
+            if hidden and not steps_done and returncode not in (None, 0):
+                needed = needed or (f"to read {', '.join(hidden[:3])}, which other users cannot read (the observed "
+                                    "command runs as an unprivileged user): chmod o+r (o+rx for folders)")
+            if needed and not steps_done and returncode not in (None, 0):
                 # What it lacked says more than how the observer saw it end (no torch imported, no step).
                 why = (f"the command cannot run here: {needed} (exit status {observation.get('returncode')}"
                        + (f"; last output: {last}" if last else "") + ")")
@@ -145,6 +155,9 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
                 why = (f"the command ended (exit status {observation.get('returncode')}) and sleuth's observer never "
                        "reported: not a Python command, a Python started with -I, -E or -S (which skip the observer), "
                        "or a process killed before it could" + (f"; last output: {last}" if last else ""))
+            if not why and not steps_done and returncode not in (None, 0) and not observation.get("backward_calls"):
+                why = (f"the command failed (exit status {returncode}) before its first training step"
+                       + (f": {last}" if last else ""))
             if not why and ended == "command_ended" and not observation.get("optimizers"):
                 why = (f"the command ended (exit status {observation.get('returncode')}) without a torch.optim "
                        f"optimizer ({observation.get('backward_calls') or 0} backward call(s) seen): a hand-written "
