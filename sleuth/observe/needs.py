@@ -122,7 +122,7 @@ def _config_strings(path: Path) -> list[str]:
 
 # (pattern over the error output, what the command needed): the first that matches, searched from the end.
 _NEEDS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"Torch not compiled with CUDA|no NVIDIA driver|Found no NVIDIA driver|CUDA (?:is not available|"
+    (re.compile(r"Torch not compiled with CUDA|no NVIDIA driver|Cannot access accelerator device|Found no NVIDIA driver|CUDA (?:is not available|"
                 r"driver|error: no CUDA-capable)|cuda(?:\.is_available\(\))? (?:is )?not available|"
                 r"No CUDA GPUs are available|NCCL|nvidia-smi", re.I),
      "a CUDA GPU, and the observed command sees none (torch.cuda is not available: sleuth hides GPUs from it"

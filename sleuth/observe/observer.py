@@ -425,6 +425,10 @@ class Observer:
             if param is not None and key not in changed:
                 changed[key] = {"changed": self.fingerprint(param) != before, "had_grad": had_grad}
         self.due = True
+        try:  # what a command that ends right after this step would leave: by atexit its modules are freed
+            self.at_step = self.observation("the observed optimizer step, the command's last")
+        except Exception:  # noqa: BLE001 - the observation at the next forward or at exit says what failed
+            self.at_step = None
 
     def fingerprint(self, param: Any) -> tuple[float, float]:
         """Sum and sum of squares in float64, in chunks: any update an optimizer makes (a row of an embedding, a
@@ -453,7 +457,8 @@ class Observer:
             return
         self.done = True
         try:
-            data = self.observation(when)
+            data = (self.at_step if exiting and getattr(self, "at_step", None) is not None
+                    else self.observation(when))
         except Exception as exc:  # noqa: BLE001 - reported, never a traceback in the user's run
             data = {"ended": "observer_error", "error": f"the observer failed: {type(exc).__name__}: {exc}"}
         steps = max(self.step_counts.values(), default=0)
