@@ -37,7 +37,7 @@ def prepare(root: Path, preset: str, threads: int) -> tuple[Path, Path]:
     sys.path.insert(0, str(REPO))
     from trainer.target.embedded import build_embedded_target
 
-    target = build_embedded_target(root / "target", small=True, progress=False)
+    target = build_embedded_target(root / "target", small=True, progress=False, steps=1)
     for path in [root, target, *target.rglob("*")]:
         path.chmod(path.stat().st_mode | 0o005)
     config = root / "tiny.json"

@@ -9,6 +9,7 @@ are written whenever the diagnosis got that far; --format picks what goes to std
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from enum import Enum
 from pathlib import Path
@@ -149,12 +150,12 @@ def diagnose_command(
     recorded = None
     if run is not None and probe and not command:
         from sleuth.observe.recorded import recorded_command
-        from sleuth.runs import RunError, read_run, resolve_run_dir
+        from sleuth.runs import read_run, resolve_run_dir
 
         try:
             recorded = recorded_command(read_run(resolve_run_dir(run, runs_dir)))
-        except RunError:
-            recorded = None  # the diagnosis itself says what is wrong with the run, in one line
+        except Exception:  # noqa: BLE001 - only an offer: the diagnosis itself says what is wrong with the run
+            recorded = None
     if observe_recorded:
         problem = _recorded_problem(run, probe, command, recorded)
         if problem:
@@ -219,7 +220,7 @@ def diagnose_command(
         if recorded.argv:
             errors.print(Text(terminal(f"the run recorded its training command ({recorded.source}): "
                                        f"{recorded.shown()}; to observe one optimizer step of it: "
-                                       f"sleuth diagnose --run {run} --probe --observe-recorded")), soft_wrap=True)
+                                       f"sleuth diagnose --run {shlex.quote(run)} --probe --observe-recorded")), soft_wrap=True)
         elif recorded.why_not:
             errors.print(Text(terminal(f"no recorded command to observe: {recorded.why_not}")), soft_wrap=True)
     probes = result.report.probes

@@ -37,7 +37,7 @@ def place(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from trainer.target.embedded import build_embedded_target
 
     root = tmp_path_factory.mktemp("observed-trainer")
-    target = build_embedded_target(root / "target", small=True, progress=False)
+    target = build_embedded_target(root / "target", small=True, progress=False, steps=1)
     for path in [target, *target.rglob("*")]:
         path.chmod(path.stat().st_mode | 0o005)
     (root / "tiny.json").write_text(json.dumps({**TINY, "target": str(target)}))
