@@ -218,17 +218,18 @@ class Observer:
             observer.schedulers.append({"ref": weakref.ref(sched), "site": _site(), "class": type(sched).__name__})
 
         lr_scheduler.LRScheduler.__init__ = scheduler_init
-        original_apply = torch.autograd.Function.__dict__["apply"].__func__
+        original_apply = getattr(torch.autograd.Function.__dict__.get("apply"), "__func__", None)
+        if original_apply is not None:  # a torch whose Function defines apply elsewhere: fused heads are not followed
 
-        def function_apply(cls, *args, **kwargs):  # noqa: ANN001, ANN202
-            out = original_apply(cls, *args, **kwargs)
-            try:
-                observer.on_function(cls, args, out)
-            except Exception:  # noqa: BLE001 - the observer never breaks the user's run
-                pass
-            return out
+            def function_apply(cls, *args, **kwargs):  # noqa: ANN001, ANN202
+                out = original_apply(cls, *args, **kwargs)
+                try:
+                    observer.on_function(cls, args, out)
+                except Exception:  # noqa: BLE001 - the observer never breaks the user's run
+                    pass
+                return out
 
-        torch.autograd.Function.apply = classmethod(function_apply)
+            torch.autograd.Function.apply = classmethod(function_apply)
         atexit.register(self.at_exit)
 
     def note_container(self, params: Any) -> None:
