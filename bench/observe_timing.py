@@ -57,9 +57,10 @@ def timed(argv: list[str], cwd: Path, threads: int, out: Path) -> dict:
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
     notes = (report.get("probes") or {}).get("notes") or []
     step = next((n for n in notes if n.startswith("observed ")), None)
-    decided = sorted({f["id"].split(".", 1)[-1] + " " + f["status"] for f in report.get("findings", [])
-                      for e in f["evidence"] if e.get("location") == "probe:observed-step"
-                      and not e["value"].startswith("unknown")})
+    # The observed step's own verdicts (the evidence), not the findings' final status (static readings merged in).
+    decided = sorted({f["id"].split(".", 1)[-1] + " " + e["value"].split(":", 1)[0]
+                      for f in report.get("findings", []) for e in f["evidence"]
+                      if e.get("location") == "probe:observed-step" and not e["value"].startswith("unknown")})
     return {"wall_s": round(wall, 2), "load_1min_before": round(load, 2), "exit": done.returncode,
             "observed": step, "decided_by_the_step": decided,
             "error": (done.stderr.strip().splitlines() or [""])[-1] if done.returncode == 2 else None}
