@@ -39,6 +39,7 @@ SCHEDULE_SHOWN = 32  # the first steps sent back one by one (the rest as peak, f
 MAX_WEIGHTS = 4096  # per-position weights sent back
 MAX_GATHERED = 8  # gatherings of target features kept (the latest)
 MAX_TEACHER = 65_536  # positions of a teacher candidate's top-1 sent back
+FUSED_MAX_LOGITS = 1 << 26  # rows x vocabulary of a fused head+loss whose logits are recomputed to read its gradient
 _THIS = os.path.abspath(__file__)
 
 _OBSERVER: Observer | None = None
@@ -175,6 +176,7 @@ class Observer:
         self.called: set[int] = set()
         self.snapshots: dict[int, Any] = {}
         self.attention.reset()
+        self.fused: list[dict[str, Any]] = []
 
     # --- instrumentation --------------------------------------------------------------------------------
 
@@ -234,6 +236,18 @@ class Observer:
         lr_scheduler.LRScheduler.__init__ = scheduler_init
         self.optim = OptimWatch(self)  # optimizer groups, the schedule from its first step, clipping, a resume
         self.optim.patch()
+        original_apply = getattr(torch.autograd.Function.__dict__.get("apply"), "__func__", None)
+        if original_apply is not None:  # a torch whose Function defines apply elsewhere: fused heads are not followed
+
+            def function_apply(cls, *args, **kwargs):  # noqa: ANN001, ANN202
+                out = original_apply(cls, *args, **kwargs)
+                try:
+                    observer.on_function(cls, args, out)
+                except Exception:  # noqa: BLE001 - the observer never breaks the user's run
+                    pass
+                return out
+
+            torch.autograd.Function.apply = classmethod(function_apply)
         atexit.register(self.at_exit)
 
     def note_container(self, params: Any) -> None:
@@ -316,6 +330,59 @@ class Observer:
                                   "made_by": made_by}
         tensor.register_hook(lambda grad, holder=holder: holder.__setitem__("grad", grad.detach()))
         self.logits = [*self.logits[-3:], holder]
+
+    def on_function(self, cls: Any, args: tuple[Any, ...], out: Any) -> None:
+        """A custom autograd Function that takes hidden rows [M, H] that train and a head weight [V, H] of an
+        embedding's vocabulary, and returns a scalar: a head fused with its loss, whose logits never exist as a
+        tensor with a graph. Its inputs and the gradient that reaches the hidden rows are kept; fused_logits()
+        recovers the logits' gradient from them where a softmax loss on hard labels explains it exactly."""
+        torch = self.torch
+        if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.requires_grad and torch.is_grad_enabled()):
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        hidden = next((t for t in tensors if t.dim() == 2 and t.requires_grad), None)
+        if hidden is None:
+            return
+        weight = next((t for t in tensors if t is not hidden and t.dim() == 2 and t.shape[1] == hidden.shape[1]
+                       and t.shape[0] in self.vocab), None)
+        if weight is None or hidden.shape[0] * weight.shape[0] > FUSED_MAX_LOGITS:
+            return
+        bias = next((t for t in tensors if t.dim() == 1 and t.shape[0] == weight.shape[0]), None)
+        holder: dict[str, Any] = {"hidden": hidden.detach(), "weight": weight.detach(), "function": cls.__name__,
+                                  "weight_id": id(weight),
+                                  "bias": bias.detach() if bias is not None else None, "site": _site()}
+        hidden.register_hook(lambda grad, holder=holder: holder.__setitem__("hidden_grad", grad.detach()))
+        self.fused = [*self.fused[-1:], holder]
+
+    def fused_logits(self, holder: dict[str, Any]) -> dict[str, Any] | None:
+        """The draft logits of a fused head+loss Function and their gradient, where every row's gradient at the
+        hidden input is w * (softmax(z) - onehot(y)) @ W for one label y and one weight w >= 0 (cross-entropy on
+        hard labels, weighted): solved per row over every y, kept only when the best y explains the gradient to
+        float precision. Anything else (soft targets, another loss, a gradient shared with other uses) is None."""
+        torch = self.torch
+        grad = holder.get("hidden_grad")
+        if grad is None:
+            return None
+        h, w = holder["hidden"].double(), holder["weight"].double()
+        g = grad.double()
+        logits = h @ w.t() + (holder["bias"].double() if holder["bias"] is not None else 0.0)
+        probs = torch.softmax(logits, -1)
+        a = probs @ w  # [M, H]: the softmax part of d loss / d h (per unit weight)
+        # c[i, y] = <g_i, a_i - W_y>, n[i, y] = |a_i - W_y|^2: the best scale for label y and what it leaves
+        c = (g * a).sum(-1, keepdim=True) - g @ w.t()
+        n = (a * a).sum(-1, keepdim=True) - 2 * a @ w.t() + (w * w).sum(-1)[None]
+        residual = (g * g).sum(-1, keepdim=True) - c * c / n.clamp(min=1e-300)
+        best = residual.argmin(-1)
+        scale = c.gather(1, best[:, None]).squeeze(1) / n.gather(1, best[:, None]).squeeze(1)
+        norm = (g * g).sum(-1)
+        left = residual.gather(1, best[:, None]).squeeze(1).clamp(min=0)
+        active = norm > 1e-24 * float(norm.max().clamp(min=1e-300))
+        if not bool(((left <= 1e-6 * norm) | ~active).all()) or bool((scale[active] < -1e-9).any()):
+            return None
+        onehot = torch.zeros_like(probs).scatter_(1, best[:, None], 1.0)
+        logits_grad = torch.where(active[:, None], scale[:, None] * (probs - onehot), torch.zeros_like(probs))
+        return {"module": lambda: None, "logits": logits, "grad": logits_grad, "shape": list(logits.shape),
+                "fused": f"{holder['function']} at {holder['site']}", "weight_id": holder["weight_id"]}
 
     def producer(self, tensor: Any) -> tuple[Any, ...] | None:
         """The output entry of the module call that produced `tensor`, or the tensor it is a view of."""
@@ -401,6 +468,10 @@ class Observer:
             if param is not None and key not in changed:
                 changed[key] = {"changed": self.fingerprint(param) != before, "had_grad": had_grad}
         self.due = True
+        try:  # what a command that ends right after this step would leave: by atexit its modules are freed
+            self.at_step = self.observation("the observed optimizer step, the command's last")
+        except Exception:  # noqa: BLE001 - the observation at the next forward or at exit says what failed
+            self.at_step = None
 
     def fingerprint(self, param: Any) -> tuple[float, float]:
         """Sum and sum of squares in float64, in chunks: any update an optimizer makes (a row of an embedding, a
@@ -429,7 +500,8 @@ class Observer:
             return
         self.done = True
         try:
-            data = self.observation(when)
+            data = (self.at_step if exiting and getattr(self, "at_step", None) is not None
+                    else self.observation(when))
         except Exception as exc:  # noqa: BLE001 - reported, never a traceback in the user's run
             data = {"ended": "observer_error", "error": f"the observer failed: {type(exc).__name__}: {exc}"}
         steps = max(self.step_counts.values(), default=0)
@@ -533,6 +605,11 @@ class Observer:
             rows = grad.double().reshape(-1, grad.shape[-1])
             if bool((rows.sum(-1).abs() <= 1e-4 * rows.abs().sum(-1) + 1e-12).all()) and bool(rows.abs().sum() > 0):
                 return holder
+        for fused in reversed(self.fused):  # no module made them: a head fused with its loss, if one explains them
+            found = fused.get("recovered") if "recovered" in fused else fused.setdefault("recovered",
+                                                                                     self.fused_logits(fused))
+            if found is not None:
+                return found
         return None
 
     def describe_logits(self, names: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
@@ -551,7 +628,7 @@ class Observer:
             prob = torch.softmax(logits, -1).gather(1, label[:, None]).squeeze(1)
             value = -grad.gather(1, label[:, None]).squeeze(1) / (1 - prob).clamp(min=1e-12)
             weights = [_finite(float(w)) for w in torch.where(active, value, torch.zeros_like(value))[:MAX_WEIGHTS]]
-        module = holder["module"]()
+        module = holder["module"]() if holder["module"] is not None else None
         labels = None
         if hard and grad.shape[0] <= MAX_WEIGHTS:
             labels = [int(t) for t in torch.where(active, grad.argmin(-1), torch.full_like(grad.argmin(-1), -1))]
@@ -563,7 +640,8 @@ class Observer:
                     for t in self.teachers if t["top1"].numel() <= MAX_TEACHER]
         return {"labels": labels, "block_ids": block_ids if labels is not None else None, "teachers": teachers,
                 "module": names["modules"].get(id(module), type(module).__name__) if module is not None else
-                (holder.get("made_by") or "?"),
+                (f"{names['params'].get(holder['weight_id'], 'a head weight')} fused into {holder['fused']}"
+                 if holder.get("fused") else holder.get("made_by") or "?"),
                 "class": type(module).__name__ if module is not None else "function", "shape": holder["shape"],
                 "positions": int(grad.shape[0]), "active_positions": int(active.sum()),
                 "hard_labels": hard, "weights": weights, "truncated": int(grad.shape[0]) > MAX_WEIGHTS}
