@@ -14,6 +14,7 @@ from typing import Any
 
 from sleuth.artifacts import optional_json_object
 from sleuth.evidence.registry import config_reader, registered
+from sleuth.oracle import speculators_default_layer_ids, target_layer_ids
 
 
 @dataclass
@@ -93,19 +94,6 @@ def find_run_meta(config_source: str | None, checkpoint: Path | None, config: di
     return RunMeta()
 
 
-def zlab_layer_ids(num_layers: int, k: int) -> list[int]:
-    """The reference selection (z-lab build_target_layer_ids): k layers evenly from 1 to L-3; one: [L//2]."""
-    if k == 1:
-        return [num_layers // 2]
-    start, end = 1, num_layers - 3
-    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
-
-
-def vllm_default_layer_ids(num_layers: int) -> list[int]:
-    """speculators' own default, in vLLM's convention (id i = HF hidden_states[i])."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 # --- config readers: (config, keys, meta) -> ConfigReading | None, registered by the id the playbook names --
 
 
@@ -124,11 +112,11 @@ def _read_target_layer_ids(config: dict, keys: list[str], meta: RunMeta) -> Conf
         return ConfigReading(
             None, key, ids, detail=f"{ids}; the target's depth is unknown (no run.json, no num_target_layers)"
         )
-    formula = zlab_layer_ids(meta.num_layers, len(ids))
+    formula = target_layer_ids(meta.num_layers, len(ids))
     if ids == formula:
         return ConfigReading("evenly-1-to-L-3", key, ids, detail=f"{ids} for an L={meta.num_layers} target")
     reading = ConfigReading(f"custom {ids}", key, ids, detail=f"{ids}; the rule gives {formula} for L={meta.num_layers}")
-    if len(ids) == 3 and ids == vllm_default_layer_ids(meta.num_layers):
+    if len(ids) == 3 and ids == speculators_default_layer_ids(meta.num_layers):
         reading.notes.append(
             "these are speculators' default ids [2, L//2, L-3], in vLLM's convention (id i = HF hidden_states[i]); "
             "read in z-lab's convention they are one layer off"

@@ -25,6 +25,7 @@ from typing import Any
 
 from sleuth.findings import Evidence, Finding, Fix
 from sleuth.interop.specforge import STATE_FILE, SpecForgeRun
+from sleuth.oracle import target_layer_ids
 
 
 def check_specforge(run: SpecForgeRun) -> list[Finding]:
@@ -38,14 +39,6 @@ def check_specforge(run: SpecForgeRun) -> list[Finding]:
         check_loss_decay_gamma(run),
         check_loss_kind(run),
     ]
-
-
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """SpecForge's rule (`specforge/modeling/draft/dflash.py`), the same as z-lab's."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 3 - 1
-    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
 def quote(value: Any) -> str:
@@ -87,7 +80,7 @@ def check_target_layer_ids(run: SpecForgeRun) -> Finding:
                                          value=quote(shape)))
         if count != len(ids):
             remedy = trained if trained is not None and len(trained) == count else (
-                build_target_layer_ids(depth, count) if depth else None)
+                target_layer_ids(depth, count) if depth else None)
             return _mismatch(
                 finding, "high",
                 f"the id list names {len(ids)} layer(s) but fc.weight {quote(shape)} reads {count}: the list "
@@ -105,7 +98,7 @@ def check_target_layer_ids(run: SpecForgeRun) -> Finding:
                              f"trained on {quote(trained)}", _ids_fix(run, trained, len(trained), trained=True))
         finding.reason = f"the target's depth is unknown: {run.verifier.reason or 'no num_target_layers'}"
         return finding
-    expected = build_target_layer_ids(depth, len(ids))
+    expected = target_layer_ids(depth, len(ids))
     remedy = _ids_fix(run, restore, len(ids), trained=True) if restore else _ids_fix(run, expected, len(ids))
     out_of_range = [i for i in ids if i < 0 or i >= depth]
     if out_of_range:
@@ -342,7 +335,7 @@ def _config_ids(run: SpecForgeRun) -> tuple[list[int] | None, str | None]:
         return _ints(method["target_layer_ids"]), where
     # DFlashDraftModel's fallback when the config names none
     if _is_int(config.get("num_target_layers")) and _is_int(config.get("num_hidden_layers")):
-        return (build_target_layer_ids(config["num_target_layers"], config["num_hidden_layers"]),
+        return (target_layer_ids(config["num_target_layers"], config["num_hidden_layers"]),
                 f"{run.draft_config_path}: no dflash_config.target_layer_ids, so build_target_layer_ids("
                 "num_target_layers, num_hidden_layers)")
     return None, where

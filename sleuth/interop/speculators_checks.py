@@ -25,6 +25,7 @@ from typing import Any
 
 from sleuth.findings import Evidence, Finding, Fix
 from sleuth.interop.speculators import SpeculatorsRun
+from sleuth.oracle import speculators_default_layer_ids, target_layer_ids
 
 TRAIN = "speculators train"
 
@@ -47,21 +48,15 @@ def quote(value: Any) -> str:
     return json.dumps(value)
 
 
-def vllm_default_ids(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def zlab_rule_in_vllm_ids(num_layers: int, k: int) -> list[int]:
-    if k == 1:
-        return [num_layers // 2 + 1]
-    return [int(round(1 + i * (num_layers - 4) / (k - 1))) + 1 for i in range(k)]
+    return [i + 1 for i in target_layer_ids(num_layers, k)]  # vLLM id i+1 = HF hidden_states[i+1] = layer i
 
 
 def accepted_selections(num_layers: int, k: int) -> list[list[int]]:
     """The selections speculators and the paper's authors would make for k layers of an L-layer verifier."""
     options = [zlab_rule_in_vllm_ids(num_layers, k)]
     if k == 3:
-        options.insert(0, vllm_default_ids(num_layers))
+        options.insert(0, speculators_default_layer_ids(num_layers))
     return options
 
 
@@ -132,7 +127,7 @@ def check_target_layer_ids(run: SpeculatorsRun) -> Finding:
         return finding
     if ids in accepted:
         finding.status = "match"
-        which = "speculators' default [2, L//2, L-3]" if len(ids) == 3 and ids == vllm_default_ids(depth) else "z-lab's rule + 1"
+        which = "speculators' default [2, L//2, L-3]" if len(ids) == 3 and ids == speculators_default_layer_ids(depth) else "z-lab's rule + 1"
         finding.reason = f"{quote(ids)} is {which} for L={depth}"
         return finding
     for option in accepted:

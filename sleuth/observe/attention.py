@@ -390,8 +390,9 @@ class AttentionWatch:
         return None
 
     def describe(self, names: dict[str, dict[int, Any]], gathered: list[dict[str, Any]] = ()) -> dict[str, Any]:
+        # Copies: the observation may be described twice (at the observed step, and again at exit).
         calls = []
-        for call in self.calls:
+        for call in map(dict, self.calls):
             modules = [ref() for ref in call.pop("stack")]
             modules = [m for m in modules if m is not None]
             place = next((names["in_list"].get(id(m)) for m in reversed(modules) if id(m) in names["in_list"]), None)
@@ -402,7 +403,7 @@ class AttentionWatch:
                 call.update(layer=place[0], layers=place[1], stack=place[2])
             calls.append(call)
         rotary = []
-        for record in self.rotary:
+        for record in map(dict, self.rotary):
             module = record.pop("module")()
             record["module"] = names["modules"].get(id(module), type(module).__name__) if module is not None else "?"
             rotary.append(record)

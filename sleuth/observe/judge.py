@@ -12,7 +12,7 @@ from typing import Any
 
 from sleuth.observe.judge_attention import ATTENTION_INVARIANTS, judge_attention
 from sleuth.observe.optimization_judge import describe_optimization, judge_optimization
-from sleuth.observe.reference import accepted_gammas, slot_weight, target_layer_ids
+from sleuth.oracle import accepted_gammas, slot_weight, target_layer_ids
 from sleuth.probes.answer import safe_text
 from sleuth.probes.verdict import Expectations, Verdict
 

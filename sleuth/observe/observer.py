@@ -503,7 +503,12 @@ class Observer:
             data = (self.at_step if exiting and getattr(self, "at_step", None) is not None
                     else self.observation(when))
         except Exception as exc:  # noqa: BLE001 - reported, never a traceback in the user's run
-            data = {"ended": "observer_error", "error": f"the observer failed: {type(exc).__name__}: {exc}"}
+            import traceback
+
+            # where in the observer: a bug report needs the line, not just the exception
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            data = {"ended": "observer_error", "error": f"the observer failed: {type(exc).__name__}: {exc} "
+                    f"({os.path.basename(where.filename)}:{where.lineno})"}
         steps = max(self.step_counts.values(), default=0)
         if exiting and steps < self.steps_wanted:
             data["ended"] = data.get("ended") or "command_ended"

@@ -357,7 +357,12 @@ class OptimWatch:
         if "error" in record:
             out["error"] = record["error"]
             return out
-        clone, stand = record["birth"]
+        # Stepped on a copy of the birth copy: the observation may be described twice (at the step and at exit).
+        try:
+            clone, stand = copy.deepcopy(record["birth"])
+        except Exception as exc:  # noqa: BLE001 - a schedule that cannot be copied again: reported, not judged
+            out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            return out
         total, warmup = self.horizon
         per_step = max(1, self.scheduler_steps_per_step(out) or 1, self.around_first_step(out))
         length = DEFAULT_STEPS

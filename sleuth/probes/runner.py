@@ -424,9 +424,10 @@ def _fill_box(plan: ProbePlan, box: Box, outcome: ProbeOutcome) -> tuple[dict[st
         for name in RUN_FILES:
             _copy_run_file(plan.run_dir / name, box.run / name, outcome.notes)
         (spec.get("context") or {})["run_dir"] = str(box.run)
-    # sleuth's worker: the package's __init__ and probes/, all the worker imports.
+    # sleuth's worker: the package's __init__, the reference formulas and probes/, all the worker imports.
     (box.lib / "sleuth").mkdir()
-    (box.lib / "sleuth" / "__init__.py").write_bytes((SLEUTH_PACKAGE / "__init__.py").read_bytes())
+    for name in ("__init__.py", "oracle.py"):
+        (box.lib / "sleuth" / name).write_bytes((SLEUTH_PACKAGE / name).read_bytes())
     copy_code(CodeCopy(SLEUTH_PACKAGE, only="probes"), box.lib / "sleuth", [], worker=True)
     return spec, files
 

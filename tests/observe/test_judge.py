@@ -6,7 +6,7 @@ import math
 
 from sleuth.observe.judge import OBSERVED_INVARIANTS, block_pattern, judge
 from sleuth.observe.optimization_judge import OPTIMIZATION_INVARIANTS
-from sleuth.observe.reference import target_layer_ids
+from sleuth.oracle import target_layer_ids
 from sleuth.probes.verdict import Expectations
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sleuth.evidence.config import RunMeta, find_run_meta, lookup, read_config, zlab_layer_ids
+from sleuth.evidence.config import RunMeta, find_run_meta, lookup, read_config
+from sleuth.oracle import target_layer_ids
 
 
 def test_zlab_rule_matches_known_values():
-    assert zlab_layer_ids(64, 5) == [1, 16, 31, 46, 61]
-    assert zlab_layer_ids(36, 5) == [1, 9, 17, 25, 33]
-    assert zlab_layer_ids(36, 1) == [18]
+    assert target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert target_layer_ids(36, 1) == [18]
 
 
 def test_fc_layers_reader():

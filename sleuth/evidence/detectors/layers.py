@@ -120,7 +120,7 @@ def _raise() -> object:
 
 @detector("dflash.target_layer_ids")
 def detect_target_layer_ids(an: Analyzer) -> list[CodeReading]:
-    from sleuth.evidence.config import vllm_default_layer_ids, zlab_layer_ids
+    from sleuth.oracle import speculators_default_layer_ids, target_layer_ids
 
     readings = []
     rule_functions: set[str] = set()
@@ -159,12 +159,12 @@ def detect_target_layer_ids(an: Analyzer) -> list[CodeReading]:
                 continue
             best = None
             for produced in results:
-                if all(r == zlab_layer_ids(d, k) for d, k, r in produced):
+                if all(r == target_layer_ids(d, k) for d, k, r in produced):
                     best = ("evenly-1-to-L-3", produced)
                     break
             if best is None:
                 produced = results[0]
-                if all(r == vllm_default_layer_ids(d) for d, k, r in produced if k != 1):
+                if all(r == speculators_default_layer_ids(d) for d, k, r in produced if k != 1):
                     best = ("[2, L//2, L-3] (vLLM convention)", produced)
                 else:
                     sample = produced[0]
@@ -186,7 +186,7 @@ def detect_target_layer_ids(an: Analyzer) -> list[CodeReading]:
 def _inline_rules(an: Analyzer) -> list[ast.expr]:
     """The rule written inline (`taps = [L // 2] if k == 1 else [round(1 + i * (L - 4) / (k - 1)) for i in range(k)]`):
     an assigned expression of two free names that evaluates to z-lab's ids for every depth tried."""
-    from sleuth.evidence.config import zlab_layer_ids
+    from sleuth.oracle import target_layer_ids
 
     found = []
     for node in nodes_of(an, ast.Assign):
@@ -205,7 +205,7 @@ def _inline_rules(an: Analyzer) -> list[ast.expr]:
             body=[ast.Return(value=value)], decorator_list=[])
         for order in (free, free[::-1]):
             try:
-                if all(_interpret(synthetic, dict(zip(order, (depth, k)))) == zlab_layer_ids(depth, k)
+                if all(_interpret(synthetic, dict(zip(order, (depth, k)))) == target_layer_ids(depth, k)
                        for depth, k in ((36, 5), (64, 5), (28, 3), (36, 1))):
                     found.append(value)
                     break

@@ -17,20 +17,20 @@ from sleuth.probes.experiments.lab import (
     influence,
     seen,
 )
+from sleuth.oracle import speculators_default_layer_ids as speculators_default
+from sleuth.oracle import target_layer_ids
 from sleuth.probes.target import perturb_layer
 from sleuth.probes.verdict import Verdict
 
 
 def reference_layer_ids(num_layers: int, k: int) -> list[int]:
-    """z-lab's rule (DFLASH.md `dflash.target_layer_ids`): k layers evenly from 1 to L-3; one layer: [L//2]."""
-    if k == 1:
-        return [num_layers // 2]
-    return [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
+    """z-lab's rule (sleuth/oracle.py; DFLASH.md `dflash.target_layer_ids`)."""
+    return target_layer_ids(num_layers, k)
 
 
 def speculators_default_layer_ids(num_layers: int, k: int) -> list[int] | None:
-    """speculators' documented default when no ids are given: [2, L//2, L-3] in vLLM ids (models/utils.py)."""
-    return [2, num_layers // 2, num_layers - 3] if k == 3 else None
+    """speculators' documented default when no ids are given (sleuth/oracle.py); it names three layers."""
+    return speculators_default(num_layers) if k == 3 else None
 
 
 # name -> (rule, the convention its ids are written in)
