@@ -130,6 +130,41 @@ class DraftConfig(BaseModel):
         return self.model_dump()
 
 
+DrafterKind = Literal["dflash", "dflash2", "dspark"]
+
+
+class DFlash2Config(BaseModel):
+    """DFlash2's additions to the DFlash drafter (drafter_kind: dflash2); defaults are speculators 0.9.0's
+    (models/dflash2/config.py:26-45 for the shape, train/config/schema.py for selector_loss_alpha).
+
+    Each decoder layer wraps attention and MLP in grouped dynamic causal convolutions over the block's own
+    slots (taps never cross a block boundary), and a candidate selector re-ranks the unary top-k with a
+    bilinear predecessor x hidden x candidate score (trainer/model/dflash2.py).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    conv_kernel_size: int = Field(2, ge=1, le=MAX_BLOCK_SIZE,
+                                  description="Taps of each convolution (the slot itself and k-1 before it); <= block_size.")
+    conv_group_size: int = Field(16, ge=1, description="Hidden channels that share one dynamic tap; must divide the "
+                                 "hidden size.")
+    selector_rank: int = Field(256, ge=1, le=65536, description="Rank r of the selector's codebooks [V, r] and of its "
+                               "hidden projection H -> r.")
+    selector_top_k: int = Field(16, ge=1, le=4096, description="Unary candidates K the selector re-ranks (at most the "
+                                "vocabulary).")
+    selector_loss_alpha: float = Field(1.0, ge=0, description="Weight of the selector's K-way cross entropy next to "
+                                       "the unary loss.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for key, value in values.items():
+                if key in cls.model_fields and isinstance(value, bool):
+                    raise ValueError(f"dflash2.{key} takes a number, not a boolean (got {value!r})")
+        return values
+
+
 class TrainConfig(BaseModel):
     # allow_inf_nan=False: `lr: .inf` or `nan` would train to NaN losses and call the run completed.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -165,6 +200,15 @@ class TrainConfig(BaseModel):
     )
 
     # --- DFlash architecture: the invariants sleuth checks ---------------------------------------------
+    drafter_kind: DrafterKind = Field(
+        "dflash",
+        description="Which member of the DFlash family is trained: 'dflash' (the drafter as published), "
+        "'dflash2' (local dynamic convolutions and a candidate selector; settings under `dflash2`).",
+    )
+    dflash2: DFlash2Config = Field(
+        default_factory=DFlash2Config,
+        description="DFlash2's convolutions and candidate selector (used with drafter_kind: dflash2).",
+    )
     block_size: int = Field(8, ge=1, le=MAX_BLOCK_SIZE, description="Tokens per draft block: slot 0 anchor + B-1 masks.")
     draft_layers: int = Field(5, ge=1, le=64, description="Qwen3-style decoder layers in the drafter.")
     draft_config: DraftConfig = Field(
@@ -346,6 +390,7 @@ class TrainConfig(BaseModel):
             raise ValueError("loss_weighting 'dpace' needs loss 'ce' (D-PACE weighs cross-entropy confidences)")
         if self.seq_len <= self.block_size:
             raise ValueError(f"seq_len {self.seq_len} must exceed block_size {self.block_size}")
+        self._check_drafter_kind()
         draft = self.draft_config
         if draft.layer_types is not None and len(draft.layer_types) != self.draft_layers:
             raise ValueError(f"draft_config.layer_types names {len(draft.layer_types)} layers but draft_layers is "
@@ -356,6 +401,31 @@ class TrainConfig(BaseModel):
             raise ValueError(f"draft_config.sliding_window {draft.sliding_window} must be at least block_size "
                              f"{self.block_size}")
         return self
+
+    def _check_drafter_kind(self) -> None:
+        """The family member's own constraints; the ones that need the target's sizes (hidden % group,
+        top_k <= vocabulary) are checked when the drafter is built (trainer/model/dflash2.py)."""
+        if self.drafter_kind == "dspark":
+            raise ValueError("drafter_kind 'dspark' is not implemented in this trainer yet; use 'dflash' or 'dflash2'")
+        if self.drafter_kind != "dflash2":
+            if self.dflash2 != DFlash2Config():
+                raise ValueError(f"dflash2 settings are given but drafter_kind is {self.drafter_kind!r}: set "
+                                 "drafter_kind: dflash2 or drop the dflash2 section")
+            return
+        settings = self.dflash2
+        if settings.conv_kernel_size > self.block_size:
+            raise ValueError(f"dflash2.conv_kernel_size {settings.conv_kernel_size} exceeds block_size "
+                             f"{self.block_size} (the convolutions never reach across a block)")
+        if self.draft_vocab_size is not None:
+            # speculators 0.9.0 refuses it too (models/dflash2/core.py:38-44): the selector's codebooks and
+            # its predecessors are indexed by target ids.
+            raise ValueError("drafter_kind 'dflash2' needs the full target vocabulary: drop draft_vocab_size")
+        if self.loss_weighting != "decay":
+            raise ValueError("drafter_kind 'dflash2' trains with loss_weighting 'decay' here (D-PACE for the "
+                             "selector term is not implemented)")
+        if self.parallelism == "fsdp2":
+            raise ValueError("drafter_kind 'dflash2' runs the candidate selector outside the drafter's forward, "
+                             "which FSDP2 does not gather: use parallelism 'ddp'")
 
     # --- derived values ----------------------------------------------------------------------------------
     def resolved_layer_ids(self, num_target_layers: int) -> list[int]:
@@ -576,7 +646,7 @@ def _first_sentence(exc: BaseException) -> str:
 
 # Nested sections of the config: --set SECTION.key=value sets one key, and a config file's section is merged
 # over the preset's key by key (a file that sets draft_config.sliding_window keeps the preset's layer types).
-NESTED_SECTIONS: dict[str, type[BaseModel]] = {"draft_config": DraftConfig}
+NESTED_SECTIONS: dict[str, type[BaseModel]] = {"draft_config": DraftConfig, "dflash2": DFlash2Config}
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -96,13 +96,19 @@ def lr_at(config: TrainConfig, step: int) -> float:
 
 def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> DFlashDrafter:
     torch.manual_seed(config.seed)  # the drafter's init depends on the seed alone
-    drafter = DFlashDrafter.from_target_config(
+    drafter_class, extra = DFlashDrafter, {}
+    if config.drafter_kind == "dflash2":
+        from trainer.model.dflash2 import DFlash2Drafter
+
+        drafter_class, extra = DFlash2Drafter, {"dflash2": config.dflash2}
+    drafter = drafter_class.from_target_config(
         target.model.config,
         num_layers=config.draft_layers,
         num_features=len(plan.feature_layer_ids),
         block_size=config.block_size,
         mask_token_id=plan.mask_token_id,
         shape=config.draft_config.as_shape(),
+        **extra,
     )
     return drafter.to(device=target.device, dtype=target.dtype)
 

@@ -14,7 +14,14 @@ import torch
 from trainer.config import TrainConfig
 from trainer.model.anchors import sample_anchors
 from trainer.model.attention_mask import DraftAttention, build_attention_mask
-from trainer.model.loss import IDENTITY_HEAD, BlockTeacher, block_loss, slot_weights, teacher_positions
+from trainer.model.loss import (
+    IDENTITY_HEAD,
+    BlockTeacher,
+    block_loss,
+    metrics_from_counts,
+    slot_weights,
+    teacher_positions,
+)
 from trainer.target.frozen import FrozenTarget
 
 
@@ -35,6 +42,8 @@ class StepPlan:
     draft_token_ids: torch.Tensor | None = None  # [Vd] target ids of a reduced draft vocabulary (sorted)
     loss_chunk_size: int | None = None  # block slots whose logits the loss holds at once (None: by vocabulary)
     draft_attention: DraftAttention | None = None  # the drafter's per-layer attention (sliding windows)
+    drafter_kind: str = "dflash"  # "dflash2" adds the candidate selector's term to the loss
+    selector_loss_alpha: float = 1.0  # dflash2 only
 
     @classmethod
     def from_config(cls, config: TrainConfig, target: FrozenTarget,
@@ -53,6 +62,8 @@ class StepPlan:
             draft_token_ids=draft_token_ids,
             loss_chunk_size=config.loss_chunk_size,
             draft_attention=draft_attention(config),
+            drafter_kind=config.drafter_kind,
+            selector_loss_alpha=config.dflash2.selector_loss_alpha,
         )
 
 
@@ -115,6 +126,8 @@ def dflash_step(
     )
     block_embeds = target.embed(block_ids.reshape(N, A * B))  # (N, A*B, H), frozen embeddings
     hidden = drafter(block_embeds, features, all_positions, attention_mask=mask)  # (N, A*B, H)
+    if plan.drafter_kind == "dflash2" and draft_logits_hook is not None:
+        raise ValueError("the probe protocol's logits hook does not cover DFlash2's candidate selector yet")
     vocab = plan.draft_token_ids
     # frozen lm_head (dflash.frozen_embed_head); with a draft vocabulary, only its rows of those tokens
     head = target.draft_head(vocab)
@@ -130,6 +143,25 @@ def dflash_step(
     weights = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, gamma)  # (N, A, B)
     result = block_loss(draft, head, teacher, weights, plan.loss_kind, plan.loss_weighting, plan.dpace_alpha,
                         plan.loss_chunk_size)
-    metrics = result.metrics()
+    loss, metrics = result.loss, result.metrics()
+    if plan.drafter_kind == "dflash2":
+        loss, metrics = _with_selector_term(drafter, draft, head, result, input_ids, anchors, weights, plan)
     metrics["tokens"] = int((doc_ids >= 0).sum())
-    return result.loss, metrics
+    return loss, metrics
+
+
+def _with_selector_term(drafter: torch.nn.Module, draft: torch.Tensor, head: Any, unary: Any,
+                        input_ids: torch.Tensor, anchors: torch.Tensor, weights: torch.Tensor,
+                        plan: StepPlan) -> tuple[torch.Tensor, dict[str, Any]]:
+    """DFlash2: unary + alpha * selector CE (trainer/model/dflash2_loss.py). acc, position_acc, streak and
+    eal then count the selector's teacher-forced choice, what DFlash2 proposes at serving time."""
+    from trainer.model.dflash2_loss import predecessor_ids, selector_counts, selector_loss
+
+    selector = getattr(drafter, "module", drafter).candidate_selector  # under DDP, the wrapped drafter's
+    gold = unary.teacher_ids  # dflash2.selector_gold_token: the teacher's argmax
+    result = selector_loss(draft, head, selector, predecessor_ids(input_ids, anchors, plan.block_size), gold,
+                           weights, plan.loss_chunk_size)
+    counts = selector_counts(result, gold, weights)
+    metrics = {**metrics_from_counts(counts), "counts": counts, "unary_loss": float(unary.loss.detach()),
+               "selector_loss": float(result.loss.detach()), "unary_acc": unary.metrics()["acc"]}
+    return unary.loss + plan.selector_loss_alpha * result.loss, metrics
