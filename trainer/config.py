@@ -540,6 +540,30 @@ PRESETS["zlab-qwen3.6"] = {
 }
 
 
+# DFlash2 as speculators 0.9.0 trains it (`train --speculator-type dflash2`: 5 layers, block 8, KL to the
+# verifier, fixed exponential decay gamma 4, selector weight 1.0, train/config/schema.py:486-505, 760-808; every
+# layer sliding-window and non-causal within the block, train/cli.py:211-214, models/dflash2/config.py:22-25),
+# the layout of z-lab's DFlash2 drafter config (5 sliding layers, W 2048). At tiny size on the embedded
+# target (hidden 128, vocabulary 1536, seq_len 256): the window scales with the sequence, 2048 of 8192 -> 64 of
+# 256 (still eight blocks, so held-out decoding runs past it); the selector's rank with the width, 256 at 5120
+# hidden -> 32 at 128 (kept above 16 so the codebooks are not rank-starved at V 1536). Convolution k 2 / group
+# 16 and top-K 16 are speculators' defaults unchanged.
+PRESETS["dflash2-tiny"] = {
+    "drafter_kind": "dflash2",
+    "block_size": 8,
+    "draft_layers": 5,
+    "loss": "kl",
+    "loss_decay_gamma": 4.0,
+    "draft_config": {
+        "layer_types": ["sliding_attention"] * 5, "sliding_window": 64, "sliding_window_non_causal": True,
+    },
+    "dflash2": {
+        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 16,
+        "selector_loss_alpha": 1.0,
+    },
+}
+
+
 class BoundedSafeLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses documents whose aliases expand past MAX_YAML_NODES nodes.
 

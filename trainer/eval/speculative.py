@@ -77,6 +77,18 @@ class DFlashProposer:
         self.mask_token_id = getattr(drafter, "mask_token_id", None)
 
     def propose(self, block_ids: Tensor, context_features: Tensor, position_ids: Tensor, cache: DynamicCache) -> Tensor:
+        hidden = self._draft_hidden(block_ids, context_features, position_ids, cache)  # [1, B-1, H]
+        if self.vocab_ids is None:
+            return self.target.logits(hidden)  # [1, B-1, V]
+        # A draft vocabulary: its logits placed at their target ids, -inf elsewhere, so argmax and the
+        # draft distribution q live in the target's vocabulary, as vLLM's d2t mapping serves them.
+        draft = self.target.logits(hidden, self.vocab_ids)  # [1, B-1, Vd]
+        full = draft.new_full((*draft.shape[:-1], self.target.vocab_size), float("-inf"))
+        full[..., self.vocab_ids.to(draft.device)] = draft
+        return full
+
+    def _draft_hidden(self, block_ids: Tensor, context_features: Tensor, position_ids: Tensor,
+                      cache: DynamicCache) -> Tensor:  # [1, B-1, H] in the target's dtype, slots 1..B-1
         block_embeds = self.target.embed(block_ids).to(self.dtype)  # [1, B, H] frozen target embeddings
         hidden = self.drafter(
             block_embeds,
@@ -87,15 +99,38 @@ class DFlashProposer:
             use_cache=True,
             **({"served_as": self.served_as} if self.served_as is not None else {}),
         )  # [1, B, H]
-        hidden = hidden[:, 1:].to(self.target.dtype)
-        if self.vocab_ids is None:
-            return self.target.logits(hidden)  # [1, B-1, V]
-        # A draft vocabulary: its logits placed at their target ids, -inf elsewhere, so argmax and the
-        # draft distribution q live in the target's vocabulary, as vLLM's d2t mapping serves them.
-        draft = self.target.logits(hidden, self.vocab_ids)  # [1, B-1, Vd]
-        full = draft.new_full((*draft.shape[:-1], self.target.vocab_size), float("-inf"))
-        full[..., self.vocab_ids.to(draft.device)] = draft
-        return full
+        return hidden[:, 1:].to(self.target.dtype)
+
+
+class DFlash2Proposer(DFlashProposer):
+    """A DFlash2Drafter: the candidate selector picks each slot's token among the unary top-K, walking from
+    the anchor (z-lab's greedy `propose`; B-1 proposals from slots 1..B-1).
+
+    Greedy only: the returned "logits" are the selector's scores at its K candidates and -inf elsewhere, so
+    their argmax is the walk's token at every slot. Sampling would need the walk to follow the sampled
+    tokens (z-lab's `select` at T > 0), which the loop's own sampling does not do."""
+
+    greedy_only = True
+
+    def propose(self, block_ids: Tensor, context_features: Tensor, position_ids: Tensor, cache: DynamicCache) -> Tensor:
+        if block_ids.shape[1] != self.drafter.block_size:  # its convolutions count slots within a block
+            raise EvalError(f"a DFlash2 drafter drafts blocks of {self.drafter.block_size} (it was trained so), "
+                            f"not {block_ids.shape[1]}")
+        hidden = self._draft_hidden(block_ids, context_features, position_ids, cache)  # [1, B-1, H]
+        unary = self.target.logits(hidden)[0]  # [B-1, V]
+        selector = self.drafter.candidate_selector
+        _tokens, candidates, scores = selector.greedy_walk(
+            unary, hidden[0].to(self.dtype), int(block_ids[0, 0]))  # [B-1, K] each
+        proposal = unary.new_full(unary.shape, float("-inf"))
+        proposal.scatter_(1, candidates, scores.to(unary.dtype))
+        return proposal[None]  # [1, B-1, V]
+
+
+def proposer_for(drafter: nn.Module, target: Any, vocab_ids: Tensor | None = None,
+                 served_as: Any = None) -> DFlashProposer:
+    """The proposer of a drafter module: DFlash2's selector when it has one."""
+    kind = DFlash2Proposer if hasattr(drafter, "candidate_selector") else DFlashProposer
+    return kind(drafter, target, vocab_ids, served_as=served_as)
 
 
 @dataclass
@@ -355,7 +390,9 @@ def speculative_generate(
     `record_states=False`: a recurrent target rolls back by replay even where its cache records per-position
     states (trainer.eval.target_cache; for comparing the two).
     """
-    proposer = DFlashProposer(drafter, target) if isinstance(drafter, nn.Module) else drafter
+    proposer = proposer_for(drafter, target) if isinstance(drafter, nn.Module) else drafter
+    if temperature > 0 and getattr(proposer, "greedy_only", False):
+        raise EvalError(f"{type(proposer).__name__} proposes greedily only: evaluate at temperature 0")
     if mask_token_id is None:
         mask_token_id = getattr(drafter, "mask_token_id", None)
         if mask_token_id is None:
@@ -537,9 +574,9 @@ def evaluate(
     if served_as is None:
         pass  # the drafter's own attention: our training mask, speculators' / vLLM's
     elif isinstance(drafter, nn.Module):
-        drafter = DFlashProposer(drafter, target, served_as=engine)
+        drafter = proposer_for(drafter, target, served_as=engine)
     elif isinstance(drafter, DFlashProposer):
-        drafter = DFlashProposer(drafter.drafter, drafter.target, drafter.vocab_ids, served_as=engine)
+        drafter = type(drafter)(drafter.drafter, drafter.target, drafter.vocab_ids, served_as=engine)
     else:
         raise EvalError(f"--served-as needs a DFlash drafter; {type(drafter).__name__} builds its own attention")
     if check_lossless is None:

@@ -619,8 +619,11 @@ class _Evaluator:
         # decoding (speedup) and checks losslessness against it.
         from trainer.eval.speculative import evaluate_served_by_engine
 
+        # The teacher-forced replay scores the unary argmax; a DFlash2 drafter proposes through its selector,
+        # so the replay would not describe what it serves: left out there.
+        semantics = training_semantics(self.config, self.target) if self.config.drafter_kind == "dflash" else None
         report = self._evaluate(drafter, measure_speedup=measure_speedup, check_lossless=measure_speedup,
-                                teacher_forcing=training_semantics(self.config, self.target))
+                                teacher_forcing=semantics)
         if measure_speedup:
             # The final report: a sliding-window drafter is also decoded as each engine whose windows differ
             # from ours builds it (z-lab 0.1.0 and SGLang count them from the query, SpecForge's loop ignores
@@ -631,12 +634,12 @@ class _Evaluator:
         return report.model_dump()
 
     def _evaluate(self, drafter: DFlashDrafter, **options: Any) -> Any:
-        from trainer.eval.speculative import DFlashProposer, evaluate
+        from trainer.eval.speculative import evaluate, proposer_for
 
         # Offline hidden states: generation needs the whole target, loaded when eval first runs.
         target = self.target.full_target() if hasattr(self.target, "full_target") else self.target
         return evaluate(
-            DFlashProposer(drafter, target, self.vocab_ids),
+            proposer_for(drafter, target, self.vocab_ids),
             target,
             self.prompts,
             feature_layer_ids=self.feature_layer_ids,
@@ -718,9 +721,9 @@ class LoadedRun:
 
     def proposer(self) -> Any:
         """What speculative decoding drafts with: the drafter on the target's embeddings and head."""
-        from trainer.eval.speculative import DFlashProposer
+        from trainer.eval.speculative import proposer_for
 
-        return DFlashProposer(self.drafter, self.target, self.draft_token_ids)
+        return proposer_for(self.drafter, self.target, self.draft_token_ids)
 
 
 def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:
