@@ -168,16 +168,23 @@ class DFlash2Drafter(DFlashDrafter):
         shape: Mapping[str, Any] | None = None,
         dflash2: DFlash2Config | None = None,
     ) -> DFlash2Drafter:
-        settings = dflash2 or DFlash2Config()
-        config = draft_config_from_target(target_config, num_layers, shape)
-        check_dflash2_shape(settings, config.hidden_size, config.vocab_size, block_size)
-        config.block_size = block_size
+        config = with_dflash2_settings(draft_config_from_target(target_config, num_layers, shape),
+                                       dflash2 or DFlash2Config(), block_size)
         config.dflash_config = {"mask_token_id": mask_token_id, "num_features": num_features}
-        config.conv_kernel_size = settings.conv_kernel_size
-        config.conv_group_size = settings.conv_group_size
-        config.selector_rank = settings.selector_rank
-        config.selector_top_k = settings.selector_top_k
         return cls(config, num_features=num_features, block_size=block_size, mask_token_id=mask_token_id)
+
+
+SETTINGS_ON_CONFIG = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def with_dflash2_settings(config: Qwen3Config, settings: DFlash2Config, block_size: int) -> Qwen3Config:
+    """The draft config with DFlash2's shape on it (checked against its sizes): what the layers and the
+    selector are built from, and what an export writes."""
+    check_dflash2_shape(settings, config.hidden_size, config.vocab_size, block_size)
+    config.block_size = block_size
+    for name in SETTINGS_ON_CONFIG:
+        setattr(config, name, getattr(settings, name))
+    return config
 
 
 def check_dflash2_shape(settings: DFlash2Config, hidden_size: int, vocab_size: int, block_size: int) -> None:
