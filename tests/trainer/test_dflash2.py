@@ -186,37 +186,79 @@ def test_greedy_proposals_walk_the_selector_from_the_anchor(target):
     assert torch.isinf(proposal).sum(dim=-1).tolist() == [unary.shape[-1] - 6] * 3
 
 
-def test_the_preset_trains_decodes_losslessly_and_reports_tau(tmp_path, tokenizer):
+@pytest.fixture(scope="module")
+def preset_run(tmp_path_factory, tokenizer):
     from trainer.run.loop import train
     from trainer.run.rundir import RunDir
 
+    root = tmp_path_factory.mktemp("dflash2-run")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         config = build_config(preset="dflash2-tiny", extra=dict(
-            target=str(save_tiny_target(tmp_path / "target", tokenizer)), steps=2, batch_size=2, seq_len=48,
+            target=str(save_tiny_target(root / "target", tokenizer)), steps=2, batch_size=2, seq_len=48,
             max_anchors=3, draft_layers=2, eval_every=None, eval_prompts=2, eval_max_new_tokens=12, warmup_steps=0,
             draft_config={"layer_types": ["sliding_attention"] * 2, "sliding_window": 16,
                           "sliding_window_non_causal": True},
         ))
-        run = RunDir(tmp_path / "runs" / "d2")
+        run = RunDir(root / "runs" / "d2")
         result = train(run, config, preset="dflash2-tiny", device="cpu", progress=False)
     finally:
         torch.set_num_threads(threads)
     assert result.steps_done == 2
-    saved = json.loads((run.path / "config.json").read_text())
+    return run.path
+
+
+def test_the_preset_trains_decodes_losslessly_and_reports_tau(preset_run):
+    saved = json.loads((preset_run / "config.json").read_text())
     assert saved["drafter_kind"] == "dflash2" and saved["dflash2"] == PRESETS["dflash2-tiny"]["dflash2"]
-    rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
-    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
-    report = json.loads((run.path / "eval.json").read_text())
+    rows = [json.loads(line) for line in (preset_run / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    report = json.loads((preset_run / "eval.json").read_text())
     assert report["lossless"] is True and report["tau"] >= 1.0 and report["verify_steps"] > 0
     assert report.get("teacher_forced") is None  # the unary replay does not describe the selector's proposals
     from safetensors.torch import load_file
 
-    from trainer.run.checkpoint import latest_checkpoint
+    from trainer.run.checkpoint import DRAFTER_FILE, latest_checkpoint
 
-    weights = load_file(str(latest_checkpoint(run.checkpoints_dir).path / "drafter.safetensors"))
+    weights = load_file(str(latest_checkpoint(preset_run / "checkpoints").path / DRAFTER_FILE))
     assert {"candidate_selector.predecessor_codebook", "layers.0.attention_conv.base_kernel"} <= set(weights)
+
+
+def test_both_exports_decode_exactly_as_the_run(preset_run, tmp_path):
+    # `trainer eval DIR --target` on each export builds a DFlash2 drafter from its config alone (speculators'
+    # flat fields; z-lab's dflash_config, architectures and is_causal) and decodes token for token as the run.
+    from trainer.eval.foreign import evaluate_drafters
+    from trainer.export import ExportError, export_run, load_exported_drafter
+
+    flat, nested = tmp_path / "speculators", tmp_path / "zlab"
+    export_run(preset_run, flat, "speculators")
+    export_run(preset_run, nested, "zlab")
+    assert json.loads((nested / "config.json").read_text())["dflash_config"]["selector_rank"] == 32
+    target = str(preset_run.parent.parent / "target")
+    results = evaluate_drafters([flat, nested, preset_run], target, prompts=2, max_new_tokens=12, block_size=None,
+                                temperature=0.0, data="embedded", seed=0, device="cpu")
+    assert [r["layout"] for r in results] == ["speculators", "zlab", "run"]
+    for key in ("tau", "acceptance_histogram", "output_tokens", "verify_steps"):
+        assert results[0][key] == results[1][key] == results[2][key], key
+    assert all(r["lossless"] is True for r in results)
+    with pytest.raises(ExportError, match="DFlash2 export"):  # the DFlash-only reloader must not drop the convs
+        load_exported_drafter(nested)
+
+
+def test_dflash2_decodes_greedily_only(preset_run):
+    from trainer.data.datasets import heldout_prompts
+    from trainer.eval.speculative import EvalError, speculative_generate
+    from trainer.run.loop import load_run
+
+    loaded = load_run(preset_run, "cpu")
+    prompt = heldout_prompts("embedded", loaded.target.tokenizer, 1)[0]
+    with pytest.raises(EvalError, match="greedily only"):
+        speculative_generate(loaded.drafter, loaded.target, prompt, feature_layer_ids=loaded.feature_layer_ids,
+                             block_size=8, max_new_tokens=4, temperature=0.7)
+    with pytest.raises(EvalError, match="drafts blocks of 8"):
+        speculative_generate(loaded.drafter, loaded.target, prompt, feature_layer_ids=loaded.feature_layer_ids,
+                             block_size=4, max_new_tokens=4)
 
 
 def test_dspark_is_refused_before_anything_loads():
