@@ -35,6 +35,7 @@ from parity_harness import (  # noqa: E402
 )
 
 from trainer.config import DFlash2Config  # noqa: E402
+from trainer.model.attention_mask import DraftAttention  # noqa: E402
 from trainer.model.dflash2 import DFlash2Drafter  # noqa: E402
 from trainer.run.step import StepPlan, dflash_step, sample_step_anchors  # noqa: E402
 
@@ -46,11 +47,20 @@ GRAD_RTOL, GRAD_ATOL = 1e-5, 5e-6
 class Case:
     base: ParityCase
     settings: DFlash2Config
+    layer_types: tuple[str, ...] | None = None  # sliding layers, non-causal in the block (DFlash2's default)
+    window: int | None = None
+
+    def shape(self) -> dict | None:
+        if self.layer_types is None:
+            return None
+        return {"layer_types": list(self.layer_types), "sliding_window": self.window, "sliding_window_non_causal": True}
 
 
-def case(name, block, anchors, docs, seq_len, gamma, kind, attn, seed, dims=ModelDims(), **settings) -> Case:
+def case(name, block, anchors, docs, seq_len, gamma, kind, attn, seed, dims=ModelDims(), sliding=None,
+         **settings) -> Case:
+    layer_types, window = sliding or (None, None)
     return Case(ParityCase(name, block, anchors, docs, seq_len, gamma, kind, attn, seed=seed, dims=dims),
-                DFlash2Config(**settings))
+                DFlash2Config(**settings), layer_types, window)
 
 
 # Kernel sizes 1-4 (a tap count above 2 reaches two slots back), group sizes giving 1-8 groups, top-K below
@@ -64,6 +74,10 @@ CASES = [
          conv_kernel_size=4, conv_group_size=64, selector_rank=16, selector_top_k=2, selector_loss_alpha=0.5),
     case("b6-k1-g4-top8-ce-sdpa-small", 6, 5, (2,), 48, 4.0, "ce", "sdpa", 34, dims=SMALL_DIMS,
          conv_kernel_size=1, conv_group_size=4, selector_rank=12, selector_top_k=8, selector_loss_alpha=2.0),
+    # the recipe's layout: sliding layers, bidirectional within the block, a window shorter than the context
+    case("b4-k2-g16-top8-kl-sdpa-sliding-w12", 4, 8, (2,), 64, 4.0, "kl", "sdpa", 35,
+         sliding=(("sliding_attention", "full_attention"), 12),
+         conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8),
 ]
 
 
@@ -74,7 +88,7 @@ def build_our_drafter(c: Case) -> DFlash2Drafter:
     torch.manual_seed(b.seed + 1)
     drafter = DFlash2Drafter.from_target_config(
         d.target_config(), num_layers=d.draft_layers, num_features=d.num_features, block_size=b.block_size,
-        mask_token_id=b.mask_token_id, dflash2=c.settings,
+        mask_token_id=b.mask_token_id, shape=c.shape(), dflash2=c.settings,
     )
     with torch.no_grad():
         for name, param in drafter.named_parameters():
@@ -92,8 +106,11 @@ def build_our_drafter(c: Case) -> DFlash2Drafter:
 
 def build_speculators_model(c: Case, drafter: DFlash2Drafter, inputs) -> DFlash2DraftModel:
     d, b, s = c.base.dims, c.base, c.settings
+    layers = d.target_config(num_hidden_layers=d.draft_layers, attn=b.attn)
+    if c.layer_types is not None:
+        layers.use_sliding_window, layers.sliding_window, layers.layer_types = True, c.window, list(c.layer_types)
     config = DFlash2SpeculatorConfig(
-        transformer_layer_config=d.target_config(num_hidden_layers=d.draft_layers, attn=b.attn),
+        transformer_layer_config=layers, sliding_window_non_causal=True,
         draft_vocab_size=d.vocab, block_size=b.block_size, aux_hidden_state_layer_ids=list(range(1, d.num_features + 1)),
         mask_token_id=b.mask_token_id, conv_kernel_size=s.conv_kernel_size, conv_group_size=s.conv_group_size,
         selector_rank=s.selector_rank, selector_top_k=s.selector_top_k,
@@ -120,7 +137,7 @@ class Result:
     anchor_valid: torch.Tensor
 
 
-def run_both(c: Case, *, our_alpha: float | None = None) -> Result:
+def run_both(c: Case, *, our_alpha: float | None = None, our_non_causal: bool = True) -> Result:
     b = c.base
     inputs = make_inputs(b)
     drafter = build_our_drafter(c)
@@ -129,6 +146,7 @@ def run_both(c: Case, *, our_alpha: float | None = None) -> Result:
         feature_layer_ids=list(range(1, b.dims.num_features + 1)), logits_source="final", block_size=b.block_size,
         max_anchors=b.max_anchors, gamma=b.gamma, loss_kind=b.loss_kind, context_includes_anchor=False,
         mask_token_id=b.mask_token_id, drafter_kind="dflash2",
+        draft_attention=DraftAttention(c.layer_types, c.window, our_non_causal) if c.layer_types else None,
         selector_loss_alpha=c.settings.selector_loss_alpha if our_alpha is None else our_alpha,
     )
     batch = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "doc_ids": inputs.doc_ids,
@@ -193,3 +211,10 @@ def test_the_comparison_catches_a_wrong_selector_weight():
     c = CASES[0]
     wrong = run_both(c, our_alpha=c.settings.selector_loss_alpha * 1.1)
     assert wrong.ours["loss"] != pytest.approx(result_of(c).theirs["loss"], rel=1e-4)
+
+
+def test_the_comparison_catches_causal_sliding_layers():
+    # DFlash2's sliding layers are bidirectional within the block: run ours causal and the losses must differ.
+    c = next(c for c in CASES if c.layer_types)
+    causal = run_both(c, our_non_causal=False)
+    assert causal.ours["loss"] != pytest.approx(result_of(c).theirs["loss"], rel=1e-4)
