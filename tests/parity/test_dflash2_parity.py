@@ -97,8 +97,8 @@ def build_our_drafter(c: Case) -> DFlash2Drafter:
             elif name.endswith("base_kernel"):
                 param.copy_(0.5 * torch.randn_like(param))
                 param[:, 0] += 1.0
-            elif "codebook" in name:
-                param.copy_(torch.randn_like(param))
+            elif "codebook" in name:  # large enough to reorder the top-K, small enough to leave hits
+                param.copy_(0.4 * torch.randn_like(param))
             else:
                 param.copy_(torch.randn_like(param) * 0.1)
     return drafter.float().train()
