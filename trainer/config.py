@@ -353,6 +353,12 @@ class TrainConfig(BaseModel):
                     raise ValueError(f"{key} takes a number or a name, not a boolean (got {value!r})")
         return values
 
+    @field_validator("dflash2", mode="before")
+    @classmethod
+    def _dflash2_null_is_defaults(cls, value: Any) -> Any:
+        # `--set dflash2=null` clears a preset's section (a section is merged key by key otherwise)
+        return {} if value is None else value
+
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:

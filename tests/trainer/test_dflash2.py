@@ -63,6 +63,9 @@ def test_set_reaches_the_dflash2_section_and_the_defaults_are_dflash():
     assert config.dflash2.selector_top_k == 4 and config.dflash2.selector_rank == 32  # the preset's rank kept
     assert config.drafter_kind == "dflash2"
     assert build_config().drafter_kind == "dflash" and build_config().dflash2 == DFlash2Config()
+    # the preset as plain DFlash: its dflash2 section cleared
+    plain = build_config(preset="dflash2-tiny", overrides=["drafter_kind=dflash", "dflash2=null"])
+    assert plain.drafter_kind == "dflash" and plain.dflash2 == DFlash2Config()
 
 
 def test_conv_is_identity_at_init_and_never_crosses_a_block():
