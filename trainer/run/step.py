@@ -97,6 +97,8 @@ def dflash_step(
     """Loss and metrics of one step. `draft_logits_hook` is the probe protocol's intervention point
     (trainer/probe.py): it gets the drafter's logits [N, A*B, V] and what it returns goes through the same
     chunked loss, with the run's chunk size, in their place."""
+    if plan.drafter_kind == "dflash2" and draft_logits_hook is not None:
+        raise ValueError("the probe protocol's logits hook does not cover DFlash2's candidate selector yet")
     input_ids = batch["input_ids"]  # (N, S)
     position_ids = batch["position_ids"]  # (N, S) restart at 0 per document
     doc_ids = batch["doc_ids"]  # (N, S) -1 on padding
@@ -126,8 +128,6 @@ def dflash_step(
     )
     block_embeds = target.embed(block_ids.reshape(N, A * B))  # (N, A*B, H), frozen embeddings
     hidden = drafter(block_embeds, features, all_positions, attention_mask=mask)  # (N, A*B, H)
-    if plan.drafter_kind == "dflash2" and draft_logits_hook is not None:
-        raise ValueError("the probe protocol's logits hook does not cover DFlash2's candidate selector yet")
     vocab = plan.draft_token_ids
     # frozen lm_head (dflash.frozen_embed_head); with a draft vocabulary, only its rows of those tokens
     head = target.draft_head(vocab)
