@@ -217,6 +217,9 @@ def test_the_preset_trains_decodes_losslessly_and_reports_tau(preset_run):
     assert saved["drafter_kind"] == "dflash2" and saved["dflash2"] == PRESETS["dflash2-tiny"]["dflash2"]
     rows = [json.loads(line) for line in (preset_run / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    alpha = PRESETS["dflash2-tiny"]["dflash2"]["selector_loss_alpha"]
+    for row in rows:  # the total is the unary term plus alpha times the selector's, as logged
+        assert row["loss"] == pytest.approx(row["unary_loss"] + alpha * row["selector_loss"], rel=1e-4)
     report = json.loads((preset_run / "eval.json").read_text())
     assert report["lossless"] is True and report["tau"] >= 1.0 and report["verify_steps"] > 0
     assert report.get("teacher_forced") is None  # the unary replay does not describe the selector's proposals

@@ -94,6 +94,10 @@ def lr_at(config: TrainConfig, step: int) -> float:
     return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape)
 
 
+# Loss terms a family member's step reports next to the total (metrics.jsonl keys of the same names).
+LOSS_PARTS = ("unary_loss", "selector_loss")
+
+
 def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> DFlashDrafter:
     torch.manual_seed(config.seed)  # the drafter's init depends on the seed alone
     drafter_class, extra = DFlashDrafter, {}
@@ -346,8 +350,11 @@ def _train(
         if step % config.log_every == 0 or step == config.steps or eval_due:
             # The loss is a mean over rows and every rank holds as many rows: the mean of rank losses is the
             # global loss. Accuracy-type metrics are recomputed from counts summed over ranks.
-            summed = dist.sum({"loss": float(loss.detach()), "tokens": tokens_since, **counts})
-            global_metrics = {"loss": summed["loss"] / dist.world_size, **metrics_from_counts(summed)}
+            # DFlash2's two loss terms (the step returns them only for drafter_kind dflash2), averaged like loss
+            parts = {key: metrics[key] for key in LOSS_PARTS if key in metrics}
+            summed = dist.sum({"loss": float(loss.detach()), "tokens": tokens_since, **counts, **parts})
+            global_metrics = {"loss": summed["loss"] / dist.world_size, **metrics_from_counts(summed),
+                              **{key: summed[key] / dist.world_size for key in parts}}
             elapsed = time.perf_counter() - clock
             row: dict[str, Any] = {
                 "step": step,
