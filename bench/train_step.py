@@ -1,4 +1,5 @@
-"""Training-step throughput and peak memory: our DFlash step against speculators' DFlashDraftModel.
+"""Training-step throughput and peak memory: our DFlash step against speculators' DFlashDraftModel
+(`--drafter dspark`: our DSpark step against speculators' DSparkDraftModel, heads and confidence loss included).
 
 Both run in the SAME process on the same inputs and the same starting weights, alternating step by step
 (the order flips every repeat), so machine load hits both alike and the ratio is measured, not assembled
@@ -22,6 +23,7 @@ reports the bytes autograd saves for backward (saved_tensors_hooks), an allocato
 Memory (CUDA): torch.cuda.max_memory_allocated above the allocation before the step.
 
     PYTHONPATH=. .venv-speculators/bin/python bench/train_step.py                  # CPU, all sizes
+    PYTHONPATH=. .venv-speculators/bin/python bench/train_step.py --drafter dspark --loss kl   # DSpark
     PYTHONPATH=. python bench/train_step.py --device cuda --dtype bfloat16 --sizes large   # bench/gpu.sh
 Without speculators importable it times ours alone and says so.
 """
@@ -56,7 +58,8 @@ from parity_harness import (  # noqa: E402
 )
 
 from trainer.model.attention_mask import sdpa_mask  # noqa: E402
-from trainer.run.step import StepPlan, dflash_step, sample_step_anchors  # noqa: E402
+from trainer.run.step import StepPlan, sample_step_anchors  # noqa: E402
+from trainer.run.steps import training_step  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -150,15 +153,33 @@ def drafter_train_flops(size: Size, inputs, anchors, anchor_valid) -> float:
 def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    case = ParityCase(size.name, size.block_size, size.max_anchors, (size.docs,), size.seq_len, 4.0, args.loss,
-                      speculators_attn or "sdpa", seed=7, dims=size.dims)
-    inputs = make_inputs(case)
-    drafter = build_our_drafter(case)
+    dspark = args.drafter == "dspark"
+    if dspark:  # one document per row, supervised to its end (dspark_harness.py says why)
+        import dspark_harness
+
+        case = dspark_harness.DSparkCase(size.name, size.block_size, size.max_anchors, 1, size.seq_len, 4.0,
+                                         args.loss, speculators_attn or "sdpa", seed=7, markov_rank=args.markov_rank,
+                                         dims=size.dims)
+        inputs = dspark_harness.make_inputs(case)
+        drafter = dspark_harness.build_our_drafter(case)
+    else:
+        case = ParityCase(size.name, size.block_size, size.max_anchors, (size.docs,), size.seq_len, 4.0, args.loss,
+                          speculators_attn or "sdpa", seed=7, dims=size.dims)
+        inputs = make_inputs(case)
+        drafter = build_our_drafter(case)
     model = None
+    their_options: dict = {}
     if speculators_attn is not None:
         from parity_harness import build_speculators_model, speculators_loss_config
 
-        model = build_speculators_model(case, drafter, inputs)
+        if dspark:
+            from speculators.losses import resolve_loss_config as resolve
+
+            model = dspark_harness.build_speculators_model(case, drafter, inputs)
+            their_options = {"tv_loss_fn": resolve("tv", args.speculators_loss)["tv"][0],
+                             "confidence_head_alpha": case.confidence_head_alpha}
+        else:
+            model = build_speculators_model(case, drafter, inputs)
         loss_config = speculators_loss_config(case.loss_kind)
         if args.speculators_loss == "fused":  # its Triton kernels (CUDA); eager is the harness's default
             from speculators.losses import resolve_loss_config
@@ -178,7 +199,8 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
     plan = StepPlan(feature_layer_ids=list(range(1, size.dims.num_features + 1)), logits_source="final",
                     block_size=size.block_size, max_anchors=size.max_anchors, gamma=4.0, loss_kind=args.loss,
                     context_includes_anchor=False, mask_token_id=case.mask_token_id,
-                    loss_weighting="dpace" if recipe else "decay")
+                    loss_weighting="dpace" if recipe else "decay", drafter_kind=args.drafter,
+                    dspark=case.dspark() if dspark else None)
     batch = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "doc_ids": inputs.doc_ids,
              "loss_mask": inputs.loss_mask}
     tokens = int((inputs.doc_ids >= 0).sum())
@@ -187,7 +209,7 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
     def ours(step: int, saved: SavedBytes | None = None) -> float:
         with saved.context() if saved else _null():
             anchors, anchor_valid = sample_step_anchors(batch, plan, seed, step)  # as the training loop does
-            loss, _ = dflash_step(target, drafter, batch, anchors, anchor_valid, plan)
+            loss, _ = training_step(target, drafter, batch, anchors, anchor_valid, plan)
         loss.backward()
         our_opt.step()
         our_opt.zero_grad(set_to_none=True)
@@ -210,6 +232,7 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
                 verifier_last_hidden_states=inputs.last_hidden, document_ids=inputs.doc_ids,
                 position_ids=inputs.position_ids, loss_config=loss_config, gamma=4.0,
                 max_anchors=size.max_anchors, per_position_loss_weight="dpace" if recipe else "fixed-exp-decay",
+                **their_options,
             )
         loss.backward()
         their_opt.step()
@@ -287,6 +310,7 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
     result = {
         "size": size.name, "dims": asdict(size.dims), "seq_len": size.seq_len, "max_anchors": size.max_anchors,
         "block_size": size.block_size, "tokens_per_step": tokens, "device": str(device), "dtype": args.dtype,
+        "drafter": args.drafter, **({"markov_rank": args.markov_rank} if dspark else {}),
         "loss": args.loss, "speculators_attn": speculators_attn, "speculators_loss": args.speculators_loss,
         "repeats": args.repeats, "warmup": args.warmup,
         "threads": torch.get_num_threads(), "drafter_train_flops": flops,
@@ -375,8 +399,13 @@ def main() -> None:
                         help="speculators' loss implementation: eager (CPU) or its fused Triton kernels (CUDA)")
     parser.add_argument("--recipe", default="decay", choices=["decay", "recipe-2026"],
                         help="decay: fixed gamma + AdamW; recipe-2026: D-PACE + Muon/AdamW on both sides")
+    parser.add_argument("--drafter", default="dflash", choices=["dflash", "dspark"],
+                        help="dspark: the DSpark step (Markov head of --markov-rank, confidence head) on both sides")
+    parser.add_argument("--markov-rank", type=int, default=16, help="DSpark's Markov rank (with --drafter dspark)")
     parser.add_argument("--json", type=Path, default=None, help="also write all results here")
     args = parser.parse_args()
+    if args.drafter == "dspark" and args.recipe != "decay":
+        parser.error("--drafter dspark trains with fixed decay only (--recipe decay)")
     if args.threads:
         torch.set_num_threads(args.threads)
     attn = args.speculators_attn or ("simple_flex_attention" if args.device.startswith("cuda") else "sdpa")
@@ -394,7 +423,7 @@ def main() -> None:
     for size in sizes:
         r = bench_size(size, args, attn if have_speculators else None)
         results.append(r)
-        line = (f"{r['size']:>6}  S={r['seq_len']} A={r['max_anchors']} B={r['block_size']} H={r['dims']['hidden']} "
+        line = (f"{r['drafter']}  {r['size']:>6}  S={r['seq_len']} A={r['max_anchors']} B={r['block_size']} H={r['dims']['hidden']} "
                 f"V={r['dims']['vocab']} L={r['dims']['draft_layers']}  tokens/step={r['tokens_per_step']}\n"
                 f"        ours:        {r['ours']['tokens_per_s']:10.1f} tok/s  median {r['ours']['median_step_s']*1e3:8.2f} ms"
                 f"  peak {r['ours']['peak_mem_median_bytes']/2**20:8.1f} MiB"

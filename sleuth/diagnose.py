@@ -164,6 +164,8 @@ class _Investigation(InputDiscovery):
         self.playbook: Any = None
         self.rules: list[Rule] = []
         self.resolution: Any = None
+        self.variant: str | None = None  # the DFlash-family variant, as the contract checks read it
+        self.variant_kind: str | None = None
 
     @property
     def engine(self) -> Engine:
@@ -281,10 +283,11 @@ class _Investigation(InputDiscovery):
             for finding in findings:
                 counts[finding.status] = counts.get(finding.status, 0) + 1
             step.outcome = ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "no findings"
-        return self.check_contract(findings, config, config_source)
+        return self.check_contract(findings, config, config_source, checkpoint)
 
     def check_contract(
-        self, findings: list[Finding], config: dict[str, Any] | None, config_source: str | None
+        self, findings: list[Finding], config: dict[str, Any] | None, config_source: str | None,
+        checkpoint: Path | None = None,
     ) -> list[Finding]:
         """The train-to-serve contract checks (sleuth.checks), after the engine: the gap check names which
         of the engine's findings explain it."""
@@ -295,8 +298,11 @@ class _Investigation(InputDiscovery):
             context = ContractContext(
                 run=self.run_info, config=config, config_source=config_source, target_dir=self.request.target,
                 hidden_states=self.request.hidden_states, rules=rules, served_by=self.request.served_by,
+                checkpoint=checkpoint,
             )
             findings = apply_contract_checks(findings, context)
+            if self.variant is None or context.variant.marked:
+                self.variant, self.variant_kind = context.variant.describe(), context.variant.kind
             step.outcome = ", ".join(f"{f.id.split('.', 1)[-1]} {f.status}" for f in findings
                                      if f.id in _contract_ids()) or "no contract checks"
         return findings
@@ -357,7 +363,7 @@ class _Investigation(InputDiscovery):
             findings, self.probe_outcome = observe_findings(
                 findings, trace=self.trace, playbook=self.playbook, command=list(request.command), code=request.code,
                 python=request.probe_python, timeout_s=request.probe_timeout_s, announce=self.announce,
-                steps=request.observe_steps)
+                steps=request.observe_steps, config=self.config if isinstance(self.config, dict) else None)
             self.probe_policy = "--probe: your command, observed"
             return findings
         findings, self.probe_outcome, self.probe_policy = probe_findings(

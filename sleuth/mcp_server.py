@@ -424,8 +424,10 @@ def build_server(*, offline: bool = False, runs_dir: Path | None = None, cache_d
         target: Annotated[str | None, Field(description="the target model directory, when the run names none")] = None,
         hidden_states: Annotated[str | None, Field(description="an offline hidden-state cache to check")] = None,
         served_by: Annotated[str | None, Field(description="the engine the drafter is served with (vllm, speculators, "
-                                                           "zlab, sglang, specforge, ik_llama.cpp): a sliding-window "
-                                                           "drafter it does not build as trained is a mismatch")] = None,
+                                                           "zlab, sglang, specforge, ik_llama.cpp, vllm-v1): a "
+                                                           "sliding-window drafter it does not build as trained, or a "
+                                                           "DFlash2 / DSpark export it reads otherwise, is a "
+                                                           "mismatch")] = None,
         ctx: Context | None = None,
     ) -> DiagnoseResult:
         """Diagnose a drafter run (or any DFlash code): findings with evidence and fixes, the regression

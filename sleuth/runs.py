@@ -138,7 +138,9 @@ def is_export_dir(path: Path, config: dict[str, Any] | None) -> bool:
     """A drafter exported for serving: a config.json that says DFlash, plus model.safetensors."""
     if config is None or not _is_file(path / EXPORT_WEIGHTS, path) or exists(path / "run.json"):
         return False
-    return "dflash_config" in config or config.get("speculators_model_type") == "dflash"
+    from sleuth.evidence.variant import SPECULATORS_TYPES
+
+    return "dflash_config" in config or config.get("speculators_model_type") in SPECULATORS_TYPES
 
 
 def _is_file(path: Path, within: Path) -> bool:

@@ -165,6 +165,56 @@ class DFlash2Config(BaseModel):
         return values
 
 
+class DSparkConfig(BaseModel):
+    """DSpark's additions to the DFlash drafter (drafter_kind: dspark). Defaults are speculators 0.9.0's
+    (speculators/models/dspark/config.py, core.py `get_trainer_kwargs`); /work/shared/DFLASH_FAMILY.md, DSpark.
+
+    The main loss term is the run's `loss` (ce | kl; speculators' DSpark default is kl_div) with the run's
+    loss_decay_gamma, normalised as speculators does (per row: sum(decay * mask * loss) / sum(mask)).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    sample_from_anchor: bool = Field(
+        True, description="True (DSpark): slot k predicts token a+k+1, slot 0 is trained (weight 1) and a block "
+        "proposes B tokens. False: DFlash's slot rule (slot k predicts a+k, slot 0 untrained, B-1 proposals).")
+    markov_rank: int = Field(
+        256, ge=0, le=65536, description="Rank r of the Markov logit bias W2 . W1[prev] (W1: verifier vocabulary "
+        "x r, W2: r x draft vocabulary); 0: no Markov head.")
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = Field(
+        "vanilla", description="'vanilla': W2 W1[prev]; 'gated': W2 (sigmoid(G[h; W1[prev]]) * W1[prev]); "
+        "'rnn': a gated recurrent state over the block's slots.")
+    enable_confidence_head: bool = Field(
+        True, description="A Linear(H [+ r], 1) per slot trained toward the slot's acceptance rate 1 - TV.")
+    confidence_head_with_markov: bool = Field(
+        True, description="The confidence head also reads W1[prev] (needs markov_rank > 0).")
+    confidence_head_alpha: float = Field(
+        1.0, ge=0, description="Weight of the confidence head's BCE in the loss.")
+    draft_confidence_min: float | None = Field(
+        None, gt=0, le=1, description="Decoding (eval) only: draft slot k while the confidence head's predicted "
+        "chance that slots up to k are all accepted, prod sigmoid(c_j), is at least this (at least one slot); "
+        "llama.cpp's --spec-draft-conf-min. None: every slot drafts. Needs the confidence head.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for key, value in values.items():
+                field = cls.model_fields.get(key)
+                if field is not None and field.annotation is not bool and isinstance(value, bool):
+                    raise ValueError(f"dspark.{key} takes a number or a name, not a boolean (got {value!r})")
+        return values
+
+    @model_validator(mode="after")
+    def _heads_consistent(self) -> DSparkConfig:
+        if self.draft_confidence_min is not None and not self.enable_confidence_head:
+            raise ValueError("dspark.draft_confidence_min needs the confidence head (enable_confidence_head: true)")
+        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
+            raise ValueError("dspark.confidence_head_with_markov requires dspark.markov_rank > 0 (or set "
+                             "confidence_head_with_markov: false)")
+        return self
+
+
 class TrainConfig(BaseModel):
     # allow_inf_nan=False: `lr: .inf` or `nan` would train to NaN losses and call the run completed.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -202,13 +252,16 @@ class TrainConfig(BaseModel):
     # --- DFlash architecture: the invariants sleuth checks ---------------------------------------------
     drafter_kind: DrafterKind = Field(
         "dflash",
-        description="Which member of the DFlash family is trained: 'dflash' (the drafter as published), "
-        "'dflash2' (local dynamic convolutions and a candidate selector; settings under `dflash2`).",
+        description="Which member of the DFlash family is trained: 'dflash' (the drafter as published); "
+        "'dflash2' (local dynamic convolutions and a candidate selector; settings under `dflash2`); 'dspark' "
+        "(DFlash plus a Markov logit head and a confidence head; settings under `dspark`).",
     )
     dflash2: DFlash2Config = Field(
         default_factory=DFlash2Config,
         description="DFlash2's convolutions and candidate selector (used with drafter_kind: dflash2).",
     )
+    dspark: DSparkConfig | None = Field(
+        None, description="DSpark's settings (drafter_kind: dspark only; filled with speculators' defaults).")
     block_size: int = Field(8, ge=1, le=MAX_BLOCK_SIZE, description="Tokens per draft block: slot 0 anchor + B-1 masks.")
     draft_layers: int = Field(5, ge=1, le=64, description="Qwen3-style decoder layers in the drafter.")
     draft_config: DraftConfig = Field(
@@ -359,6 +412,14 @@ class TrainConfig(BaseModel):
         # `--set dflash2=null` clears a preset's section (a section is merged key by key otherwise)
         return {} if value is None else value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _dspark_defaults(cls, values: Any) -> Any:
+        # A dspark run always saves its DSpark settings explicitly, speculators' defaults where not given.
+        if isinstance(values, dict) and values.get("drafter_kind") == "dspark" and values.get("dspark") is None:
+            values = {**values, "dspark": {}}
+        return values
+
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
@@ -396,7 +457,7 @@ class TrainConfig(BaseModel):
             raise ValueError("loss_weighting 'dpace' needs loss 'ce' (D-PACE weighs cross-entropy confidences)")
         if self.seq_len <= self.block_size:
             raise ValueError(f"seq_len {self.seq_len} must exceed block_size {self.block_size}")
-        self._check_drafter_kind()
+        self._drafter_kind_checks()
         draft = self.draft_config
         if draft.layer_types is not None and len(draft.layer_types) != self.draft_layers:
             raise ValueError(f"draft_config.layer_types names {len(draft.layer_types)} layers but draft_layers is "
@@ -408,16 +469,29 @@ class TrainConfig(BaseModel):
                              f"{self.block_size}")
         return self
 
-    def _check_drafter_kind(self) -> None:
+    def _drafter_kind_checks(self) -> None:
         """The family member's own constraints; the ones that need the target's sizes (hidden % group,
         top_k <= vocabulary) are checked when the drafter is built (trainer/model/dflash2.py)."""
-        if self.drafter_kind == "dspark":
-            raise ValueError("drafter_kind 'dspark' is not implemented in this trainer yet; use 'dflash' or 'dflash2'")
-        if self.drafter_kind != "dflash2":
-            if self.dflash2 != DFlash2Config():
-                raise ValueError(f"dflash2 settings are given but drafter_kind is {self.drafter_kind!r}: set "
-                                 "drafter_kind: dflash2 or drop the dflash2 section")
+        if self.drafter_kind != "dflash2" and self.dflash2 != DFlash2Config():
+            raise ValueError(f"dflash2 settings are given but drafter_kind is {self.drafter_kind!r}: set "
+                             "drafter_kind: dflash2 or drop the dflash2 section")
+        if self.drafter_kind == "dflash2":
+            self._dflash2_checks()
+        if self.drafter_kind != "dspark":
+            if self.dspark is not None:
+                raise ValueError(f"dspark settings are given but drafter_kind is {self.drafter_kind!r}; set "
+                                 "drafter_kind: dspark or drop the dspark section")
             return
+        if self.loss_weighting != "decay":
+            raise ValueError("drafter_kind 'dspark' trains with loss_weighting 'decay' only (D-PACE is not "
+                             "implemented for DSpark here)")
+        if self.draft_vocab_size is not None:
+            raise ValueError("drafter_kind 'dspark' needs the target's full vocabulary here (draft_vocab_size: null)")
+        if self.parallelism == "fsdp2":
+            # the heads run outside the drafter's sharded forward (trainer/run/dspark_step.py)
+            raise ValueError("drafter_kind 'dspark' trains with parallelism 'ddp' (fsdp2 is not implemented for it)")
+
+    def _dflash2_checks(self) -> None:
         settings = self.dflash2
         if settings.conv_kernel_size > self.block_size:
             raise ValueError(f"dflash2.conv_kernel_size {settings.conv_kernel_size} exceeds block_size "
@@ -543,6 +617,23 @@ PRESETS["zlab-qwen3.6"] = {
         "layer_types": QWEN36_LAYER_TYPES, "sliding_window": 32,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7},
     },
+}
+
+# DSpark as DeepSpec publishes it (deepseek-ai/DeepSpec config/dspark/dspark_qwen3_4b_online.py, mirrored by
+# SpecForge configs/qwen3-8b-dspark.json): block 7 with the anchor slot trained (7 proposals), 5 draft layers on the
+# layer rule ([1, 9, 17, 25, 33] on 36 layers; [1, 2, 3, 4, 5] on the embedded 8), gamma 4, lr 6e-4, a Markov
+# head and a confidence head at weight 1.0. The loss is speculators 0.9.0's DSpark form (kl to the target plus
+# the confidence BCE, speculators' denominators), the form our parity tests pin; DeepSpec's 0.1 CE + 0.9 L1 with
+# its decayed global denominator is not implemented. Rank 256 at the 2560-wide Qwen3-4B scales to 16 at the
+# embedded target's 128 (as the width); anchors keep our default density.
+PRESETS["dspark-tiny"] = {
+    "drafter_kind": "dspark",
+    "block_size": 7,
+    "draft_layers": 5,
+    "loss": "kl",
+    "loss_decay_gamma": 4.0,
+    "lr": 6e-4,
+    "dspark": {"markov_rank": 16, "markov_head_type": "vanilla", "confidence_head_alpha": 1.0},
 }
 
 
@@ -676,7 +767,9 @@ def _first_sentence(exc: BaseException) -> str:
 
 # Nested sections of the config: --set SECTION.key=value sets one key, and a config file's section is merged
 # over the preset's key by key (a file that sets draft_config.sliding_window keeps the preset's layer types).
-NESTED_SECTIONS: dict[str, type[BaseModel]] = {"draft_config": DraftConfig, "dflash2": DFlash2Config}
+NESTED_SECTIONS: dict[str, type[BaseModel]] = {
+    "draft_config": DraftConfig, "dflash2": DFlash2Config, "dspark": DSparkConfig,
+}
 
 
 def parse_override(item: str) -> tuple[str, Any]:

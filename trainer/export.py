@@ -120,7 +120,8 @@ class DrafterSpec:
     # Why z-lab's own decoding loop cannot reach this target's embeddings / lm_head (None: it can); a note.
     zlab_note: str | None = None
     draft_vocab_size: int | None = None  # a reduced draft vocabulary (the run's `draft_vocab_size`)
-    dflash2: DFlash2Config | None = None  # a DFlash2 drafter's convolutions and selector (None: DFlash)
+    dflash2: DFlash2Config | None = None  # a DFlash2 drafter's convolutions and selector (drafter_kind dflash2)
+    dspark: dict[str, Any] | None = None  # the run's DSpark settings (drafter_kind dspark), else None
 
 
 @dataclass
@@ -203,9 +204,13 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
         for k, v in _draft_fields(spec.draft_config, dtype).items()
         if k not in ("rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "sliding_window_non_causal")
     }
-    algorithm = "dflash" if spec.dflash2 is None else "dflash2"
+    algorithm = "dspark" if spec.dspark is not None else "dflash2" if spec.dflash2 is not None else "dflash"
+    # slot 0 is the anchor (the bonus token), so a block proposes B-1 tokens; a DSpark block that samples from
+    # its anchor trains slot 0 too and proposes B (speculators #737: its converter wrote B-1 for DSpark)
+    sample_from_anchor = bool(spec.dspark["sample_from_anchor"]) if spec.dspark is not None else False
     config = {
-        "architectures": ["DFlashDraftModel" if spec.dflash2 is None else "DFlash2DraftModel"],
+        "architectures": [{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
+                           "dspark": "DSparkDraftModel"}[algorithm]],
         "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_SCHEMA_VERSION,
         "speculators_config": {
@@ -213,8 +218,7 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    # slot 0 is the anchor (the bonus token), so a block proposes B-1 tokens
-                    "speculative_tokens": spec.block_size - 1,
+                    "speculative_tokens": spec.block_size if sample_from_anchor else spec.block_size - 1,
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -239,14 +243,21 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
         "mask_token_id": spec.mask_token_id,
         # speculators' own flag: its sliding layers attend causally within a block unless it is true
         "sliding_window_non_causal": bool(getattr(spec.draft_config, "sliding_window_non_causal", False)),
-        "sample_from_anchor": False,
+        # always written: servers disagree on its default when it is absent (llama.cpp #26275, vLLM #48639)
+        "sample_from_anchor": sample_from_anchor,
         "tie_word_embeddings": False,
         "dtype": _dtype_name(dtype),
         "transformers_version": draft_transformers_version(),
     }
     if spec.dflash2 is not None:  # speculators 0.9.0 DFlash2SpeculatorConfig's flat fields
         config.update({name: getattr(spec.dflash2, name) for name in DFLASH2_SHAPE_FIELDS})
+    if spec.dspark is not None:  # speculators' DSparkSpeculatorConfig fields (models/dspark/config.py)
+        config.update({key: spec.dspark[key] for key in DSPARK_SERVED_FIELDS})
     return config
+
+
+# The DSpark settings a server builds the heads from; confidence_head_alpha is training-only.
+DSPARK_SERVED_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
 def _draft_fields(draft_config: Qwen3Config, dtype: torch.dtype) -> dict[str, Any]:
@@ -346,6 +357,7 @@ def drafter_spec_for_run(run: RunDir) -> tuple[DrafterSpec, TrainConfig]:
         target_architectures=list(getattr(target_config, "architectures", None) or []),
         draft_vocab_size=config.draft_vocab_size,
         dflash2=config.dflash2 if config.drafter_kind == "dflash2" else None,
+        dspark=config.dspark.model_dump() if config.drafter_kind == "dspark" and config.dspark is not None else None,
     )
     if spec.dflash2 is not None:
         from trainer.model.dflash2 import with_dflash2_settings
@@ -482,9 +494,15 @@ def _checked_weights(spec: DrafterSpec, weights_file: Path, run: RunDir) -> dict
 
         drafter_class = DFlash2Drafter
     with torch.device("meta"):  # shapes only: no memory, no init cost even for a large target's width
-        expected = drafter_class(
-            spec.draft_config, len(spec.target_layer_ids), spec.block_size, spec.mask_token_id
-        ).state_dict()
+        if spec.dspark is not None:
+            from trainer.model.dspark import DSparkDrafter
+
+            expected = DSparkDrafter(spec.draft_config, len(spec.target_layer_ids), spec.block_size,
+                                     spec.mask_token_id, dspark=spec.dspark).state_dict()
+        else:
+            expected = drafter_class(
+                spec.draft_config, len(spec.target_layer_ids), spec.block_size, spec.mask_token_id
+            ).state_dict()
     try:
         weights, _ = read_safetensors(weights_file, run.path)
         check_shapes(weights_file, weights, expected, "the run's config")
@@ -592,6 +610,9 @@ def export_run(
             "DFlashDraftModel drafts through the target's whole lm_head with no draft-to-target map (d2t); "
             "export with --format speculators"
         )
+    if spec.dspark is not None and export_format != "speculators":
+        raise ExportError(f"run {run.name!r} trains a DSpark drafter, which z-lab's DFlashDraftModel cannot load "
+                          "(no Markov or confidence head); export with --format speculators")
     weights = _checked_weights(spec, checkpoint.path / DRAFTER_FILE, run)
     out_dtype = DTYPES[dtype] if dtype != "auto" else weights["fc.weight"].dtype
     notes: list[str] = []

@@ -3,7 +3,7 @@
 Every run copies the trainer's source into `<run>/code/` (this file included). `sleuth diagnose --run`
 imports `trainer.probe` from that copy (its `code/` directory first on sys.path, in a separate process)
 and calls `probe_subject({"run_dir": ...})`. The object returned follows sleuth's probe protocol
-(README "Probes"; sleuth/probes/protocol.py): sleuth hands it a synthetic target and batches with known
+(docs/guides/your-trainer.md "Probes"; sleuth/probes/protocol.py): sleuth hands it a synthetic target and batches with known
 answers, and the subject runs the trainer's own code on them: `StepPlan`, `build_drafter`,
 `build_optimizer`, `FrozenTarget.forward_hidden` (layer selection, the teacher) and `dflash_step`
 (anchors -> blocks -> mask -> drafter -> chunked loss). Nothing here re-implements a step; it only wires the

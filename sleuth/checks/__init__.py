@@ -8,6 +8,10 @@
     dflash.hidden_state_capture       hidden_states.py      an offline cache recomputed layer by layer
     dflash.chat_template_consistency  chat_template.py      one template for data, prompts and serving
     dflash.export_contract            export_contract.py    an export holds what its loader reads
+    dflash2.* / dspark.* / domino.* / jetspec.*  family.py  the variants' config, checkpoint and export rules
+
+The variant under diagnosis (sleuth/evidence/variant.py) scopes them: an invariant the playbook marks for
+other `variants` is skipped, and DSpark's anchor-first layout moves two base rules' expected values.
 
 They read the run directory, the target's files and the findings the invariant engine produced
 (`train_serve_gap` names which of those explain a gap, so it runs last). `apply_contract_checks` replaces
@@ -21,6 +25,7 @@ from collections.abc import Callable
 from sleuth.checks.chat_template import check_chat_template_consistency
 from sleuth.checks.context import ContractContext
 from sleuth.checks.export_contract import check_export_contract
+from sleuth.checks.family import FAMILY_CHECKS, applies, apply_variant_scope
 from sleuth.checks.hidden_states import check_hidden_state_capture
 from sleuth.checks.mask_token import check_mask_token_distinct
 from sleuth.checks.rope import check_rope_served_as_trained
@@ -38,6 +43,7 @@ CONTRACT_CHECKS: dict[str, Callable[[ContractContext], Finding]] = {
     "dflash.hidden_state_capture": check_hidden_state_capture,
     "dflash.chat_template_consistency": check_chat_template_consistency,
     "dflash.export_contract": check_export_contract,
+    **FAMILY_CHECKS,
     "dflash.train_serve_gap": check_train_serve_gap,
 }
 
@@ -47,8 +53,9 @@ def apply_contract_checks(findings: list[Finding], ctx: ContractContext) -> list
 
     Only the invariants the playbook lists (ctx.rules) run: the playbook decides what is checked."""
     results = list(findings)
+    variant = ctx.variant.kind
     for invariant_id, check in CONTRACT_CHECKS.items():
-        if invariant_id not in ctx.rules:
+        if invariant_id not in ctx.rules or not applies(ctx.rules[invariant_id], variant):
             continue
         ctx.findings = results
         finding = check(ctx)
@@ -57,7 +64,7 @@ def apply_contract_checks(findings: list[Finding], ctx: ContractContext) -> list
             results[positions[0]] = finding
         else:
             results.append(finding)
-    return results
+    return apply_variant_scope(results, ctx)
 
 
 __all__ = ["CONTRACT_CHECKS", "ContractContext", "apply_contract_checks"]

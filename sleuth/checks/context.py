@@ -24,8 +24,39 @@ class ContractContext:
     target_dir: Path | None = None  # --target: the target / verifier model directory
     hidden_states: Path | None = None  # --hidden-states: an offline hidden-state cache
     served_by: str | None = None  # --served-by: the engine the user serves with (playbooks/serving/engines.yaml)
+    checkpoint: Path | None = None  # --checkpoint, else the run's own (an export's model.safetensors)
     findings: list[Finding] = field(default_factory=list)  # what the other checks of this diagnosis found
     rules: dict[str, Any] = field(default_factory=dict)  # playbook invariants by id (title, severity)
+
+    def checkpoint_path(self) -> Path | None:
+        if self.checkpoint is not None:
+            return self.checkpoint
+        return self.run.checkpoint if self.run is not None else None
+
+    def tensors(self) -> dict[str, Any]:
+        """Tensor name -> TensorInfo from the checkpoint's safetensors header ({} when there is none or it
+        cannot be read: the checks that need it then say so)."""
+        if "_tensors" not in self.__dict__:
+            from sleuth.evidence.checkpoint import CheckpointError, read_header
+
+            path = self.checkpoint_path()
+            try:
+                self.__dict__["_tensors"] = read_header(path) if path is not None else {}
+            except CheckpointError:
+                self.__dict__["_tensors"] = {}
+        return self.__dict__["_tensors"]
+
+    @property
+    def variant(self) -> Any:
+        """The DFlash-family variant under diagnosis (sleuth.evidence.variant.Variant), read once."""
+        if "_variant" not in self.__dict__:
+            from sleuth.evidence.variant import detect_variant
+
+            run_json = self.run.run_json if self.run is not None else None
+            where = Path(self.config_source).name if self.config_source else "config.json"
+            self.__dict__["_variant"] = detect_variant(self.config, run_json=run_json, tensor_names=self.tensors(),
+                                                       where=where)
+        return self.__dict__["_variant"]
 
     def finding(self, invariant_id: str, status: Status, *, expected: str | None = None,
                 observed: str | None = None, evidence: list[Evidence] | None = None, confidence: float = 0.9,

@@ -33,6 +33,8 @@ class Engine:
     basis: str  # read | run | documented
     fix: str | None
     aliases: tuple[str, ...] = field(default_factory=tuple)
+    # How it serves the family's variants ({"dflash2": {...}, "dspark": {...}}); a variant absent = not served.
+    family: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def sliding_non_causal(self, trained_non_causal: bool | None) -> bool | None:
         """Whether this engine builds the sliding layers bidirectional within the block; None = unknown."""
@@ -89,6 +91,7 @@ def _load(path: Path) -> tuple[str, dict[str, Engine]]:
             sliding_block_causal=causal if causal in (True, False, None, "config") else None,
             basis=str(row.get("basis", "read")), fix=row.get("fix"),
             aliases=tuple(str(a) for a in row.get("aliases") or []),
+            family={str(k): dict(v) for k, v in (row.get("family") or {}).items() if isinstance(v, dict)},
         )
     return str(data.get("default", "speculators")), engines
 

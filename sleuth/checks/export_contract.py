@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.checks.context import ContractContext, int_list, int_or_none
+from sleuth.evidence.variant import owned_by
 from sleuth.findings import Evidence, Finding, Fix
 from sleuth.probes.exported import draft_vocab_problems, drafted_per_step
 
@@ -42,7 +43,9 @@ _OPTIONAL = {"lm_head.weight", "embed_tokens.weight", "d2t", "t2d", "verifier_no
 def export_format(config: dict[str, Any] | None) -> str | None:
     if not config:
         return None
-    if config.get("speculators_model_type") == "dflash":
+    from sleuth.evidence.variant import SPECULATORS_TYPES
+
+    if config.get("speculators_model_type") in SPECULATORS_TYPES:  # the family shares DFlash's loader contract
         return "speculators"
     if isinstance(config.get("dflash_config"), dict):
         return "zlab"
@@ -122,7 +125,9 @@ def contract_problems(directory: Path, config: dict[str, Any]) -> tuple[str | No
     if ids and all(int_or_none(layer.get(k)) for k in required):
         expected = expected_shapes(layer, len(ids))
         missing = sorted(set(expected) - set(tensors))
-        unknown = sorted(set(tensors) - set(expected) - _OPTIONAL)
+        # A variant's own modules (DFlash2's convolutions, DSpark's heads) are read by its loader; their shapes are
+        # sleuth/checks/family.py's to judge.
+        unknown = sorted(n for n in set(tensors) - set(expected) - _OPTIONAL if owned_by(n) is None)
         wrong = [f"{n} {list(tensors[n].shape)} (loader builds {list(s)})" for n, s in expected.items()
                  if n in tensors and tuple(tensors[n].shape) != s]
         if missing:

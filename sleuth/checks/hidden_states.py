@@ -18,7 +18,7 @@ Cache layouts understood (`sleuth diagnose --hidden-states DIR`):
   "layer_ids": [...], "convention": "zlab" | "hf", "target": optional path}` and `DIR/*.safetensors` with
   `input_ids` [T] and `hidden_states` [T, k, H]. `zlab`: id i = output of decoder layer i; `hf`: id i =
   HF `hidden_states[i]` (0 = the embeddings). Every stored state is the raw residual stream (no final norm).
-* the trainer's offline cache (`trainer hidden-states generate`, run-directory README "Offline hidden
+* the trainer's offline cache (`trainer hidden-states generate`, docs/guides/targets.md "Offline hidden
   states"): `DIR/manifest.json` with `layers` (z-lab ids) and `target.path`, and `DIR/shard-NNNNN.safetensors`
   holding packed rows: `input_ids`, `position_ids` [n, S] (positions restart at 0 at every document) and
   `layer.<i>` [n, S, H] = HF `hidden_states[i + 1]` exactly as transformers returns it, i.e. raw for every

@@ -29,7 +29,7 @@ def configured_mask_token(config: dict[str, Any] | None) -> tuple[int | None, st
 
 def resolved_mask(facts: TokenizerFacts) -> tuple[int | None, str]:
     """What a trainer resolves when the config leaves the mask unset: the tokenizer's mask token, else
-    the first embedding row no token maps to (README: `mask_token_id` default)."""
+    the first embedding row no token maps to (docs/reference/config.md: `mask_token_id`)."""
     if facts.special.get("mask"):
         return facts.special["mask"][0], f"the tokenizer's mask token ({facts.sources['mask']})"
     if facts.tokenizer_size is not None and facts.vocab_size is not None and facts.tokenizer_size < facts.vocab_size:

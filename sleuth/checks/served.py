@@ -2,7 +2,7 @@
 `dflash.rope_served_as_trained`.
 
 As trained (read off the modules by the trainer, never from a config it may ignore):
-    * a training run directory: run.json `drafter` (README, run-directory contract): `rope_parameters`,
+    * a training run directory: run.json `drafter` (docs/reference/run-directory.md): `rope_parameters`,
       `rotary_dim` / `head_dim` (the rotated width from the rotary embedding's frequencies), `rope_layout`,
       `layer_types` and `layer_windows` (each attention module's window, null = full attention),
       `sliding_window_non_causal`;

@@ -96,7 +96,7 @@ def check_target_tables_resolve(ctx: ContractContext) -> Finding:
 
     mask, mask_key = configured_mask_token(ctx.config)
     if mask is None and ctx.config is not None and "dflash_config" not in ctx.config:
-        # a training run that leaves it to the target: the trainer's rule (README: `mask_token_id` default)
+        # a training run that leaves it to the target: the trainer's rule (docs/reference/config.md: `mask_token_id`)
         mask, mask_key = resolved_mask(tokenizer_facts(target_dir))
     if mask is not None and vocab is not None:
         checked.append(f"mask_token_id {mask} ({mask_key})")

@@ -9,6 +9,7 @@ are written whenever the diagnosis got that far; --format picks what goes to std
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from enum import Enum
 from pathlib import Path
@@ -101,6 +102,12 @@ def diagnose_command(
         int,
         typer.Option("--observe-steps", min=1, max=100, help="Optimizer steps of your command to observe."),
     ] = 1,
+    observe_recorded: Annotated[
+        bool,
+        typer.Option("--observe-recorded", help="With --run and --probe: observe the training command the run "
+                     "recorded (run.json / config.json with code/, speculators' run.yaml or train_command.txt), "
+                     "as `sleuth diagnose --run DIR --probe` prints it."),
+    ] = False,
     command: Annotated[
         list[str] | None,
         typer.Argument(metavar="[-- COMMAND...]", show_default=False,
@@ -110,8 +117,9 @@ def diagnose_command(
     served_by: Annotated[
         str | None,
         typer.Option("--served-by", metavar="ENGINE", help="The engine you serve the drafter with: vllm | speculators "
-                     "| zlab | sglang | specforge | ik_llama.cpp (playbooks/serving/engines.yaml); a sliding-window "
-                     "drafter it does not build as trained is a mismatch."),
+                     "| zlab | sglang | specforge | ik_llama.cpp | vllm-v1 (playbooks/serving/engines.yaml); a "
+                     "sliding-window drafter it does not build as trained, or a DFlash2 / DSpark export it reads "
+                     "otherwise (config layout, selector, sample_from_anchor), is a mismatch."),
     ] = None,
 ) -> None:
     """Compare a run with earlier runs and the reference; write report.md/json/sarif, fix.yaml, trace.jsonl.
@@ -129,19 +137,44 @@ def diagnose_command(
     from sleuth.diagnose import DiagnoseError, DiagnoseRequest, diagnose, live_listener
     from sleuth.redact import RedactingWriter
 
+    from rich.text import Text
+
+    from sleuth.escape import terminal
+
     errors = Console(file=RedactingWriter(sys.stderr), highlight=False)
     if json_output:
         if output_format not in (OutputFormat.text, OutputFormat.json):
             _error(errors, f"--json and --format {output_format.value} ask for two outputs; give one")
             raise typer.Exit(EXIT_ERROR)
         output_format = OutputFormat.json
+    code_for_command = code
+    recorded = None
+    if run is not None and probe and not command:
+        from sleuth.observe.recorded import recorded_command
+        from sleuth.runs import read_run, resolve_run_dir
+
+        try:
+            recorded = recorded_command(read_run(resolve_run_dir(run, runs_dir)))
+        except Exception:  # noqa: BLE001 - only an offer: the diagnosis itself says what is wrong with the run
+            recorded = None
+    if observe_recorded:
+        problem = _recorded_problem(run, probe, command, recorded)
+        if problem:
+            _error(errors, problem)
+            raise typer.Exit(EXIT_ERROR)
+        assert recorded is not None and recorded.argv is not None
+        command = recorded.argv
+        if code is None and recorded.code is not None:
+            code_for_command = recorded.code
+        errors.print(Text(terminal(f"the run's recorded command ({recorded.source}): {recorded.shown()}")),
+                     soft_wrap=True)
     request = DiagnoseRequest(
         run=run,
         runs_dir=runs_dir,
         baseline=baseline,
         reference=reference,
         reference_path=reference_path,
-        code=code,
+        code=code_for_command,
         config=config,
         offline=offline,
         out=out,
@@ -183,12 +216,36 @@ def diagnose_command(
         raise typer.Exit(EXIT_ERROR) from None
 
     _print(result, output_format)
+    if recorded is not None and not observe_recorded:
+        # Offered, never run: observing it is a second decision (--observe-recorded, with the --probe given here).
+        if recorded.argv:
+            errors.print(Text(terminal(f"the run recorded its training command ({recorded.source}): "
+                                       f"{recorded.shown()}; to observe one optimizer step of it: "
+                                       f"sleuth diagnose --run {shlex.quote(run)} --probe --observe-recorded")), soft_wrap=True)
+        elif recorded.why_not:
+            errors.print(Text(terminal(f"no recorded command to observe: {recorded.why_not}")), soft_wrap=True)
     probes = result.report.probes
     if result.exit_code == EXIT_ERROR and probes is not None:
         _error(errors, f"no experiment ran ({probes.subject}): {probes.reason}; the static findings are in "
                        f"{result.out_dir}")
     if result.exit_code != EXIT_CLEAN:
         raise typer.Exit(result.exit_code)
+
+
+def _recorded_problem(run: str | None, probe: bool | None, command: list[str] | None, recorded) -> str | None:  # noqa: ANN001
+    """Why --observe-recorded cannot go ahead, in one line; None when it can."""
+    if run is None:
+        return "--observe-recorded observes the command a run recorded: give --run NAME|PATH"
+    if not probe:
+        return ("--observe-recorded runs the run's recorded training command: add --probe to consent "
+                f"(sleuth diagnose --run {run} --probe --observe-recorded)")
+    if command:
+        return "--observe-recorded and a command after -- ask for two commands; give one"
+    if recorded is None:
+        return f"--observe-recorded: the run {run} cannot be read"
+    if not recorded.argv:
+        return f"--observe-recorded: no recorded command to observe: {recorded.why_not}"
+    return None
 
 
 def _error(console, message: str) -> None:  # noqa: ANN001 - rich Console, imported lazily

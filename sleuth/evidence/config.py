@@ -138,7 +138,7 @@ def _read_target_layer_ids(config: dict, keys: list[str], meta: RunMeta) -> Conf
 
 def _rule_count(config: dict, ids: tuple[str, Any] | None, meta: RunMeta) -> int | None:
     """How many layers `target_layer_ids: null` selects, where the run format says: the trainer's rule picks
-    k = `draft_layers` layers (README, "Configuration"), all distinct when the target has room (L >= k + 3)."""
+    k = `draft_layers` layers (docs/reference/config.md), all distinct when the target has room (L >= k + 3)."""
     drafts = lookup(config, ["draft_layers"])
     if ids is None or ids[1] is not None or drafts is None or meta.num_layers is None:
         return None

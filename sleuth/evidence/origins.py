@@ -18,7 +18,16 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from sleuth.evidence.ast_index import PRESERVING_METHODS, Analyzer, call_name, is_module_name, kwarg, leaf_name, tokens
+from sleuth.evidence.ast_index import (
+    MISSING,
+    PRESERVING_METHODS,
+    Analyzer,
+    call_name,
+    in_variant_code,
+    is_module_name,
+    leaf_name,
+    tokens,
+)
 
 MAX_DEPTH = 12
 LAYER_TUPLES = {"hidden_states", "all_hidden_states"}
@@ -694,4 +703,39 @@ def _into_call(an: Analyzer, call: ast.Call, keyword: str | None, position: int 
         if isinstance(use, ast.Name) and use.id == param and isinstance(use.ctx, ast.Load) \
                 and an.enclosing_function(use) is func:
             out |= _uses(an, use, depth + 1, seen)
+    return out
+
+
+def call_bindings(an: Analyzer, func: ast.AST, param: str) -> list[tuple[ast.Call, ast.expr | None | object]]:
+    """Each DFlash-path call of `func` (also `partial(func, ...)`) with what it passes for `param`: the
+    argument, None (omitted: the default applies) or MISSING (unknown: `**kwargs`, `*args`, or a partial
+    that leaves it to its own caller)."""
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return []
+    positional = [a.arg for a in func.args.posonlyargs + func.args.args]
+    callee = func.name
+    if callee == "__init__":
+        cls = an.parents.get(func)
+        callee = cls.name if isinstance(cls, ast.ClassDef) else ""
+    if positional and positional[0] in {"self", "cls"}:
+        positional = positional[1:]
+    index = positional.index(param) if param in positional else None
+
+    def bound(args: list[ast.expr], keywords: list[ast.keyword], omitted: object) -> object:
+        for kw in keywords:
+            if kw.arg == param:
+                return kw.value
+        starred = any(isinstance(a, ast.Starred) for a in args) or any(kw.arg is None for kw in keywords)
+        if index is not None and index < len(args) and not any(isinstance(a, ast.Starred) for a in args[: index + 1]):
+            return args[index]
+        return MISSING if starred else omitted
+
+    out: list[tuple[ast.Call, object]] = []
+    for call in an.calls_named(callee):
+        if in_variant_code(an, call) or an.enclosing_function(call) is func:
+            continue
+        out.append((call, bound(call.args, call.keywords, None)))
+    for call in an.calls_named("partial"):
+        if call.args and leaf_name(call.args[0]) == callee and not in_variant_code(an, call):
+            out.append((call, bound(call.args[1:], call.keywords, MISSING)))
     return out

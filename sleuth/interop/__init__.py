@@ -1,6 +1,6 @@
 """Runs and drafters from other trainers: speculators (vLLM) and SpecForge (SGLang).
 
-sleuth's own contract is the run directory `trainer` writes (README). Most DFlash drafters are trained
+sleuth's own contract is the run directory `trainer` writes (docs/reference/run-directory.md). Most DFlash drafters are trained
 elsewhere, so this package reads the other trainers' layouts into the same `RunInfo` and checks their
 configs in their own conventions (vLLM layer ids, `speculators train` flags):
 

@@ -200,7 +200,12 @@ def check_invariants(
     config decides is then `unknown` with that reason (the code's defaults are not what ran)."""
     trace = trace if trace is not None else Trace()
     run = _Run(reference, config, config_source, checkpoint, code, trace, config_problem)
-    return [_evaluate(invariant, run) for invariant in sorted(playbook.invariants, key=lambda i: i.rank)]
+    # An invariant the playbook scopes to other DFlash-family variants is not checked (no placeholder either).
+    from sleuth.evidence.variant import detect_variant
+
+    kind = detect_variant(run.config, tensor_names=run.header or {}).kind
+    scoped = [i for i in playbook.invariants if not i.variants or kind in i.variants]
+    return [_evaluate(invariant, run) for invariant in sorted(scoped, key=lambda i: i.rank)]
 
 
 # ---------------------------------------------------------------------------------------------------------

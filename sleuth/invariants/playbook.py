@@ -87,6 +87,8 @@ class Invariant(_Strict):
     observed: Observed
     fix: FixSpec
     notes: list[str] = Field(default_factory=list)
+    variants: list[str] = Field(default_factory=list, description="the DFlash-family variants it applies to "
+                                "(sleuth/evidence/variant.py); empty = every variant")
 
 
 class Playbook(_Strict):

@@ -66,11 +66,12 @@ def write_diagnosis(inv: Any, findings: list[Finding]) -> tuple[Report, Path, di
             checkpoint=str(inv.checkpoint) if inv.checkpoint else None,
             code=str(inv.code) if inv.code else None,
             playbook=_playbook_name(inv.playbook, inv.request.playbook),
+            variant=getattr(inv, "variant", None),
         ),
         reference=_reference_summary(inv.resolution),
         regression=inv.regression,
         findings=findings,
-        rules=inv.rules,
+        rules=_rules_in_scope(inv),
         counts=counts,
         summary=build_summary(inv.regression, findings, inv.run_info, inv.config_problem, problems, probes),
         input_problems=problems,
@@ -98,6 +99,17 @@ def write_diagnosis(inv: Any, findings: list[Finding]) -> tuple[Report, Path, di
     except OSError as exc:
         raise DiagnoseError(f"cannot write the trace to {shown(out_dir)}: {exc.strerror or exc}") from None
     return report, out_dir, files
+
+
+def _rules_in_scope(inv: Any) -> list[Rule]:
+    """The playbook's rules less those for another DFlash-family variant than the one diagnosed (their checks
+    did not run)."""
+    kind = getattr(inv, "variant_kind", None)
+    if kind is None:
+        return inv.rules
+    other = {i.id for i in getattr(inv.playbook, "invariants", None) or []
+             if getattr(i, "variants", None) and kind not in i.variants}
+    return [rule for rule in inv.rules if rule.id not in other]
 
 
 def input_problems(inv: Any, findings: list[Finding]) -> list[str]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from sleuth.observe.judge_attention import ATTENTION_INVARIANTS, judge_attention
+from sleuth.observe.optimization_judge import describe_optimization, judge_optimization
 from sleuth.observe.reference import accepted_gammas, slot_weight, target_layer_ids
 from sleuth.probes.answer import safe_text
 from sleuth.probes.verdict import Expectations, Verdict
@@ -19,7 +21,7 @@ NOT_EXERCISED = "not exercised by the observed step"
 # Invariants the observation decides (each gets a verdict, unknown where the step did not exercise it).
 OBSERVED_INVARIANTS = ("dflash.target_layer_ids", "dflash.fc_input_layers", "dflash.frozen_embed_head",
                        "dflash.loss_decay_gamma", "dflash.anchor_slot_untrained", "dflash.target_shift",
-                       "dflash.target_logits_source")
+                       "dflash.target_logits_source") + ATTENTION_INVARIANTS
 SHIFTS = (0, 1, 2)  # label of slot j = the teacher's top-1 at anchor + j - shift; the reference's shift is 1
 PATTERN_TOLERANCE = 1e-3
 MAX_BLOCK = 128
@@ -49,9 +51,11 @@ def judge(observation: dict[str, Any], expectations: Expectations) -> tuple[list
             verdicts += part(observation, expectations)
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as exc:
             invariants = {_layers: OBSERVED_INVARIANTS[:2], _frozen: OBSERVED_INVARIANTS[2:3],
-                          _weights: OBSERVED_INVARIANTS[3:]}[part]
+                          _weights: OBSERVED_INVARIANTS[3:7]}[part]
             verdicts += [_unknown(i, f"the observation is malformed ({type(exc).__name__})") for i in invariants]
-    return verdicts, notes
+    verdicts += judge_optimization(observation)  # optimizer groups, the schedule's horizon, clipping and resume
+    attention, attention_notes = judge_attention(observation)
+    return verdicts + attention, notes + attention_notes + describe_optimization(observation)
 
 
 # --- target layers ------------------------------------------------------------------------------------------
@@ -95,7 +99,7 @@ def _layers(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
     stack = _text(next((c.get("stack") for c in chunks if c.get("stack")), "?"))
     coverage = {"features": f"{features.get('kind')} at {site}, shape {features.get('shape')}",
                 "target_stack": f"{stack} ({depth} layers)", "layers_gathered": layers, "layers_reaching_loss": reached}
-    measurement = (f"gradient of the observed step's loss at each gathered block: "
+    measurement = ("gradient of the observed step's loss at each gathered block: "
                    + ", ".join(f"layer {layer}: {_num(c.get('grad_abs_sum'))}" for layer, c in zip(layers, chunks)))
     verdicts: list[Verdict] = []
     everything = len(set(layers)) >= depth > 0
@@ -112,9 +116,7 @@ def _layers(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
                                  f"(nn.Linear({len(layers)}*H, H)) at the drafter's fc", coverage=coverage))
         chosen = layers
     else:
-        verdicts.append(_verdict(ids[1], "match", hypothesis="every target layer the run gathers reaches fc and the loss",
-                                 measurement=measurement, observed=f"all {len(layers)} gathered layers {layers} reach "
-                                 "the loss", expected="fc over all k selected layers", coverage=coverage))
+        verdicts.append(_all_gathered_reach(ids[1], observation, layers, depth, measurement, coverage))
         chosen = layers
     if not chosen or depth < 4:
         verdicts.append(_unknown(ids[0], f"{NOT_EXERCISED}: the layers that reach the loss ({chosen}) or the target "
@@ -129,6 +131,39 @@ def _layers(observation: dict[str, Any], _expectations: Expectations) -> list[Ve
                              fix="" if status == "match" else f"read decoder layers {rule} (HF hidden_states[i + 1])",
                              coverage=coverage))
     return verdicts
+
+
+def _all_gathered_reach(invariant: str, observation: dict[str, Any], layers: list[int], depth: int,
+                        measurement: str, coverage: dict[str, Any]) -> Verdict:
+    """Every gathered layer reaches the loss; that is all k the run selected only where the selection is seen.
+
+    The step shows what was concatenated, not what the run meant to concatenate: a selection sliced before the
+    gathering (`ids[:-1]`) leaves every gathered layer reaching the loss. The selection is seen where the run's
+    command or config names it (its count must be the gathered count), or where the gathered layers are the
+    reference's whole selection for their count (a slice of one is not)."""
+    hypothesis = "fc reads every target layer the run selects"
+    declared = (observation.get("configured") or {}).get("layer_ids")
+    observed = f"all {len(layers)} gathered layers {layers} reach the loss"
+    if isinstance(declared, dict) and isinstance(declared.get("value"), list):
+        named = declared["value"]
+        where = f"`{declared.get('key')}` in {declared.get('source')}"
+        if len(named) == len(layers):
+            return _verdict(invariant, "match", hypothesis=hypothesis, measurement=measurement,
+                            observed=f"{observed}; the run selects {len(named)} ({where}: {named})",
+                            expected="fc over all k selected layers", coverage=coverage)
+        return _verdict(invariant, "mismatch", hypothesis=hypothesis, measurement=measurement,
+                        observed=f"fc reads {len(layers)} layers {layers}; the run selects {len(named)} ({where}: {named})",
+                        expected=f"fc over all {len(named)} selected layers",
+                        fix=f"gather all {len(named)} selected layers into fc's input (nn.Linear({len(named)}*H, H))",
+                        coverage=coverage)
+    if depth >= 4 and sorted(layers) == target_layer_ids(depth, len(layers)):
+        return _verdict(invariant, "match", hypothesis=hypothesis, measurement=measurement,
+                        observed=f"{observed}; they are the reference's whole selection for {len(layers)} layers",
+                        expected="fc over all k selected layers", coverage=coverage)
+    return _unknown(invariant, f"{NOT_EXERCISED} as a selection: {observed}, but which layers the run selected is not "
+                    f"seen (a selection sliced before the gathering leaves the rest unread and unseen) and {layers} is "
+                    "not the reference's whole selection for its count; name the ids in the run's config "
+                    "(target_layer_ids) for a verdict")
 
 
 def _num(value: Any) -> str:
@@ -214,7 +249,7 @@ def block_pattern(weights: list[float], shape: list[int]) -> tuple[int, list[lis
 
 
 def _weights(observation: dict[str, Any], expectations: Expectations) -> list[Verdict]:
-    gamma_id, anchor_id, shift_id, source_id = OBSERVED_INVARIANTS[3:]
+    gamma_id, anchor_id, shift_id, source_id = OBSERVED_INVARIANTS[3:7]
     logits = observation.get("logits")
     if not isinstance(logits, dict):
         why = (f"{NOT_EXERCISED}: no module output with the vocabulary's width received a softmax loss's gradient "
@@ -266,9 +301,12 @@ def _weights(observation: dict[str, Any], expectations: Expectations) -> list[Ve
             gamma = None
     expected = " or ".join(f"exp(-(k-1)/{g:g})" for g in accepted) or "the playbook gives no gamma"
     if gamma is None:
-        verdicts.append(_verdict(gamma_id, "mismatch", hypothesis="slot k >= 1 weighs exp(-(k-1)/gamma)",
-                                 measurement=measurement, observed=f"weights {shown}: not an exponential decay",
-                                 expected=expected, fix="weight slot k by exp(-(k-1)/gamma)", coverage=coverage))
+        # Not a fixed decay: the reference also accepts D-PACE (playbook `accept`), whose weights follow the drafter's
+        # confidence and, on an untrained drafter, repeat from block to block like a fixed pattern. Which of the two
+        # this is, the weights alone do not say: no counterexample, so no mismatch.
+        verdicts.append(_unknown(gamma_id, f"weights {shown} at {where}: not an exponential decay; a data-dependent "
+                                 "weighting (D-PACE, which the reference accepts) is not told apart from a fixed one "
+                                 "yet"))
         return verdicts
     ok = any(math.isfinite(gamma) and abs(gamma - g) <= 0.01 * g for g in accepted)
     gamma_text = "no decay (gamma infinite)" if math.isinf(gamma) else f"gamma {gamma:.3f}"
@@ -325,7 +363,16 @@ def _placed(logits: dict[str, Any], weights: list[float], size: int, where: str)
         return _unknown(invariant, f"{NOT_EXERCISED}: the block's input tokens or a target output of the vocabulary's "
                         "width were not captured (link not followed)"), None
     starts = [i for i in range(0, len(labels) - size + 1, size) if all(weights[i + k] > 0 for k in range(1, size))]
-    for teacher in reversed([t for t in teachers if isinstance(t, dict)]):
+    # Only a teacher whose head input was followed to a layer stack ran on the ids it is paired with: a head over
+    # hidden states gathered from a cache (anchor - 1 rows, say) is paired with ids by shape alone, and its rows are
+    # not positions of them.
+    followed = [t for t in teachers if isinstance(t, dict) and isinstance(t.get("source"), dict)
+                and any(isinstance(t["source"].get(key), int) for key in ("through_layer", "before_layer"))]
+    if not followed:
+        return _unknown(invariant, f"{NOT_EXERCISED}: no captured target output of the vocabulary's width was computed "
+                        "by a target forward over the block's tokens (its input was not followed to a layer stack: "
+                        "hidden states from a cache, link not followed)"), None
+    for teacher in reversed(followed):
         top1, ids = teacher.get("top1"), teacher.get("ids")
         where_anchor: dict[Any, list[tuple[int, int]]] = {}
         for row, tokens in enumerate(ids):

@@ -39,6 +39,7 @@ def main(spec_path: str) -> int:
         return 0
     env = dict(os.environ, **{ANSWER_ENV: answer, STEPS_ENV: str(spec.get("steps", 1))})
     env["SLEUTH_OBSERVE_WORKDIR"] = workdir
+    env["SLEUTH_OBSERVE_SCHEDULE"] = str(spec.get("schedule") or "")
     returncode = subprocess.call(command, env=env)
     if os.path.getsize(answer) == 0:
         _write(answer, {"ended": "no_observation", "returncode": returncode})

@@ -28,6 +28,9 @@ import time
 import weakref
 from typing import Any
 
+from sleuth.observe.attention import AttentionWatch
+from sleuth.observe.optimization import OptimWatch
+
 ANSWER_ENV = "SLEUTH_OBSERVE_ANSWER"
 STEPS_ENV = "SLEUTH_OBSERVE_STEPS"
 WORKDIR_ENV = "SLEUTH_OBSERVE_WORKDIR"
@@ -36,6 +39,7 @@ SCHEDULE_SHOWN = 32  # the first steps sent back one by one (the rest as peak, f
 MAX_WEIGHTS = 4096  # per-position weights sent back
 MAX_GATHERED = 8  # gatherings of target features kept (the latest)
 MAX_TEACHER = 65_536  # positions of a teacher candidate's top-1 sent back
+FUSED_MAX_LOGITS = 1 << 26  # rows x vocabulary of a fused head+loss whose logits are recomputed to read its gradient
 _THIS = os.path.abspath(__file__)
 
 _OBSERVER: Observer | None = None
@@ -160,6 +164,7 @@ class Observer:
         self.teachers: list[dict[str, Any]] = []
         self.due = False
         self.done = False
+        self.attention = AttentionWatch(torch)
         self.new_window()
         self.observed: dict[str, Any] = {"frozen": {}}
 
@@ -170,6 +175,8 @@ class Observer:
         self.losses: list[dict[str, Any]] = []
         self.called: set[int] = set()
         self.snapshots: dict[int, Any] = {}
+        self.attention.reset()
+        self.fused: list[dict[str, Any]] = []
 
     # --- instrumentation --------------------------------------------------------------------------------
 
@@ -180,10 +187,19 @@ class Observer:
 
         module_mod.register_module_forward_pre_hook(self.on_pre_forward)
         module_mod.register_module_forward_hook(self.on_forward)
+        self.attention.patch()
         for name in ("cat", "concat", "concatenate", "stack"):
             original = getattr(torch, name, None)
             if original is not None:
                 setattr(torch, name, self.gathering(original, name))
+        # A head applied functionally (F.linear or `@` on a borrowed weight) is no module call: its output is
+        # taken as draft logits where it is made (the module hook, if a module made it, names the module).
+        functional = torch.nn.functional
+        for owner, name in ((functional, "linear"), (torch, "matmul"), (torch.Tensor, "__matmul__")):
+            original = getattr(owner, name, None)
+            if original is not None:
+                setattr(owner, name, self.head_product(original, "F.linear" if name == "linear" else
+                                                       "torch.matmul" if name == "matmul" else "@"))
         original_backward = torch.Tensor.backward
         original_autograd = torch.autograd.backward
         observer = self
@@ -205,6 +221,7 @@ class Observer:
             original_init(opt, *args, **kwargs)
             # held, not weakly: a run that ends early has freed its optimizer by the time atexit reports it
             observer.optimizers.append({"ref": (lambda held=opt: held), "site": _site(), "class": type(opt).__name__})
+            observer.optim.on_optimizer(opt)
 
         optimizer.Optimizer.__init__ = optimizer_init
         optimizer.register_optimizer_step_pre_hook(self.on_pre_step)
@@ -214,8 +231,23 @@ class Observer:
         def scheduler_init(sched, *args, **kwargs):  # noqa: ANN001, ANN202
             original_sched_init(sched, *args, **kwargs)
             observer.schedulers.append({"ref": weakref.ref(sched), "site": _site(), "class": type(sched).__name__})
+            observer.optim.on_scheduler(sched, observer.schedulers[-1]["site"])
 
         lr_scheduler.LRScheduler.__init__ = scheduler_init
+        self.optim = OptimWatch(self)  # optimizer groups, the schedule from its first step, clipping, a resume
+        self.optim.patch()
+        original_apply = getattr(torch.autograd.Function.__dict__.get("apply"), "__func__", None)
+        if original_apply is not None:  # a torch whose Function defines apply elsewhere: fused heads are not followed
+
+            def function_apply(cls, *args, **kwargs):  # noqa: ANN001, ANN202
+                out = original_apply(cls, *args, **kwargs)
+                try:
+                    observer.on_function(cls, args, out)
+                except Exception:  # noqa: BLE001 - the observer never breaks the user's run
+                    pass
+                return out
+
+            torch.autograd.Function.apply = classmethod(function_apply)
         atexit.register(self.at_exit)
 
     def note_container(self, params: Any) -> None:
@@ -270,12 +302,87 @@ class Observer:
                                                    "before": source[4] if source is not None else None}]
         if (tensor.requires_grad and torch.is_grad_enabled() and tensor.dim() >= 2 and tensor.shape[-1] in self.vocab
                 and tensor.is_floating_point()):
-            if any(h["tensor"]() is tensor for h in self.logits):
+            self.note_logits(tensor, module)
+
+    def head_product(self, original, label: str):  # noqa: ANN001, ANN201
+        observer = self
+
+        def product(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            out = original(*args, **kwargs)
+            if (isinstance(out, observer.torch.Tensor) and out.requires_grad and out.dim() >= 2
+                    and out.shape[-1] in observer.vocab and out.is_floating_point()
+                    and observer.torch.is_grad_enabled()):
+                observer.note_logits(out, None, f"{label} at {_site()}")
+            return out
+
+        return product
+
+    def note_logits(self, tensor: Any, module: Any, made_by: str | None = None) -> None:
+        """A candidate for the draft logits: an output of a vocabulary's width that trains; the innermost module
+        that returned it (if any) is its head."""
+        for held in self.logits:
+            if held["tensor"]() is tensor:
+                if held["module"]() is None and module is not None:
+                    held["module"] = weakref.ref(module)
                 return  # a module that returns its head's output (a drafter class): the head is the innermost
-            holder: dict[str, Any] = {"module": weakref.ref(module), "logits": tensor.detach(),
-                                      "shape": list(tensor.shape), "tensor": weakref.ref(tensor)}
-            tensor.register_hook(lambda grad, holder=holder: holder.__setitem__("grad", grad.detach()))
-            self.logits = [*self.logits[-3:], holder]
+        holder: dict[str, Any] = {"module": weakref.ref(module) if module is not None else (lambda: None),
+                                  "logits": tensor.detach(), "shape": list(tensor.shape), "tensor": weakref.ref(tensor),
+                                  "made_by": made_by}
+        tensor.register_hook(lambda grad, holder=holder: holder.__setitem__("grad", grad.detach()))
+        self.logits = [*self.logits[-3:], holder]
+
+    def on_function(self, cls: Any, args: tuple[Any, ...], out: Any) -> None:
+        """A custom autograd Function that takes hidden rows [M, H] that train and a head weight [V, H] of an
+        embedding's vocabulary, and returns a scalar: a head fused with its loss, whose logits never exist as a
+        tensor with a graph. Its inputs and the gradient that reaches the hidden rows are kept; fused_logits()
+        recovers the logits' gradient from them where a softmax loss on hard labels explains it exactly."""
+        torch = self.torch
+        if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.requires_grad and torch.is_grad_enabled()):
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        hidden = next((t for t in tensors if t.dim() == 2 and t.requires_grad), None)
+        if hidden is None:
+            return
+        weight = next((t for t in tensors if t is not hidden and t.dim() == 2 and t.shape[1] == hidden.shape[1]
+                       and t.shape[0] in self.vocab), None)
+        if weight is None or hidden.shape[0] * weight.shape[0] > FUSED_MAX_LOGITS:
+            return
+        bias = next((t for t in tensors if t.dim() == 1 and t.shape[0] == weight.shape[0]), None)
+        holder: dict[str, Any] = {"hidden": hidden.detach(), "weight": weight.detach(), "function": cls.__name__,
+                                  "weight_id": id(weight),
+                                  "bias": bias.detach() if bias is not None else None, "site": _site()}
+        hidden.register_hook(lambda grad, holder=holder: holder.__setitem__("hidden_grad", grad.detach()))
+        self.fused = [*self.fused[-1:], holder]
+
+    def fused_logits(self, holder: dict[str, Any]) -> dict[str, Any] | None:
+        """The draft logits of a fused head+loss Function and their gradient, where every row's gradient at the
+        hidden input is w * (softmax(z) - onehot(y)) @ W for one label y and one weight w >= 0 (cross-entropy on
+        hard labels, weighted): solved per row over every y, kept only when the best y explains the gradient to
+        float precision. Anything else (soft targets, another loss, a gradient shared with other uses) is None."""
+        torch = self.torch
+        grad = holder.get("hidden_grad")
+        if grad is None:
+            return None
+        h, w = holder["hidden"].double(), holder["weight"].double()
+        g = grad.double()
+        logits = h @ w.t() + (holder["bias"].double() if holder["bias"] is not None else 0.0)
+        probs = torch.softmax(logits, -1)
+        a = probs @ w  # [M, H]: the softmax part of d loss / d h (per unit weight)
+        # c[i, y] = <g_i, a_i - W_y>, n[i, y] = |a_i - W_y|^2: the best scale for label y and what it leaves
+        c = (g * a).sum(-1, keepdim=True) - g @ w.t()
+        n = (a * a).sum(-1, keepdim=True) - 2 * a @ w.t() + (w * w).sum(-1)[None]
+        residual = (g * g).sum(-1, keepdim=True) - c * c / n.clamp(min=1e-300)
+        best = residual.argmin(-1)
+        scale = c.gather(1, best[:, None]).squeeze(1) / n.gather(1, best[:, None]).squeeze(1)
+        norm = (g * g).sum(-1)
+        left = residual.gather(1, best[:, None]).squeeze(1).clamp(min=0)
+        active = norm > 1e-24 * float(norm.max().clamp(min=1e-300))
+        if not bool(((left <= 1e-6 * norm) | ~active).all()) or bool((scale[active] < -1e-9).any()):
+            return None
+        onehot = torch.zeros_like(probs).scatter_(1, best[:, None], 1.0)
+        logits_grad = torch.where(active[:, None], scale[:, None] * (probs - onehot), torch.zeros_like(probs))
+        return {"module": lambda: None, "logits": logits, "grad": logits_grad, "shape": list(logits.shape),
+                "fused": f"{holder['function']} at {holder['site']}", "weight_id": holder["weight_id"]}
 
     def producer(self, tensor: Any) -> tuple[Any, ...] | None:
         """The output entry of the module call that produced `tensor`, or the tensor it is a view of."""
@@ -337,6 +444,7 @@ class Observer:
         self.losses = self.losses[-8:]
 
     def on_pre_step(self, opt, args, kwargs) -> None:  # noqa: ANN001
+        self.optim.mark("pre", opt)
         if self.due and self.step_counts.get(id(opt), 0) >= self.steps_wanted:
             self.finish("the next optimizer step after the observed one")
         if self.step_counts.get(id(opt), 0) + 1 < self.steps_wanted:
@@ -350,6 +458,7 @@ class Observer:
 
     def on_post_step(self, opt, args, kwargs) -> None:  # noqa: ANN001
         self.step_counts[id(opt)] = self.step_counts.get(id(opt), 0) + 1
+        self.optim.mark("post", opt)
         if self.step_counts[id(opt)] < self.steps_wanted:
             self.new_window()
             return
@@ -359,6 +468,10 @@ class Observer:
             if param is not None and key not in changed:
                 changed[key] = {"changed": self.fingerprint(param) != before, "had_grad": had_grad}
         self.due = True
+        try:  # what a command that ends right after this step would leave: by atexit its modules are freed
+            self.at_step = self.observation("the observed optimizer step, the command's last")
+        except Exception:  # noqa: BLE001 - the observation at the next forward or at exit says what failed
+            self.at_step = None
 
     def fingerprint(self, param: Any) -> tuple[float, float]:
         """Sum and sum of squares in float64, in chunks: any update an optimizer makes (a row of an embedding, a
@@ -387,7 +500,8 @@ class Observer:
             return
         self.done = True
         try:
-            data = self.observation(when)
+            data = (self.at_step if exiting and getattr(self, "at_step", None) is not None
+                    else self.observation(when))
         except Exception as exc:  # noqa: BLE001 - reported, never a traceback in the user's run
             data = {"ended": "observer_error", "error": f"the observer failed: {type(exc).__name__}: {exc}"}
         steps = max(self.step_counts.values(), default=0)
@@ -418,6 +532,8 @@ class Observer:
             "optimizers": [self.describe_optimizer(o, names) for o in self.optimizers if o["ref"]() is not None],
             "frozen": self.describe_frozen(names),
             "schedulers": [self.describe_scheduler(s) for s in self.schedulers if s["ref"]() is not None],
+            "optimization": self.optim.describe(names),
+            "attention": self.attention.describe(names, self.gathered),
         }
 
     def names(self) -> dict[str, dict[int, Any]]:
@@ -489,6 +605,11 @@ class Observer:
             rows = grad.double().reshape(-1, grad.shape[-1])
             if bool((rows.sum(-1).abs() <= 1e-4 * rows.abs().sum(-1) + 1e-12).all()) and bool(rows.abs().sum() > 0):
                 return holder
+        for fused in reversed(self.fused):  # no module made them: a head fused with its loss, if one explains them
+            found = fused.get("recovered") if "recovered" in fused else fused.setdefault("recovered",
+                                                                                     self.fused_logits(fused))
+            if found is not None:
+                return found
         return None
 
     def describe_logits(self, names: dict[str, dict[int, Any]]) -> dict[str, Any] | None:
@@ -507,7 +628,7 @@ class Observer:
             prob = torch.softmax(logits, -1).gather(1, label[:, None]).squeeze(1)
             value = -grad.gather(1, label[:, None]).squeeze(1) / (1 - prob).clamp(min=1e-12)
             weights = [_finite(float(w)) for w in torch.where(active, value, torch.zeros_like(value))[:MAX_WEIGHTS]]
-        module = holder["module"]()
+        module = holder["module"]() if holder["module"] is not None else None
         labels = None
         if hard and grad.shape[0] <= MAX_WEIGHTS:
             labels = [int(t) for t in torch.where(active, grad.argmin(-1), torch.full_like(grad.argmin(-1), -1))]
@@ -518,8 +639,10 @@ class Observer:
                         -1, t["top1"].shape[-1]).tolist(), "ids": t["ids"].reshape(-1, t["ids"].shape[-1]).tolist()}
                     for t in self.teachers if t["top1"].numel() <= MAX_TEACHER]
         return {"labels": labels, "block_ids": block_ids if labels is not None else None, "teachers": teachers,
-                "module": names["modules"].get(id(module), type(module).__name__) if module is not None else "?",
-                "class": type(module).__name__ if module is not None else "?", "shape": holder["shape"],
+                "module": names["modules"].get(id(module), type(module).__name__) if module is not None else
+                (f"{names['params'].get(holder['weight_id'], 'a head weight')} fused into {holder['fused']}"
+                 if holder.get("fused") else holder.get("made_by") or "?"),
+                "class": type(module).__name__ if module is not None else "function", "shape": holder["shape"],
                 "positions": int(grad.shape[0]), "active_positions": int(active.sum()),
                 "hard_labels": hard, "weights": weights, "truncated": int(grad.shape[0]) > MAX_WEIGHTS}
 
@@ -580,12 +703,18 @@ class Observer:
         sized = [(sum(p.numel() for p in m.parameters()), m) for m in producers]
         head_ids = {id(min((item for item in sized if item[0] > 0), key=lambda item: item[0])[1])} \
             if any(item[0] > 0 for item in sized) else set()
+        # Of the head module's parameters only those of the vocabulary's width are the head's: a drafter that
+        # applies a borrowed weight functionally (F.linear on a buffer) produced the logits itself, and its
+        # trainable layers are not a head.
+        vocab = last["shape"][-1] if last is not None else None
         rows = []
         for module in self.watched_modules():
             role = "embeddings" if isinstance(module, torch.nn.Embedding) else "draft head"
             if role == "draft head" and id(module) not in head_ids:
                 continue
             for pname, param in module.named_parameters():
+                if role == "draft head" and vocab not in tuple(param.shape):
+                    continue
                 step = self.observed["frozen"].get(id(param))
                 rows.append({"role": role, "module": names["modules"].get(id(module), type(module).__name__),
                              "param": names["params"].get(id(param), pname), "shape": list(param.shape),

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from sleuth.observe.judge import OBSERVED_INVARIANTS, judge
+from sleuth.observe.needs import missing_need, named_inputs, unreadable_by_others
+from sleuth.observe.optimization_judge import OPTIMIZATION_INVARIANTS, horizon_hint, run_configuration
 from sleuth.probes.answer import safe_text
 from sleuth.probes.runner import (
     SLEUTH_PACKAGE,
@@ -47,7 +49,7 @@ SITE = Path(__file__).resolve().with_name("site") / "sitecustomize.py"
 
 def _unknown_all(reason: str) -> list[Verdict]:
     return [Verdict(invariant=i, status="unknown", experiment="observed-step", hypothesis="", perturbed="",
-                    measurement="", threshold="", reason=reason) for i in OBSERVED_INVARIANTS]
+                    measurement="", threshold="", reason=reason) for i in OBSERVED_INVARIANTS + OPTIMIZATION_INVARIANTS]
 
 
 def _failed(outcome: ProbeOutcome, reason: str) -> ProbeOutcome:
@@ -58,7 +60,8 @@ def _failed(outcome: ProbeOutcome, reason: str) -> ProbeOutcome:
 
 def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, python: str | None = None,
                     expectations: Expectations | None = None, timeout_s: float = 300.0, steps: int = DEFAULT_STEPS,
-                    threads: int = 2, announce: Callable[[str], None] | None = None) -> ProbeOutcome:
+                    threads: int = 2, announce: Callable[[str], None] | None = None,
+                    config: dict[str, Any] | None = None) -> ProbeOutcome:
     """Run `command` on a copy of `code` (in the copy of `cwd` when it lies inside `code`) for `steps` optimizer
     steps, observed; never raises for what the command does."""
     shown = shlex.join(command)
@@ -85,8 +88,12 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
         (box.lib / "sleuth" / "__init__.py").write_bytes((SLEUTH_PACKAGE / "__init__.py").read_bytes())
         copy_code(CodeCopy(SLEUTH_PACKAGE, only="observe", python_only=True), box.lib / "sleuth", [], worker=True)
         (box.lib / "sitecustomize.py").write_bytes(SITE.read_bytes())
+        # What the command configures (its arguments, a config file they name): the optimizer's groups and the
+        # schedule are judged against it, and the observer steps its copy of the scheduler over that horizon.
+        configured = run_configuration(command, here, config)
         spec = {"answer": str(box.answer), "command": command, "code": str(box.code),
-                "name": code.name or "code", "cwd": relative, "steps": max(1, int(steps))}
+                "name": code.name or "code", "cwd": relative, "steps": max(1, int(steps)),
+                "schedule": horizon_hint(configured)}
         spec_path = box.box / "spec.json"
         spec_path.write_text(json.dumps(spec))
         env = child_environment(box, interpreter, threads)
@@ -98,14 +105,26 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
             return _failed(outcome, f"the command's interpreter {interpreter} has no torch: give --probe-python an "
                            "environment where `import torch` works")
         limits = Limits.for_timeout(timeout_s, threads)
+        # What the user prepared for the command (a target, a feature cache) is what its arguments name: visible to
+        # it read-only at the same path, and nothing else of the user's files.
+        inputs = [str(path) for path in named_inputs(command, here, code)]
+        if inputs:
+            outcome.notes.append("visible to the command read-only, as its arguments name them: " + ", ".join(inputs))
+        hidden = [str(p) for p in unreadable_by_others([Path(p) for p in inputs])] if hasattr(os, "geteuid") \
+            and os.geteuid() == 0 and not planned_level().startswith("process") else []
+        if hidden:
+            # sleuth as root runs the command as nobody: the user's 0600 files are there but unreadable to it.
+            outcome.notes.append("not readable by other users, so not by the observed command (it runs as an "
+                                 f"unprivileged user): {', '.join(hidden)}; chmod o+r (o+rx for folders) to let it")
         if announce:
             announce(safe_text(f"observing: `{shown}` on a copy of {code} ({len(files)} files, "
                                f"sha256:{(outcome.code_sha256 or '')[:16]}), at your request (--probe), for "
                                f"{spec['steps']} optimizer step(s), in {interpreter}; isolation {planned_level()}; "
-                               f"at most {timeout_s:g} s"))
+                               f"at most {timeout_s:g} s" + (f"; it may read {', '.join(inputs)}" if inputs else "")))
         try:
             finished = run_confined([interpreter, "-m", "sleuth.observe.launch", str(spec_path)], box=box, env=env,
-                                    read_paths=read_paths_for(facts, interpreter), timeout_s=timeout_s, limits=limits)
+                                    read_paths=[*read_paths_for(facts, interpreter), *inputs], timeout_s=timeout_s,
+                                    limits=limits)
         except SandboxError as exc:
             return _failed(outcome, str(exc))
         outcome.isolation = finished.isolation
@@ -114,6 +133,7 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
         if finished.swept:
             outcome.notes.append(f"{finished.swept} process(es) the command left running were killed")
         last = safe_text((finished.stderr_tail.strip().splitlines() or [""])[-1].strip(), limit=300)
+        needed = missing_need(finished.stderr_tail, interpreter) or missing_need(finished.stdout_tail, interpreter)
         if finished.timed_out:
             # The sandbox refuses unix sockets (docs/security.md), and worker processes that hand tensors back over
             # them (torch's DataLoader with num_workers > 0) then wait forever instead of failing: say so.
@@ -128,21 +148,33 @@ def observe_command(command: list[str], code: Path, *, cwd: Path | None = None, 
         ended = observation.get("ended")
         if ended != "observed":
             why = observation.get("error")
+            steps_done = observation.get("steps") or 0
+            returncode = observation.get("returncode")
+            if hidden and not steps_done and returncode not in (None, 0):
+                needed = needed or (f"to read {', '.join(hidden[:3])}, which other users cannot read (the observed "
+                                    "command runs as an unprivileged user): chmod o+r (o+rx for folders)")
+            if needed and not steps_done and returncode not in (None, 0):
+                # What it lacked says more than how the observer saw it end (no torch imported, no step).
+                why = (f"the command cannot run here: {needed} (exit status {observation.get('returncode')}"
+                       + (f"; last output: {last}" if last else "") + ")")
             if not why and ended == "no_observation":
                 why = (f"the command ended (exit status {observation.get('returncode')}) and sleuth's observer never "
                        "reported: not a Python command, a Python started with -I, -E or -S (which skip the observer), "
                        "or a process killed before it could" + (f"; last output: {last}" if last else ""))
+            if not why and not steps_done and returncode not in (None, 0) and not observation.get("backward_calls"):
+                why = (f"the command failed (exit status {returncode}) before its first training step"
+                       + (f": {last}" if last else ""))
             if not why and ended == "command_ended" and not observation.get("optimizers"):
                 why = (f"the command ended (exit status {observation.get('returncode')}) without a torch.optim "
                        f"optimizer ({observation.get('backward_calls') or 0} backward call(s) seen): a hand-written "
                        "update or torch.func transforms are not observed yet" + (f"; last output: {last}" if last else ""))
             if not why:
                 code_text = observation.get("returncode")
-                steps_done = observation.get("steps") or 0
                 why = (f"the command ended (exit status {code_text if code_text is not None else '?'}) after "
                        f"{steps_done} optimizer step(s), before the {spec['steps']} observed"
                        + (f": {last}" if last else ""))
             return _failed(outcome, str(why))
+        observation["configured"] = configured
         outcome.verdicts, notes = judge(observation, expectations or Expectations())
         outcome.notes.extend(notes)
         outcome.info = {"observed": True, "command": shown, "steps": observation.get("steps")}
@@ -191,14 +223,14 @@ def _clean(value: Any) -> Any:
 
 def observe_findings(findings: list[Any], *, trace: Any, playbook: Any, command: list[str], code: Path,
                      python: str | None, timeout_s: float, announce: Callable[[str], None] | None = None,
-                     steps: int = DEFAULT_STEPS) -> tuple[list[Any], ProbeOutcome]:
+                     steps: int = DEFAULT_STEPS, config: dict[str, Any] | None = None) -> tuple[list[Any], ProbeOutcome]:
     """Observe the command and merge the verdicts into the findings, as the probes' are (probe evidence first)."""
     from sleuth.probes.agent import expectations_from_playbook
     from sleuth.probes.merge import apply_probes
 
     with trace.step("observe-command", command=shlex.join(command), code=code, python=python) as step:
         outcome = observe_command(command, code, python=python, expectations=expectations_from_playbook(playbook),
-                                  timeout_s=timeout_s, steps=steps, announce=announce)
+                                  timeout_s=timeout_s, steps=steps, announce=announce, config=config)
         decided = sum(1 for v in outcome.verdicts if v.status in ("match", "mismatch"))
         step.inputs.update(code_sha256=outcome.code_sha256,
                            isolation=outcome.isolation.to_json() if outcome.isolation else None)

@@ -9,7 +9,7 @@ on CPU, with tiny dimensions and no network. The probe owns the *target*: it bui
 subject batches whose answers it knows (`ProbeBatch`). The subject builds a tiny drafter for that target
 and runs its own code on those batches.
 
-The contract (README "Probes: sleuth runs the code" says the same):
+The contract (docs/guides/your-trainer.md "Probes: sleuth runs the code" says the same):
 
 Where the code is imported from. The child's sys.path starts with the import root: for `--code PATH`
   PATH itself when it is a directory, its parent when it is a file (so `--code src/ --probe-entry
@@ -96,7 +96,7 @@ PROTOCOL_VERSION = 1
 #   it reads is not the subject's to decide and the target_layer_ids probe does not apply.
 LAYER_ID_CONVENTIONS = ("zlab", "vllm", "external")
 
-# The one list of describe()'s fields: name -> (required, what it says). The README's table is checked
+# The one list of describe()'s fields: name -> (required, what it says). The table in docs/guides/your-trainer.md is checked
 # against it (tests/probes/test_protocol_contract.py); a field an experiment starts reading is added here.
 DESCRIBE_FIELDS: dict[str, tuple[bool, str]] = {
     "name": (False, "a short name for the report"),

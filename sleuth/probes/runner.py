@@ -281,7 +281,7 @@ def run_plan(plan: ProbePlan, *, python: str | None = None, expectations: Expect
         return _failed(outcome, plan.reason or "nothing to probe")
     interpreter = check_python(python)
     outcome.python = interpreter
-    threads = threads or 1  # tiny tensors: a second thread only adds contention (BENCHMARKS.md, probe time)
+    threads = threads or 1  # tiny tensors: a second thread only adds contention (docs/benchmarks.md, probe time)
     box = Box.create()
     try:
         try:

@@ -26,7 +26,7 @@ Whatever code a probe runs (the user's own trainer or a stranger's `code/`), the
       - `process`: neither is available: the limits, the scratch environment, the dropped capabilities
         and the session kill hold, but the network is refused only in-process and the user's files stay
         reachable; as root the child is nobody, so root's files and sleuth itself are out of its reach,
-        but as a user the child has the user's uid and can signal sleuth (README "Security model").
+        but as a user the child has the user's uid and can signal sleuth (docs/security.md).
     `SLEUTH_PROBE_ISOLATION` = auto (default) | bwrap | namespaces | process forces one level; a forced
     level that cannot be set up is an error, never a silent fallback.
 

@@ -25,6 +25,8 @@ def render_markdown(report: Report) -> str:
         f"{counts.get('match', 0)} match** (exit {report.exit_status}). Generated {md(report.generated_at)} "
         f"by sleuth {md(report.tool_version)}, report schema v{report.schema_version}."
     )
+    if report.inputs.variant:
+        out += ["", f"Drafter variant: {md(report.inputs.variant)}."]
     out += ["", "## Summary", "", md(report.summary) if report.summary else "(nothing to summarise)", ""]
     if report.chart:
         out += [f"![Metric trajectories of {md(report.subject)} and its baseline]({report.chart})", ""]
@@ -187,6 +189,7 @@ def _inputs(report: Report) -> list[str]:
         ("checkpoint", report.inputs.checkpoint),
         ("code", report.inputs.code),
         ("playbook", report.inputs.playbook),
+        ("variant", report.inputs.variant),
     ):
         out.append(f"- {label}: {code(value) if value else 'none'}")
     if report.run is not None and report.run.problems:

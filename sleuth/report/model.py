@@ -69,6 +69,8 @@ class Inputs(BaseModel):
     checkpoint: str | None = None
     code: str | None = None
     playbook: str | None = None
+    variant: str | None = Field(None, description="the DFlash-family variant diagnosed (dflash, dflash2, dspark, domino, "
+                                "jetspec) and where it was read (sleuth/evidence/variant.py)")
 
 
 class ProbeSummary(BaseModel):

@@ -43,6 +43,8 @@ def print_text(report: Report, console: Console, files: dict[str, Path] | None =
     head.append(f"{counts.get('mismatch', 0)} mismatch(es)", style=_STYLE["mismatch"] if counts.get("mismatch") else "")
     head.append(f", {counts.get('unknown', 0)} unknown, {counts.get('match', 0)} match")
     console.print(head, soft_wrap=True)
+    if report.inputs.variant:
+        console.print(Text("variant: ", style="bold") + Text(terminal(report.inputs.variant)), soft_wrap=True)
     for problem in report.input_problems:
         console.print(Text("not clean: ", style="bold red") + Text(terminal(problem)), soft_wrap=True)
     if report.regression is not None:

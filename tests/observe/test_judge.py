@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from sleuth.observe.judge import OBSERVED_INVARIANTS, block_pattern, judge
+from sleuth.observe.optimization_judge import OPTIMIZATION_INVARIANTS
 from sleuth.observe.reference import target_layer_ids
 from sleuth.probes.verdict import Expectations
 
@@ -101,7 +102,7 @@ def test_a_malformed_observation_is_unknown_never_a_crash() -> None:
                    observation(frozen=[{"role": "embeddings", "changed_by_step": "yes"}]),
                    {"features": 3, "frozen": 4, "logits": 5}):
         verdicts, _notes = judge(broken, Expectations())
-        assert {v.invariant for v in verdicts} == set(OBSERVED_INVARIANTS)
+        assert {v.invariant for v in verdicts} == set(OBSERVED_INVARIANTS + OPTIMIZATION_INVARIANTS)
         assert all(v.status in ("unknown", "match", "mismatch") for v in verdicts)
         assert not any(v.status == "match" for v in verdicts)
 
@@ -165,3 +166,24 @@ def test_the_shift_is_read_from_labels_against_the_targets_top1_at_each_anchor()
     bare = {"through": "T.model.layers.11", "through_layer": 11, "through_layers": 12}
     assert by_id(observation(logits=logits(1, bare)))["dflash.target_logits_source"].status == "mismatch"
     assert by_id(observation(logits=logits(1, {"through": "?"})))["dflash.target_logits_source"].status == "unknown"
+
+
+def test_a_selection_sliced_before_the_gathering_is_not_a_match() -> None:
+    """fc over `ids[:-1]`: every gathered layer reaches the loss, but the run selected one more; the step alone
+    cannot tell, so no match unless the selection is seen (configured, or the reference's whole selection)."""
+    sliced = observation(features=[features([1, 3], [1.0, 1.0], depth=8)])
+    assert by_id(sliced)["dflash.fc_input_layers"].status == "unknown"
+    named = {"layer_ids": {"value": [1, 3, 5], "key": "target_layer_ids", "source": "small.yaml (named by the command)"}}
+    found = by_id({**sliced, "configured": named})["dflash.fc_input_layers"]
+    assert found.status == "mismatch" and "the run selects 3" in found.observed and "small.yaml" in found.observed
+    two = {"layer_ids": {"value": [1, 3], "key": "target_layer_ids", "source": "the command's arguments"}}
+    assert by_id({**sliced, "configured": two})["dflash.fc_input_layers"].status == "match"
+
+
+def test_the_run_configuration_reads_a_layer_selection_not_the_drafters_own_layers(tmp_path) -> None:
+    from sleuth.observe.optimization_judge import run_configuration
+
+    (tmp_path / "c.json").write_text('{"model": {"layer_types": [1, 2], "target_layer_ids": [1, 4, 7]}, "lr": 3e-4}')
+    configured = run_configuration(["python", "train.py", "--config", "c.json"], tmp_path)
+    assert configured["layer_ids"]["value"] == [1, 4, 7] and configured["layer_ids"]["key"] == "target_layer_ids"
+    assert configured["lr"][0]["value"] == 3e-4

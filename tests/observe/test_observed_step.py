@@ -72,6 +72,16 @@ def probe_value(finding: dict) -> str:
     return evidence[0]["value"]
 
 
+def assert_attention_matches(report: dict) -> None:
+    """The mask as the step applied it decides; this target has no eos/pad ids and the drafter no rotary module."""
+    found = {f["id"]: f for f in report["findings"]}
+    for invariant in ("dflash.context_excludes_anchor", "dflash.blocks_isolated", "dflash.block_bidirectional"):
+        assert found[invariant]["status"] == "match", (invariant, found[invariant])
+        assert "6 block(s)" in probe_value(found[invariant]) or "placed block(s)" in probe_value(found[invariant])
+    for invariant in ("dflash.mask_token_distinct", "dflash.block_position_ids"):
+        assert probe_value(found[invariant]).startswith("unknown: not exercised by the observed step")
+
+
 FUNCTIONAL = ("--", "python", "train.py", "--target", "tiny-target", "--steps", "3")
 CLASSY = ("--", "python", "-m", "drafttrain", "--config", "small.json")
 
@@ -84,6 +94,7 @@ def test_clean_functional_trainer_matches_on_what_its_step_exercised(tmp_path: P
         assert finding["status"] == "match", (invariant, finding)
     assert "[1, 3, 5, 7, 9]" in probe_value(found["dflash.target_layer_ids"])
     assert "gamma 4.000" in probe_value(found["dflash.loss_decay_gamma"])
+    assert_attention_matches(report)
     notes = " ".join(report["probes"]["notes"])
     assert "observed 1 optimizer step" in notes and "train.py:" in notes and "lm_head" in notes
     assert not [f["id"] for f in report["findings"] if f["status"] == "mismatch"], report["summary"]
@@ -96,7 +107,11 @@ def test_planted_fc_gamma_shift_and_teacher_defects_are_measured_mismatches(tmp_
               ("train.py", "label_pos = (anchors[:, None] + torch.arange(block) - 1)",
                "label_pos = (anchors[:, None] + torch.arange(block))"),
               ("train.py", "teacher = out.logits.argmax(-1)",
-               "teacher = target.lm_head(target.model.norm(out.hidden_states[taps[-1] + 1])).argmax(-1)")]
+               "teacher = target.lm_head(target.model.norm(out.hidden_states[taps[-1] + 1])).argmax(-1)"),
+              ("train.py", 'return torch.softmax(scores.masked_fill(~allow, float("-inf")), -1) @ v',
+               'weights = scores.masked_fill(~allow, float("-inf")).exp()\n    return weights / weights.sum(-1, '
+               'keepdim=True) @ v'),
+              ("train.py", "torch.arange(length)[None, :] < q_anchor", "torch.arange(length)[None, :] <= q_anchor")]
     done, report = diagnose(project(tmp_path, "functional", tiny_target, plants), "--code", ".", "--probe",
                             *FUNCTIONAL)
     assert report is not None, done.stderr
@@ -114,6 +129,10 @@ def test_planted_fc_gamma_shift_and_teacher_defects_are_measured_mismatches(tmp_
     assert found["dflash.target_layer_ids"]["status"] == "match"
     assert found["dflash.anchor_slot_untrained"]["status"] == "match"
     assert "[1, 3, 5, 7, 9]" in probe_value(found["dflash.target_layer_ids"])
+    # no attention call was captured: the gradient at the target features says the anchor's position is seen
+    context = next(f for f in report["findings"] if f["id"] == "dflash.context_excludes_anchor")
+    assert context["status"] == "mismatch", context
+    assert "positions [17] reach the loss, at or after its last anchor 17" in probe_value(context)
 
 
 def test_clean_class_trainer_its_frozen_embedding_is_no_false_alarm(tmp_path: Path, tiny_target: Path) -> None:
@@ -123,17 +142,28 @@ def test_clean_class_trainer_its_frozen_embedding_is_no_false_alarm(tmp_path: Pa
     for invariant, finding in found.items():
         assert finding["status"] == "match", (invariant, finding)
     assert "requires_grad False" in probe_value(found["dflash.frozen_embed_head"])
+    assert_attention_matches(report)  # nn.MultiheadAttention's weights path: the scores its softmax received
     notes = " ".join(report["probes"]["notes"])
     assert "stack at drafttrain/trainer.py:" in notes
     # the real CosineAnnealingLR (T_max = the run's 3 steps), read by stepping a copy: its floor is the run's horizon
     assert "scheduler CosineAnnealingLR at drafttrain/trainer.py:" in notes and "lowest lr 0 at step 2" in notes
+    # small.json, named by the command, configures lr 1e-3 and 3 steps: the optimizer was built with that lr, and the
+    # cosine ends at its floor on step 3 (no warmup is named, so that part is not claimed)
+    found = {f["id"]: f for f in report["findings"]}
+    assert found["dflash.optimizer_groups"]["status"] == "match"
+    assert "AdamW group 0 lr 0.001" in probe_value(found["dflash.optimizer_groups"])
+    horizon = found["dflash.schedule_horizon"]
+    assert horizon["status"] == "unknown" and "the floor 0 is reached at the last step (3)" in probe_value(horizon)
 
 
 def test_trainable_target_embedding_found_and_nothing_unexercised_matches(tmp_path: Path, tiny_target: Path) -> None:
     plants = [("drafttrain/trainer.py", "        self.embed.requires_grad_(False)\n", ""),
-              # the head applied functionally: no module produced the draft logits, so the weights are not observed
+              # the head applied functionally: no module produced the draft logits; they are taken where F.linear made them
               ("drafttrain/trainer.py", "logits = self.target.get_output_embeddings()(hidden)",
-               "logits = F.linear(hidden, self.target.get_output_embeddings().weight)")]
+               "logits = F.linear(hidden, self.target.get_output_embeddings().weight)"),
+              # one causal mask over all the blocks: each sees the blocks before it, causally within itself
+              ("drafttrain/trainer.py", "q_block[:, None] == q_block[None, :]",
+               "torch.arange(len(anchors) * block)[:, None] >= torch.arange(len(anchors) * block)[None, :]")]
     done, report = diagnose(project(tmp_path, "classy", tiny_target, plants), "--code", ".", "--probe", *CLASSY)
     assert report is not None, done.stderr
     found = observed(report)
@@ -141,9 +171,17 @@ def test_trainable_target_embedding_found_and_nothing_unexercised_matches(tmp_pa
     assert frozen["status"] == "mismatch"
     assert "changed" in probe_value(frozen) and "embed" in probe_value(frozen)
     for invariant in ("dflash.loss_decay_gamma", "dflash.anchor_slot_untrained"):
-        # the observation claims nothing here (the finding keeps what the run's config, small.json, says)
-        assert probe_value(found[invariant]).startswith("unknown: not exercised by the observed step")
-        assert not any("probe observed-step agrees" in note for note in found[invariant]["notes"])
+        # measured at the logits F.linear made (no module produced them), and named so
+        assert found[invariant]["status"] == "match", found[invariant]
+        assert "F.linear at drafttrain/trainer.py:" in probe_value(found[invariant])
+    attention = {f["id"]: f for f in report["findings"]}
+    assert attention["dflash.blocks_isolated"]["status"] == "mismatch"
+    isolated = probe_value(attention["dflash.blocks_isolated"])
+    assert "slot 0 of block 1 sees block keys 0..4 (its block is 4..7)" in isolated
+    assert attention["dflash.block_bidirectional"]["status"] == "mismatch"
+    assert "see [1, 2, 3, 4] of the block's 4 tokens (causal within the block)" in \
+        probe_value(attention["dflash.block_bidirectional"])
+    assert attention["dflash.context_excludes_anchor"]["status"] == "match"
 
 
 def test_without_probe_the_command_does_not_run(tmp_path: Path) -> None:

@@ -155,7 +155,8 @@ def run_both(c: Case, *, our_alpha: float | None = None, our_non_causal: bool = 
     loss, metrics = dflash_step(StandInTarget(inputs, b.dims.rms_eps), drafter, batch, anchors, anchor_valid, plan)
     loss.backward()
     our_grads = {name: p.grad.detach().clone() for name, p in drafter.named_parameters()}
-    ours = {"loss": loss.item(), "unary": metrics["unary_loss"], "selector": metrics["selector_loss"],
+    ours = {"loss": loss.item(), "unary": metrics["kind_metrics"]["unary_loss"],
+            "selector": metrics["kind_metrics"]["selector_loss"],
             "counts": metrics["counts"]}
 
     rows = len(b.docs_per_row)

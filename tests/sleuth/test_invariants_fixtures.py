@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 
 from sleuth.checks import CONTRACT_CHECKS
 from sleuth.invariants import check_invariants, load_playbook
+from sleuth.observe.optimization_judge import OPTIMIZATION_INVARIANTS
 from sleuth.probes.verdict import PATH_CHECK_INVARIANTS
 from sleuth.trace import Trace
 
@@ -54,6 +55,8 @@ def test_every_invariant_has_valid_and_invalid_fixtures():
     # An invariant only the probes' path checks decide has no static reading to give fixtures to: its cases are
     # planted in the upstream trainers (tests/parity/test_specforge_paths.py, test_speculators_probes.py).
     probe_only = set(PATH_CHECK_INVARIANTS) - set(CONTRACT_CHECKS)
+    # Likewise those only the user's own command, observed, decides (tests/observe/test_observed_optimizer.py).
+    probe_only |= set(OPTIMIZATION_INVARIANTS)
     for invariant in [i for i in PLAYBOOK.ids if i not in probe_only]:
         names = [f.name for f in (FIXTURES / invariant).iterdir()]
         assert any(n.startswith("valid_") for n in names), invariant

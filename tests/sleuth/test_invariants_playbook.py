@@ -8,6 +8,7 @@ import pytest
 
 from sleuth.checks import CONTRACT_CHECKS
 from sleuth.invariants import PlaybookError, load_playbook
+from sleuth.observe.optimization_judge import OPTIMIZATION_INVARIANTS
 from sleuth.probes.verdict import PATH_CHECK_INVARIANTS
 
 DFLASH_IDS = [
@@ -25,19 +26,22 @@ DFLASH_IDS = [
 CONTRACT_IDS = sorted(CONTRACT_CHECKS)
 # Decided only by the probes' path checks (the trainers' own optimizer builders, run): no static reading.
 PROBE_ONLY_IDS = sorted(set(PATH_CHECK_INVARIANTS) - set(CONTRACT_CHECKS))
+# Decided only by the user's own command, observed (sleuth/observe): the real optimizer and scheduler.
+OBSERVED_ONLY_IDS = sorted(set(OPTIMIZATION_INVARIANTS) - set(PATH_CHECK_INVARIANTS))
 
 
 def test_dflash_playbook_has_exactly_the_reference_ids():
     playbook = load_playbook()
-    assert sorted(playbook.ids) == sorted(DFLASH_IDS + CONTRACT_IDS + PROBE_ONLY_IDS)
+    assert sorted(playbook.ids) == sorted(DFLASH_IDS + CONTRACT_IDS + PROBE_ONLY_IDS + OBSERVED_ONLY_IDS)
     assert PROBE_ONLY_IDS == ["dflash.optimizer_schedule"]
+    assert OBSERVED_ONLY_IDS == ["dflash.optimizer_groups", "dflash.schedule_horizon"]
     assert sorted(i.rank for i in playbook.invariants) == list(range(1, len(playbook.invariants) + 1))
 
 
 def test_every_invariant_is_documented_and_fixable():
     for inv in load_playbook().invariants:
         assert inv.why.what and inv.why.why and inv.why.example, inv.id
-        if inv.id in PROBE_ONLY_IDS:
+        if inv.id in PROBE_ONLY_IDS + OBSERVED_ONLY_IDS:
             # The trainers' builders are run by the probes, not read: the note names them.
             assert any(note.startswith("from: ") for note in inv.notes), inv.id
             assert inv.fix.code_hint and inv.observed.code is None and inv.observed.config is None, inv.id

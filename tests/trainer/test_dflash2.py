@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from test_target import CPU, save_tiny_target
-from trainer.config import PRESETS, ConfigError, DFlash2Config, build_config, resolve_for_target
+from trainer.config import PRESETS, ConfigError, DFlash2Config, build_config
 from trainer.model.dflash2 import DFlash2Drafter, GroupedDynamicCausalConv
 from trainer.model.dflash2_loss import predecessor_ids, selector_loss
 from trainer.model.drafter import DFlashDrafter
@@ -34,7 +34,7 @@ def target(tmp_path_factory, tokenizer):
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ({"drafter_kind": "dspark"}, "drafter_kind 'dspark' is not implemented"),
+    ({"drafter_kind": "dspark", "dflash2": {"selector_top_k": 4}}, "dflash2 settings are given but drafter_kind is 'dspark'"),
     ({"drafter_kind": "dflash2", "dflash2": {"conv_kernel_size": 9}}, "conv_kernel_size 9 exceeds block_size 8"),
     ({"drafter_kind": "dflash2", "draft_vocab_size": 100}, "needs the full target vocabulary"),
     ({"dflash2": {"selector_top_k": 4}}, "dflash2 settings are given but drafter_kind is 'dflash'"),
@@ -265,8 +265,3 @@ def test_dflash2_decodes_greedily_only(preset_run):
     with pytest.raises(EvalError, match="drafts blocks of 8"):
         speculative_generate(loaded.drafter, loaded.target, prompt, feature_layer_ids=loaded.feature_layer_ids,
                              block_size=4, max_new_tokens=4)
-
-
-def test_dspark_is_refused_before_anything_loads():
-    with pytest.raises(ConfigError, match="dspark"):
-        resolve_for_target(build_config(extra={"drafter_kind": "dspark"}), 8)

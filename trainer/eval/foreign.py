@@ -93,15 +93,18 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
             "speculators_model_type, and no speculators checkpoint under it)"
         )
     config = _read_json(directory / CONFIG_FILE)
+    dspark = None
     if config.get("speculators_model_type"):
         layout = "speculators"
-        if config.get("speculators_model_type") not in ("dflash", "dflash2"):
+        if config.get("speculators_model_type") not in ("dflash", "dflash2", "dspark"):
             raise ForeignDrafterError(
-                f"{directory}: speculators_model_type {config['speculators_model_type']!r}; only dflash and dflash2 "
-                "are supported"
+                f"{directory}: speculators_model_type {config['speculators_model_type']!r}; only dflash, dflash2 "
+                "and dspark are supported"
             )
-        dflash2_fields = config if config.get("speculators_model_type") == "dflash2" else None
-        if config.get("sample_from_anchor"):
+        dflash2_fields = config if config["speculators_model_type"] == "dflash2" else None
+        if config["speculators_model_type"] == "dspark":
+            dspark = _dspark_settings(config, directory)
+        elif config.get("sample_from_anchor"):
             raise ForeignDrafterError(f"{directory}: sample_from_anchor true (DSpark) is not supported by the eval loop")
         layer_config = dict(config.get("transformer_layer_config") or {})
         vllm_ids = config.get("aux_hidden_state_layer_ids")
@@ -140,12 +143,20 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
         raise ForeignDrafterError(
             f"{directory}: the drafter's hidden size {draft_config.hidden_size} differs from the target's {hidden_size}"
         )
-    drafter_class: type[DFlashDrafter] = DFlashDrafter
-    if dflash2_fields is not None:
-        drafter_class = _with_dflash2_shape(draft_config, dflash2_fields, block, directory)
-    drafter = drafter_class(draft_config, num_features=len(zlab_ids), block_size=block,
-                            mask_token_id=mask if isinstance(mask, int) else -1)
+    if dspark is not None:
+        from trainer.model.dspark import DSparkDrafter
+
+        drafter = DSparkDrafter(draft_config, num_features=len(zlab_ids), block_size=block,
+                                mask_token_id=mask if isinstance(mask, int) else -1, dspark=dspark)
+    else:
+        drafter_class: type[DFlashDrafter] = DFlashDrafter
+        if dflash2_fields is not None:
+            drafter_class = _with_dflash2_shape(draft_config, dflash2_fields, block, directory)
+        drafter = drafter_class(draft_config, num_features=len(zlab_ids), block_size=block,
+                                mask_token_id=mask if isinstance(mask, int) else -1)
     draft_token_ids, draft_head = _load_weights(drafter, directory / WEIGHTS_FILE)
+    if dspark is not None and draft_token_ids is not None:
+        raise ForeignDrafterError(f"{directory}: a DSpark drafter with a draft vocabulary is not supported")
     declared = config.get("draft_vocab_size") if layout == "speculators" else None
     if isinstance(declared, int) and declared < draft_config.vocab_size and draft_token_ids is None:
         raise ForeignDrafterError(f"{directory}: draft_vocab_size {declared} < vocab_size {draft_config.vocab_size} "
@@ -181,6 +192,24 @@ def _with_dflash2_shape(draft_config: Any, fields: dict[str, Any], block: int, d
         first = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
         raise ForeignDrafterError(f"{directory}: its DFlash2 shape does not build: {first}") from None
     return DFlash2Drafter
+
+
+# speculators 0.9.0 DSparkSpeculatorConfig's defaults (models/dspark/config.py), for fields a config leaves out
+_SPECULATORS_DSPARK_DEFAULTS = {"sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla",
+                                "enable_confidence_head": True, "confidence_head_with_markov": True}
+
+
+def _dspark_settings(config: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """The DSpark heads a speculators `dspark` config describes, read as speculators reads them."""
+    settings = {key: config.get(key, default) for key, default in _SPECULATORS_DSPARK_DEFAULTS.items()}
+    rank, kind = settings["markov_rank"], settings["markov_head_type"]
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ForeignDrafterError(f"{directory}: markov_rank {rank!r} is not a non-negative integer")
+    if kind not in ("vanilla", "gated", "rnn"):
+        raise ForeignDrafterError(f"{directory}: markov_head_type {kind!r} is not vanilla, gated or rnn")
+    if settings["enable_confidence_head"] and settings["confidence_head_with_markov"] and rank == 0:
+        raise ForeignDrafterError(f"{directory}: confidence_head_with_markov needs markov_rank > 0")
+    return settings
 
 
 def _drafter_dir(path: Path) -> Path | None:
@@ -478,6 +507,10 @@ def _drafter_for(directory: Path, target: Any, device: torch.device) -> tuple[An
     drafter: Any = foreign.drafter
     if foreign.draft_token_ids is not None:
         drafter = _draft_vocabulary_proposer(foreign, target)
+    elif hasattr(foreign.drafter, "markov_head"):  # a DSpark drafter drafts through its Markov head
+        from trainer.eval.speculative import proposer_for
+
+        drafter = proposer_for(foreign.drafter, target)
     return drafter, foreign.feature_layer_ids, foreign.block_size, mask, foreign.name, foreign.layout
 
 
@@ -511,7 +544,9 @@ def _our_run_drafter(directory: Path, target: Any, device: torch.device) -> tupl
         )
     # mask None: the loop takes the drafter's own, exactly as `trainer eval RUN` and the run's eval.json do.
     # A draft-vocabulary run drafts among its vocabulary's target ids, as `trainer eval RUN` does.
-    drafter = loaded.drafter if loaded.draft_token_ids is None else loaded.proposer()
+    # A DSpark run drafts through its Markov head, which only its proposer applies.
+    plain = loaded.draft_token_ids is None and loaded.config.drafter_kind == "dflash"
+    drafter = loaded.drafter if plain else loaded.proposer()
     return (drafter, list(loaded.feature_layer_ids), loaded.config.block_size, None,
             f"{directory.name}@{loaded.step}", "run")
 

@@ -27,6 +27,7 @@ length); the cut only shows in `tokens_per_target_forward` and in the output.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,8 +77,12 @@ class DFlashProposer:
         self.vocab_ids = vocab_ids  # a reduced draft vocabulary: proposals only among these target ids
         self.mask_token_id = getattr(drafter, "mask_token_id", None)
 
+    def num_proposals(self, block_size: int) -> int:
+        """Draft tokens per verify step: slots 1..B-1 (slot 0 is the anchor, the previous step's bonus)."""
+        return block_size - 1
+
     def propose(self, block_ids: Tensor, context_features: Tensor, position_ids: Tensor, cache: DynamicCache) -> Tensor:
-        hidden = self._draft_hidden(block_ids, context_features, position_ids, cache)  # [1, B-1, H]
+        hidden = self.block_hidden(block_ids, context_features, position_ids, cache)[:, 1:].to(self.target.dtype)
         if self.vocab_ids is None:
             return self.target.logits(hidden)  # [1, B-1, V]
         # A draft vocabulary: its logits placed at their target ids, -inf elsewhere, so argmax and the
@@ -87,8 +92,8 @@ class DFlashProposer:
         full[..., self.vocab_ids.to(draft.device)] = draft
         return full
 
-    def _draft_hidden(self, block_ids: Tensor, context_features: Tensor, position_ids: Tensor,
-                      cache: DynamicCache) -> Tensor:  # [1, B-1, H] in the target's dtype, slots 1..B-1
+    def block_hidden(self, block_ids: Tensor, context_features: Tensor, position_ids: Tensor,
+                     cache: DynamicCache) -> Tensor:  # [1, B, H] the drafter's final-normed states of every slot
         block_embeds = self.target.embed(block_ids).to(self.dtype)  # [1, B, H] frozen target embeddings
         hidden = self.drafter(
             block_embeds,
@@ -99,7 +104,7 @@ class DFlashProposer:
             use_cache=True,
             **({"served_as": self.served_as} if self.served_as is not None else {}),
         )  # [1, B, H]
-        return hidden[:, 1:].to(self.target.dtype)
+        return hidden
 
 
 class DFlash2Proposer(DFlashProposer):
@@ -116,7 +121,8 @@ class DFlash2Proposer(DFlashProposer):
         if block_ids.shape[1] != self.drafter.block_size:  # its convolutions count slots within a block
             raise EvalError(f"a DFlash2 drafter drafts blocks of {self.drafter.block_size} (it was trained so), "
                             f"not {block_ids.shape[1]}")
-        hidden = self._draft_hidden(block_ids, context_features, position_ids, cache)  # [1, B-1, H]
+        # slots 1..B-1 propose (slot 0 is the anchor), as in DFlash: num_proposals is B-1
+        hidden = self.block_hidden(block_ids, context_features, position_ids, cache)[:, 1:].to(self.target.dtype)
         unary = self.target.logits(hidden)[0]  # [B-1, V]
         selector = self.drafter.candidate_selector
         _tokens, candidates, scores = selector.greedy_walk(
@@ -126,10 +132,20 @@ class DFlash2Proposer(DFlashProposer):
         return proposal[None]  # [1, B-1, V]
 
 
-def proposer_for(drafter: nn.Module, target: Any, vocab_ids: Tensor | None = None,
-                 served_as: Any = None) -> DFlashProposer:
-    """The proposer of a drafter module: DFlash2's selector when it has one."""
-    kind = DFlash2Proposer if hasattr(drafter, "candidate_selector") else DFlashProposer
+def proposer_for(drafter: nn.Module, target: Any, vocab_ids: Tensor | None = None, served_as: Any = None,
+                 confidence_min: float | None = None) -> DFlashProposer:
+    """The proposer of a drafter module, by its kind: DFlash2's selector walk, DSpark's Markov chain (with its
+    confidence-scheduled drafting threshold, a decoding setting the module does not hold), or DFlash's slots."""
+    from trainer.model.dflash2 import DFlash2Drafter
+    from trainer.model.dspark import DSparkDrafter
+
+    if isinstance(drafter, DSparkDrafter):
+        from trainer.eval.dspark import DSparkProposer  # it subclasses DFlashProposer, defined here
+
+        return DSparkProposer(drafter, target, vocab_ids, served_as=served_as, confidence_min=confidence_min)
+    if confidence_min is not None:
+        raise EvalError("confidence-scheduled drafting (draft_confidence_min) needs a DSpark drafter")
+    kind = DFlash2Proposer if isinstance(drafter, DFlash2Drafter) else DFlashProposer
     return kind(drafter, target, vocab_ids, served_as=served_as)
 
 
@@ -393,6 +409,9 @@ def speculative_generate(
     proposer = proposer_for(drafter, target) if isinstance(drafter, nn.Module) else drafter
     if temperature > 0 and getattr(proposer, "greedy_only", False):
         raise EvalError(f"{type(proposer).__name__} proposes greedily only: evaluate at temperature 0")
+    # Draft tokens per verify step: B-1 for DFlash (slots 1..B-1); B for a drafter whose slot 0 predicts too
+    # (DSpark's sample_from_anchor). The verify block is the anchor then these drafts.
+    proposals = num_proposals(proposer, block_size)
     if mask_token_id is None:
         mask_token_id = getattr(drafter, "mask_token_id", None)
         if mask_token_id is None:
@@ -405,7 +424,7 @@ def speculative_generate(
     _sync(device)
     started = time.perf_counter()
 
-    target_cache = TargetCache(model, verify_tokens=B, record_states=record_states)
+    target_cache = TargetCache(model, verify_tokens=proposals + 1, record_states=record_states)
     draft_cache = DynamicCache()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # [1, n]
     out = target_cache.forward(prompt, output_hidden_states=B > 1, logits_to_keep=1)
@@ -420,24 +439,29 @@ def speculative_generate(
         # Invariant: target cache and drafter context cover positions 0..start-1; the anchor (last committed
         # token, at `start`) has no hidden state yet, so it is only ever a block token, never context.
         start = len(tokens) - 1
-        block = torch.full((1, B), mask_token_id, dtype=torch.long, device=device)  # [1, B]
+        draft_block = torch.full((1, B), mask_token_id, dtype=torch.long, device=device)  # [1, B]
+        draft_block[0, 0] = tokens[-1]
+        # what the target verifies: the anchor, then the drafts (for DFlash the drafter's block, filled in)
+        block = draft_block if proposals == B - 1 else draft_block.new_empty((1, proposals + 1))
         block[0, 0] = tokens[-1]
         draft_probs = None
         if B > 1:
             context_len = new_context.shape[1]
             positions = torch.arange(start - context_len, start + B, device=device)[None]  # [1, C+B]
-            draft_logits = proposer.propose(block, new_context, positions, draft_cache)[0]  # [B-1, V]
+            draft_logits = proposer.propose(draft_block, new_context, positions, draft_cache)[0]  # [P, V]
             _crop(draft_cache, start)  # drop the block's K/V; keep context 0..start-1
+            if draft_logits.shape[0] < block.shape[1] - 1:  # a proposer that stopped drafting early this step
+                block = block[:, : draft_logits.shape[0] + 1].clone()
             if temperature == 0:
                 block[0, 1:] = draft_logits.argmax(dim=-1)
             else:
-                draft_probs = torch.softmax(draft_logits.float() / temperature, dim=-1)  # [B-1, V]
+                draft_probs = torch.softmax(draft_logits.float() / temperature, dim=-1)  # [P, V]
                 block[0, 1:] = torch.multinomial(draft_probs, 1, generator=generator)[:, 0]
 
         target_cache.begin_verify()  # a recurrent state is recorded (or saved) here: no crop alone undoes it
-        out = target_cache.forward(block, output_hidden_states=B > 1)  # positions start..start+B-1
+        out = target_cache.forward(block, output_hidden_states=B > 1)  # positions start..start+P
         target_forwards += 1
-        target_logits = out.logits[0]  # [B, V]: row j predicts the token at position start+j+1
+        target_logits = out.logits[0]  # [P+1, V]: row j predicts the token at position start+j+1
         if B == 1:
             accepted, bonus = 0, _pick(target_logits[0], temperature, generator)
         elif temperature == 0:
@@ -474,6 +498,15 @@ def speculative_generate(
         state_replays=target_cache.replays,
         context_lengths=context_lengths,
     )
+
+
+def num_proposals(drafter: Any, block_size: int) -> int:
+    """Draft tokens a verify step holds for this drafter (a module or a proposer): block_size - 1 unless the
+    proposer says otherwise."""
+    counter = getattr(drafter, "num_proposals", None)
+    if block_size <= 1 or isinstance(drafter, nn.Module) or counter is None:
+        return block_size - 1
+    return int(counter(block_size))
 
 
 @torch.no_grad()
@@ -575,8 +608,9 @@ def evaluate(
         pass  # the drafter's own attention: our training mask, speculators' / vLLM's
     elif isinstance(drafter, nn.Module):
         drafter = proposer_for(drafter, target, served_as=engine)
-    elif isinstance(drafter, DFlashProposer):
-        drafter = type(drafter)(drafter.drafter, drafter.target, drafter.vocab_ids, served_as=engine)
+    elif isinstance(drafter, DFlashProposer):  # the same proposer (its kind and settings kept), as the engine builds it
+        drafter = copy.copy(drafter)
+        drafter.served_as = engine
     else:
         raise EvalError(f"--served-as needs a DFlash drafter; {type(drafter).__name__} builds its own attention")
     if check_lossless is None:
@@ -634,8 +668,9 @@ def evaluate(
 
     lengths = [length for result in spec_results for length in result.acceptance_lengths]
     steps = len(lengths)
+    verify = num_proposals(drafter, block_size) + 1  # the longest acceptance: every draft plus the bonus
     # reached[k]: steps whose acceptance length is >= k+1, i.e. that accepted draft slot k (reached[0] = all).
-    reached = [sum(1 for length in lengths if length >= k + 1) for k in range(block_size)]
+    reached = [sum(1 for length in lengths if length >= k + 1) for k in range(verify)]
     output_tokens = sum(len(r.new_tokens) for r in spec_results)
     spec_time = sum(r.wall_time_s for r in spec_results) / output_tokens
     base_time = None
@@ -647,11 +682,11 @@ def evaluate(
     )
     return EvalReport(
         tau=sum(lengths) / steps if steps else 0.0,
-        per_position_acceptance=[reached[k] / steps if steps else 0.0 for k in range(1, block_size)],
+        per_position_acceptance=[reached[k] / steps if steps else 0.0 for k in range(1, verify)],
         per_position_acceptance_conditional=[
-            reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, block_size)
+            reached[k] / reached[k - 1] if reached[k - 1] else None for k in range(1, verify)
         ],
-        acceptance_histogram=[sum(1 for length in lengths if length == k) for k in range(1, block_size + 1)],
+        acceptance_histogram=[sum(1 for length in lengths if length == k) for k in range(1, verify + 1)],
         tokens_per_target_forward=output_tokens / sum(r.target_forwards for r in spec_results),
         time_per_token_spec_s=spec_time,
         time_per_token_greedy_s=base_time,
@@ -677,7 +712,7 @@ def evaluate(
         teacher_forced=teacher_forced,
         # null where a generation did not record the anchor of each verify step
         acceptance_by_context_length=acceptance_by_context_length(
-            [c for r in spec_results for c in r.context_lengths], lengths, block_size, draft_sliding_window(drafter),
+            [c for r in spec_results for c in r.context_lengths], lengths, verify, draft_sliding_window(drafter),
         ) if len(lengths) == sum(len(r.context_lengths) for r in spec_results) else None,
         served_as=engine.engine,
     )

@@ -55,7 +55,8 @@ from trainer.run.rundir import (
     claim_run,
     now_iso,
 )
-from trainer.run.step import StepPlan, dflash_step, sample_step_anchors
+from trainer.run.step import StepPlan, sample_step_anchors
+from trainer.run.steps import training_step
 from trainer.target.fidelity import FidelityRecord
 from trainer.target.frozen import PACKING_MODES, FrozenTarget
 
@@ -94,17 +95,18 @@ def lr_at(config: TrainConfig, step: int) -> float:
     return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape)
 
 
-# Loss terms a family member's step reports next to the total (metrics.jsonl keys of the same names).
-LOSS_PARTS = ("unary_loss", "selector_loss")
-
-
 def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> DFlashDrafter:
     torch.manual_seed(config.seed)  # the drafter's init depends on the seed alone
-    drafter_class, extra = DFlashDrafter, {}
+    kind_options: dict[str, Any] = {}
+    drafter_class: type[DFlashDrafter] = DFlashDrafter
     if config.drafter_kind == "dflash2":
         from trainer.model.dflash2 import DFlash2Drafter
 
-        drafter_class, extra = DFlash2Drafter, {"dflash2": config.dflash2}
+        drafter_class, kind_options = DFlash2Drafter, {"dflash2": config.dflash2}
+    elif config.drafter_kind == "dspark":
+        from trainer.model.dspark import DSparkDrafter
+
+        drafter_class, kind_options = DSparkDrafter, {"dspark": plan.dspark}
     drafter = drafter_class.from_target_config(
         target.model.config,
         num_layers=config.draft_layers,
@@ -112,7 +114,7 @@ def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> 
         block_size=config.block_size,
         mask_token_id=plan.mask_token_id,
         shape=config.draft_config.as_shape(),
-        **extra,
+        **kind_options,
     )
     return drafter.to(device=target.device, dtype=target.dtype)
 
@@ -341,20 +343,20 @@ def _train(
         anchors, anchor_valid = sample_step_anchors(global_batch, plan, config.seed, step)
         rows = dist.rows(config.batch_size)
         batch = {key: value[rows].to(torch_device) for key, value in global_batch.items()}
-        loss, metrics = dflash_step(target, model, batch, anchors[rows], anchor_valid[rows], plan)
+        loss, metrics = training_step(target, model, batch, anchors[rows], anchor_valid[rows], plan)
         optimizer_step(config, drafter, optimizer, loss)
         tokens_since += metrics.pop("tokens")
         counts = metrics.pop("counts")
+        # a drafter kind's own per-step scalars (DFlash2's and DSpark's loss terms), averaged over ranks like loss
+        kind_metrics = metrics.pop("kind_metrics", {})
 
         eval_due = config.eval_every is not None and step % config.eval_every == 0
         if step % config.log_every == 0 or step == config.steps or eval_due:
             # The loss is a mean over rows and every rank holds as many rows: the mean of rank losses is the
             # global loss. Accuracy-type metrics are recomputed from counts summed over ranks.
-            # DFlash2's two loss terms (the step returns them only for drafter_kind dflash2), averaged like loss
-            parts = {key: metrics[key] for key in LOSS_PARTS if key in metrics}
-            summed = dist.sum({"loss": float(loss.detach()), "tokens": tokens_since, **counts, **parts})
+            summed = dist.sum({"loss": float(loss.detach()), "tokens": tokens_since, **counts, **kind_metrics})
             global_metrics = {"loss": summed["loss"] / dist.world_size, **metrics_from_counts(summed),
-                              **{key: summed[key] / dist.world_size for key in parts}}
+                              **{key: summed[key] / dist.world_size for key in kind_metrics}}
             elapsed = time.perf_counter() - clock
             row: dict[str, Any] = {
                 "step": step,
@@ -594,7 +596,7 @@ class _Validator:
             batch = batch_for_step(self.packed, index, self.config.batch_size, self.config.seed)
             anchors, anchor_valid = sample_step_anchors(batch, self.plan, self.config.seed, index)
             local = {key: value[rows].to(self.device) for key, value in batch.items()}
-            loss, metrics = dflash_step(self.target, model, local, anchors[rows], anchor_valid[rows], self.plan)
+            loss, metrics = training_step(self.target, model, local, anchors[rows], anchor_valid[rows], self.plan)
             loss_sum += float(loss)
             for key, value in metrics["counts"].items():
                 if isinstance(value, list):
@@ -626,11 +628,8 @@ class _Evaluator:
         # decoding (speedup) and checks losslessness against it.
         from trainer.eval.speculative import evaluate_served_by_engine
 
-        # The teacher-forced replay scores the unary argmax; a DFlash2 drafter proposes through its selector,
-        # so the replay would not describe what it serves: left out there.
-        semantics = training_semantics(self.config, self.target) if self.config.drafter_kind == "dflash" else None
         report = self._evaluate(drafter, measure_speedup=measure_speedup, check_lossless=measure_speedup,
-                                teacher_forcing=semantics)
+                                teacher_forcing=training_semantics(self.config, self.target))
         if measure_speedup:
             # The final report: a sliding-window drafter is also decoded as each engine whose windows differ
             # from ours builds it (z-lab 0.1.0 and SGLang count them from the query, SpecForge's loop ignores
@@ -646,7 +645,7 @@ class _Evaluator:
         # Offline hidden states: generation needs the whole target, loaded when eval first runs.
         target = self.target.full_target() if hasattr(self.target, "full_target") else self.target
         return evaluate(
-            proposer_for(drafter, target, self.vocab_ids),
+            proposer_for(drafter, target, self.vocab_ids, confidence_min=draft_confidence_min(self.config)),
             target,
             self.prompts,
             feature_layer_ids=self.feature_layer_ids,
@@ -658,16 +657,26 @@ class _Evaluator:
 
     def tau(self, drafter: DFlashDrafter) -> dict[str, Any]:
         """The metrics-row fields of a periodic eval: real tau next to the training objective's acceptance
-        on the same sequences (field names in README, "The run directory")."""
+        on the same sequences (field names in docs/reference/run-directory.md)."""
         return eval_row_fields(self._run(drafter, measure_speedup=False))
 
     def full(self, drafter: DFlashDrafter) -> dict[str, Any]:
         return {**self._run(drafter, measure_speedup=True), "prompts": self.rendering}
 
 
+def draft_confidence_min(config: TrainConfig) -> float | None:
+    """The run's confidence-scheduled drafting threshold (DSpark's decoding setting; None for other kinds)."""
+    return config.dspark.draft_confidence_min if config.dspark is not None else None
+
+
 def training_semantics(config: TrainConfig, target: FrozenTarget) -> Any:
-    """What the run's training step scores a slot against, for teacher-forced acceptance at eval time."""
+    """What the run's training step scores a slot against, for teacher-forced acceptance at eval time.
+    None for the other kinds: the replay scores the unary argmax of DFlash's slots, while DFlash2 proposes
+    through its candidate selector and DSpark adds its Markov head, so it would not describe what they serve."""
     from trainer.eval.teacher_forced import TrainingSemantics
+
+    if config.drafter_kind != "dflash":
+        return None
 
     plan = StepPlan.from_config(config, target)
     return TrainingSemantics(
@@ -730,7 +739,8 @@ class LoadedRun:
         """What speculative decoding drafts with: the drafter on the target's embeddings and head."""
         from trainer.eval.speculative import proposer_for
 
-        return proposer_for(self.drafter, self.target, self.draft_token_ids)
+        return proposer_for(self.drafter, self.target, self.draft_token_ids,
+                            confidence_min=draft_confidence_min(self.config))
 
 
 def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:

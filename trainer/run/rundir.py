@@ -1,4 +1,4 @@
-"""The run directory: the on-disk contract between `trainer` and `sleuth` (documented in README.md).
+"""The run directory: the on-disk contract between `trainer` and `sleuth` (documented in docs/reference/run-directory.md).
 
 Everything here is written so that a run killed at any moment leaves a directory that either resumes
 exactly or is diagnosable: JSON files are replaced atomically, metric rows are appended whole and
@@ -47,7 +47,7 @@ class RunInUse(RunError):
 # Files and folders the trainer writes into a run directory; anything else in it belongs to the user.
 RUN_ENTRIES = frozenset(
     {"config.json", "run.json", "metrics.jsonl", "eval.json", "env.json", "fingerprint.json", "code",
-     "checkpoints", "diagnosis"}
+     "checkpoints", "diagnosis", "draft_vocab.safetensors", "tensorboard"}
 )
 # A run record is a few kB; a larger one is not ours, and reading it whole would only cost memory.
 MAX_RECORD_BYTES = 16 * 2**20
@@ -402,7 +402,7 @@ class RunDir:
             "files": files,
         }
         atomic_write_json(self.path / "fingerprint.json", fingerprint)
-        # This user's own trainer wrote this code/ tree: sleuth may probe it without --probe (README "Security model").
+        # This user's own trainer wrote this code/ tree: sleuth may probe it without --probe (docs/security.md).
         record_trusted_code(files, self.path, f"trainer {trainer.__version__}")
         return fingerprint
 

@@ -42,8 +42,9 @@ class StepPlan:
     draft_token_ids: torch.Tensor | None = None  # [Vd] target ids of a reduced draft vocabulary (sorted)
     loss_chunk_size: int | None = None  # block slots whose logits the loss holds at once (None: by vocabulary)
     draft_attention: DraftAttention | None = None  # the drafter's per-layer attention (sliding windows)
-    drafter_kind: str = "dflash"  # "dflash2" adds the candidate selector's term to the loss
-    selector_loss_alpha: float = 1.0  # dflash2 only
+    drafter_kind: str = "dflash"  # which step trains it (trainer/run/steps.py `training_step`)
+    dspark: dict[str, Any] | None = None  # DSparkConfig as a dict (drafter_kind "dspark")
+    selector_loss_alpha: float = 1.0  # drafter_kind "dflash2": weight of the candidate selector's term
 
     @classmethod
     def from_config(cls, config: TrainConfig, target: FrozenTarget,
@@ -63,6 +64,7 @@ class StepPlan:
             loss_chunk_size=config.loss_chunk_size,
             draft_attention=draft_attention(config),
             drafter_kind=config.drafter_kind,
+            dspark=config.dspark.model_dump() if config.dspark is not None else None,
             selector_loss_alpha=config.dflash2.selector_loss_alpha,
         )
 
@@ -85,24 +87,26 @@ def sample_step_anchors(
     return sample_anchors(batch["loss_mask"], batch["doc_ids"], plan.block_size, plan.max_anchors, generator)
 
 
-def dflash_step(
+@dataclass
+class DraftedBlocks:
+    """What every DFlash-family step shares: the teacher's states and the drafted blocks."""
+
+    teacher_hidden: torch.Tensor  # (N, S, H) the states the target's head turns into the teacher
+    hidden: torch.Tensor  # (N, A*B, H) the drafter's final-normed block states
+
+
+def draft_blocks(
     target: FrozenTarget,
     drafter: torch.nn.Module,
     batch: dict[str, torch.Tensor],
     anchors: torch.Tensor,
     anchor_valid: torch.Tensor,
     plan: StepPlan,
-    draft_logits_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Loss and metrics of one step. `draft_logits_hook` is the probe protocol's intervention point
-    (trainer/probe.py): it gets the drafter's logits [N, A*B, V] and what it returns goes through the same
-    chunked loss, with the run's chunk size, in their place."""
-    if plan.drafter_kind == "dflash2" and draft_logits_hook is not None:
-        raise ValueError("the probe protocol's logits hook does not cover DFlash2's candidate selector yet")
+) -> DraftedBlocks:
+    """Frozen target forward, then one drafter forward over every block (slot 0 = anchor, then masks)."""
     input_ids = batch["input_ids"]  # (N, S)
     position_ids = batch["position_ids"]  # (N, S) restart at 0 per document
     doc_ids = batch["doc_ids"]  # (N, S) -1 on padding
-    loss_mask = batch["loss_mask"]  # (N, S)
     B = plan.block_size
 
     # Frozen target, no grad: fused context features, and the hidden states its head turns into the teacher.
@@ -128,6 +132,35 @@ def dflash_step(
     )
     block_embeds = target.embed(block_ids.reshape(N, A * B))  # (N, A*B, H), frozen embeddings
     hidden = drafter(block_embeds, features, all_positions, attention_mask=mask)  # (N, A*B, H)
+    return DraftedBlocks(teacher_hidden, hidden)
+
+
+def dflash_step(
+    target: FrozenTarget,
+    drafter: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    plan: StepPlan,
+    draft_logits_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Loss and metrics of one DFlash or DFlash2 step (DFlash2 adds its candidate selector's term).
+    `draft_logits_hook` is the probe protocol's intervention point (trainer/probe.py): it gets the drafter's
+    logits [N, A*B, V] and what it returns goes through the same chunked loss, with the run's chunk size, in
+    their place."""
+    if plan.drafter_kind not in ("dflash", "dflash2"):
+        raise ValueError(f"dflash_step trains DFlash and DFlash2 drafters; this run's drafter_kind is "
+                         f"{plan.drafter_kind!r}")
+    if plan.drafter_kind == "dflash2" and draft_logits_hook is not None:
+        raise ValueError("the probe protocol's logits hook does not cover DFlash2's candidate selector yet")
+    doc_ids = batch["doc_ids"]  # (N, S) -1 on padding
+    loss_mask = batch["loss_mask"]  # (N, S)
+    B = plan.block_size
+    blocks = draft_blocks(target, drafter, batch, anchors, anchor_valid, plan)
+    teacher_hidden, hidden = blocks.teacher_hidden, blocks.hidden
+    anchors, anchor_valid = anchors.to(doc_ids.device), anchor_valid.to(doc_ids.device)  # (N, A)
+    N, A = anchors.shape
+    S = doc_ids.shape[1]
     vocab = plan.draft_token_ids
     # frozen lm_head (dflash.frozen_embed_head); with a draft vocabulary, only its rows of those tokens
     head = target.draft_head(vocab)
@@ -145,7 +178,7 @@ def dflash_step(
                         plan.loss_chunk_size)
     loss, metrics = result.loss, result.metrics()
     if plan.drafter_kind == "dflash2":
-        loss, metrics = _with_selector_term(drafter, draft, head, result, input_ids, anchors, weights, plan)
+        loss, metrics = _with_selector_term(drafter, draft, head, result, batch["input_ids"], anchors, weights, plan)
     metrics["tokens"] = int((doc_ids >= 0).sum())
     return loss, metrics
 
@@ -162,6 +195,8 @@ def _with_selector_term(drafter: torch.nn.Module, draft: torch.Tensor, head: Any
     result = selector_loss(draft, head, selector, predecessor_ids(input_ids, anchors, plan.block_size), gold,
                            weights, plan.loss_chunk_size)
     counts = selector_counts(result, gold, weights)
-    metrics = {**metrics_from_counts(counts), "counts": counts, "unary_loss": float(unary.loss.detach()),
-               "selector_loss": float(result.loss.detach()), "unary_acc": unary.metrics()["acc"]}
+    # the two loss terms go to metrics.jsonl next to the total (loss = unary_loss + alpha * selector_loss)
+    kind_metrics = {"unary_loss": float(unary.loss.detach()), "selector_loss": float(result.loss.detach())}
+    metrics = {**metrics_from_counts(counts), "counts": counts, "kind_metrics": kind_metrics,
+               "unary_acc": unary.metrics()["acc"]}
     return unary.loss + plan.selector_loss_alpha * result.loss, metrics

@@ -2,7 +2,7 @@
 them unasked.
 
 sleuth runs a run's `code/` copy by default only when that exact tree is recorded here for that run directory
-(README "Security model"); a copied or forged run directory is not, whatever it contains, and neither is
+(docs/security.md); a copied or forged run directory is not, whatever it contains, and neither is
 the same code in another run directory. The format is the contract with sleuth (neither imports the other):
 in $SLEUTH_TRUST_DIR, else platformdirs `user_data_dir("sleuth")/trusted-code` (a 0700 directory), format 2:
 one file `<sha256 of "<tree hash>\\0<resolved run dir>">.json` per run, holding `format`, `tree_sha256`, `run`;

@@ -37,7 +37,7 @@ HEAD_CHECK_POSITIONS = 32  # last positions of each document where the head is c
 
 @dataclass
 class FidelityRecord:
-    """What run.json stores under `target_fidelity` (the sleuth contract; see README)."""
+    """What run.json stores under `target_fidelity` (the sleuth contract; docs/reference/run-directory.md)."""
 
     max_abs_hidden_diff: float  # over every hidden state (embeddings and each layer's output), every position
     max_abs_logit_diff: float

@@ -31,7 +31,7 @@ from sleuth.evidence.ast_index import (
     name_tags,
     tokens,
 )
-from sleuth.evidence.origins import keyed_values
+from sleuth.evidence.origins import call_bindings, keyed_values
 from sleuth.evidence.registry import detector
 
 
@@ -107,41 +107,6 @@ class _Source:
     how: str
     kind: str  # literal | default | opaque
     missing: str = ""
-
-
-def _call_bindings(an: Analyzer, func: ast.AST, param: str) -> list[tuple[ast.Call, ast.expr | None | object]]:
-    """Each DFlash-path call of `func` (also `partial(func, ...)`) with what it passes for `param`: the
-    argument, None (omitted: the default applies) or MISSING (unknown: `**kwargs`, `*args`, or a partial
-    that leaves it to its own caller)."""
-    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return []
-    positional = [a.arg for a in func.args.posonlyargs + func.args.args]
-    callee = func.name
-    if callee == "__init__":
-        cls = an.parents.get(func)
-        callee = cls.name if isinstance(cls, ast.ClassDef) else ""
-    if positional and positional[0] in {"self", "cls"}:
-        positional = positional[1:]
-    index = positional.index(param) if param in positional else None
-
-    def bound(args: list[ast.expr], keywords: list[ast.keyword], omitted: object) -> object:
-        for kw in keywords:
-            if kw.arg == param:
-                return kw.value
-        starred = any(isinstance(a, ast.Starred) for a in args) or any(kw.arg is None for kw in keywords)
-        if index is not None and index < len(args) and not any(isinstance(a, ast.Starred) for a in args[: index + 1]):
-            return args[index]
-        return MISSING if starred else omitted
-
-    out: list[tuple[ast.Call, object]] = []
-    for call in an.calls_named(callee):
-        if in_variant_code(an, call) or an.enclosing_function(call) is func:
-            continue
-        out.append((call, bound(call.args, call.keywords, None)))
-    for call in an.calls_named("partial"):
-        if call.args and leaf_name(call.args[0]) == callee and not in_variant_code(an, call):
-            out.append((call, bound(call.args[1:], call.keywords, MISSING)))
-    return out
 
 
 def _config_defaults(an: Analyzer, key: str) -> list[_Source]:
@@ -258,7 +223,7 @@ def _constructor_argument(an: Analyzer, node: ast.AST, key: str, depth: int) -> 
 
 def _parameter_sources(an: Analyzer, func: ast.AST | None, param: str, default: ast.expr | None, depth: int) -> list[_Source]:
     name = getattr(func, "name", "?")
-    sites = _call_bindings(an, func, param) if func is not None else []
+    sites = call_bindings(an, func, param) if func is not None else []
     passed = [arg for _call, arg in sites if isinstance(arg, ast.expr)]
     out: list[_Source] = []
     for arg in passed[:4]:

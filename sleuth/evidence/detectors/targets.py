@@ -6,7 +6,16 @@ import ast
 import re
 from collections.abc import Iterator
 
-from sleuth.evidence.origins import Origin, block_legs, head_input, reaching_definitions, trace, value_uses
+from sleuth.evidence.origins import (
+    Origin,
+    block_legs,
+    call_bindings,
+    head_input,
+    keyed_values,
+    reaching_definitions,
+    trace,
+    value_uses,
+)
 from sleuth.evidence.ast_index import (
     Analyzer,
     CodeReading,
@@ -79,6 +88,12 @@ def _tensor_kind(an: Analyzer, node: ast.AST, depth: int = 0) -> tuple[str | Non
     if isinstance(node, ast.Attribute) and node.attr == "logits":
         return "logits", 0
     if isinstance(node, ast.Subscript):
+        if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+            # `batch["key"]`: what the code stored under the key decides (a cache of the target's argmax is
+            # its predictions, whatever the key says); the key's name fills in only when the stores say nothing
+            stored = _origin_kind(an, keyed_values(an, node.slice.value)[:3], depth)
+            if stored is not None:
+                return stored
         return _tensor_kind(an, node.value, depth + 1)
     name = leaf_name(node)
     toks = set(tokens(name))
@@ -92,6 +107,12 @@ def _tensor_kind(an: Analyzer, node: ast.AST, depth: int = 0) -> tuple[str | Non
     roll = 0
     if isinstance(node, (ast.Name, ast.Attribute)):
         found = an.defs_of(node)
+        if found and not found[0] and isinstance(node, ast.Name) and node.id in found[1].params:
+            # a parameter: what its callers pass decides
+            passed = [arg for _call, arg in call_bindings(an, found[1].node, node.id) if isinstance(arg, ast.expr)]
+            origin = _origin_kind(an, passed[:3], depth)
+            if origin is not None:
+                return origin
         if found and found[0]:
             own = ast.unparse(node)
             for definition in found[0]:
@@ -105,6 +126,14 @@ def _tensor_kind(an: Analyzer, node: ast.AST, depth: int = 0) -> tuple[str | Non
                 kind = inner_kind or kind
                 roll += inner_roll
     return kind, roll
+
+
+def _origin_kind(an: Analyzer, values: list[ast.expr], depth: int) -> tuple[str, int] | None:
+    """The kind the values agree on (logits or tokens, with their roll), or None where they say nothing or
+    disagree."""
+    kinds = {_tensor_kind(an, value, depth + 1) for value in values}
+    kinds = {k for k in kinds if k[0] is not None}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _label_context(an: Analyzer, node: ast.AST) -> bool:
