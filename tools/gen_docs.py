@@ -5,8 +5,8 @@
 
 Each page below is rendered from the object that defines it, never from prose kept beside it:
 
-- `config.md`         trainer/config.py: TrainConfig, DraftConfig and DSparkConfig (fields, types, defaults, bounds,
-                      descriptions) and PRESETS
+- `config.md`         trainer/config.py: TrainConfig, DraftConfig, DFlash2Config and DSparkConfig (fields, types,
+                      defaults, bounds, descriptions) and PRESETS
 - `cli.md`            the typer apps of trainer/cli.py and sleuth/cli.py (commands, arguments, options, help)
 - `invariants.md`     playbooks/dflash.yaml (id, what, why, fix) and tests/fixtures/invariants/<id>/
 - `report-schema.md`  sleuth/report/model.py: the Report model that report.json dumps, and every model in it
@@ -115,7 +115,7 @@ def is_required(field: Any) -> bool:
 # --- config.md ---------------------------------------------------------------------------------------------
 
 def config_page() -> str:
-    from trainer.config import CONFIG_SCHEMA_VERSION, PRESETS, DraftConfig, DSparkConfig, TrainConfig
+    from trainer.config import CONFIG_SCHEMA_VERSION, PRESETS, DFlash2Config, DraftConfig, DSparkConfig, TrainConfig
 
     lines = [
         GENERATED_NOTE.format(source="trainer/config.py"),
@@ -153,6 +153,22 @@ def config_page() -> str:
     ]
     for name, field in DraftConfig.model_fields.items():
         lines.append(f"| `draft_config.{name}` | {type_name(field.annotation)} | "
+                     f"{code(json_value(model_default(field)))} | {bounds_cell(field)} | "
+                     f"{cell(field.description or '')} |")
+    lines += [
+        "",
+        "## `dflash2`: DFlash2's convolutions and candidate selector (drafter_kind: dflash2)",
+        "",
+        cell(DFlash2Config.__doc__ or ""),
+        "",
+        "Set one key with `--set dflash2.selector_top_k=8`; `--set dflash2=null` resets the section to its "
+        "defaults. Another drafter kind refuses a non-default section.",
+        "",
+        "| key | type | default | bounds | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, field in DFlash2Config.model_fields.items():
+        lines.append(f"| `dflash2.{name}` | {type_name(field.annotation)} | "
                      f"{code(json_value(model_default(field)))} | {bounds_cell(field)} | "
                      f"{cell(field.description or '')} |")
     lines += [

@@ -130,6 +130,41 @@ class DraftConfig(BaseModel):
         return self.model_dump()
 
 
+DrafterKind = Literal["dflash", "dflash2", "dspark"]
+
+
+class DFlash2Config(BaseModel):
+    """DFlash2's additions to the DFlash drafter (drafter_kind: dflash2); defaults are speculators 0.9.0's
+    (models/dflash2/config.py:26-45 for the shape, train/config/schema.py for selector_loss_alpha).
+
+    Each decoder layer wraps attention and MLP in grouped dynamic causal convolutions over the block's own
+    slots (taps never cross a block boundary), and a candidate selector re-ranks the unary top-k with a
+    bilinear predecessor x hidden x candidate score (trainer/model/dflash2.py).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    conv_kernel_size: int = Field(2, ge=1, le=MAX_BLOCK_SIZE,
+                                  description="Taps of each convolution (the slot itself and k-1 before it); <= block_size.")
+    conv_group_size: int = Field(16, ge=1, description="Hidden channels that share one dynamic tap; must divide the "
+                                 "hidden size.")
+    selector_rank: int = Field(256, ge=1, le=65536, description="Rank r of the selector's codebooks [V, r] and of its "
+                               "hidden projection H -> r.")
+    selector_top_k: int = Field(16, ge=1, le=4096, description="Unary candidates K the selector re-ranks (at most the "
+                                "vocabulary).")
+    selector_loss_alpha: float = Field(1.0, ge=0, description="Weight of the selector's K-way cross entropy next to "
+                                       "the unary loss.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for key, value in values.items():
+                if key in cls.model_fields and isinstance(value, bool):
+                    raise ValueError(f"dflash2.{key} takes a number, not a boolean (got {value!r})")
+        return values
+
+
 class DSparkConfig(BaseModel):
     """DSpark's additions to the DFlash drafter (drafter_kind: dspark). Defaults are speculators 0.9.0's
     (speculators/models/dspark/config.py, core.py `get_trainer_kwargs`); /work/shared/DFLASH_FAMILY.md, DSpark.
@@ -215,10 +250,15 @@ class TrainConfig(BaseModel):
     )
 
     # --- DFlash architecture: the invariants sleuth checks ---------------------------------------------
-    drafter_kind: Literal["dflash", "dflash2", "dspark"] = Field(
+    drafter_kind: DrafterKind = Field(
         "dflash",
-        description="Which DFlash-family drafter is trained: 'dflash'; 'dspark' (DFlash plus a Markov logit head "
-        "and a confidence head, settings in `dspark`); 'dflash2' (not implemented here).",
+        description="Which member of the DFlash family is trained: 'dflash' (the drafter as published); "
+        "'dflash2' (local dynamic convolutions and a candidate selector; settings under `dflash2`); 'dspark' "
+        "(DFlash plus a Markov logit head and a confidence head; settings under `dspark`).",
+    )
+    dflash2: DFlash2Config = Field(
+        default_factory=DFlash2Config,
+        description="DFlash2's convolutions and candidate selector (used with drafter_kind: dflash2).",
     )
     dspark: DSparkConfig | None = Field(
         None, description="DSpark's settings (drafter_kind: dspark only; filled with speculators' defaults).")
@@ -366,6 +406,12 @@ class TrainConfig(BaseModel):
                     raise ValueError(f"{key} takes a number or a name, not a boolean (got {value!r})")
         return values
 
+    @field_validator("dflash2", mode="before")
+    @classmethod
+    def _dflash2_null_is_defaults(cls, value: Any) -> Any:
+        # `--set dflash2=null` clears a preset's section (a section is merged key by key otherwise)
+        return {} if value is None else value
+
     @model_validator(mode="before")
     @classmethod
     def _dspark_defaults(cls, values: Any) -> Any:
@@ -424,8 +470,13 @@ class TrainConfig(BaseModel):
         return self
 
     def _drafter_kind_checks(self) -> None:
+        """The family member's own constraints; the ones that need the target's sizes (hidden % group,
+        top_k <= vocabulary) are checked when the drafter is built (trainer/model/dflash2.py)."""
+        if self.drafter_kind != "dflash2" and self.dflash2 != DFlash2Config():
+            raise ValueError(f"dflash2 settings are given but drafter_kind is {self.drafter_kind!r}: set "
+                             "drafter_kind: dflash2 or drop the dflash2 section")
         if self.drafter_kind == "dflash2":
-            raise ValueError("drafter_kind 'dflash2' is not implemented in this trainer yet; use 'dflash' or 'dspark'")
+            self._dflash2_checks()
         if self.drafter_kind != "dspark":
             if self.dspark is not None:
                 raise ValueError(f"dspark settings are given but drafter_kind is {self.drafter_kind!r}; set "
@@ -439,6 +490,22 @@ class TrainConfig(BaseModel):
         if self.parallelism == "fsdp2":
             # the heads run outside the drafter's sharded forward (trainer/run/dspark_step.py)
             raise ValueError("drafter_kind 'dspark' trains with parallelism 'ddp' (fsdp2 is not implemented for it)")
+
+    def _dflash2_checks(self) -> None:
+        settings = self.dflash2
+        if settings.conv_kernel_size > self.block_size:
+            raise ValueError(f"dflash2.conv_kernel_size {settings.conv_kernel_size} exceeds block_size "
+                             f"{self.block_size} (the convolutions never reach across a block)")
+        if self.draft_vocab_size is not None:
+            # speculators 0.9.0 refuses it too (models/dflash2/core.py:38-44): the selector's codebooks and
+            # its predecessors are indexed by target ids.
+            raise ValueError("drafter_kind 'dflash2' needs the full target vocabulary: drop draft_vocab_size")
+        if self.loss_weighting != "decay":
+            raise ValueError("drafter_kind 'dflash2' trains with loss_weighting 'decay' here (D-PACE for the "
+                             "selector term is not implemented)")
+        if self.parallelism == "fsdp2":
+            raise ValueError("drafter_kind 'dflash2' runs the candidate selector outside the drafter's forward, "
+                             "which FSDP2 does not gather: use parallelism 'ddp'")
 
     # --- derived values ----------------------------------------------------------------------------------
     def resolved_layer_ids(self, num_target_layers: int) -> list[int]:
@@ -570,6 +637,30 @@ PRESETS["dspark-tiny"] = {
 }
 
 
+# DFlash2 as speculators 0.9.0 trains it (`train --speculator-type dflash2`: 5 layers, block 8, KL to the
+# verifier, fixed exponential decay gamma 4, selector weight 1.0, train/config/schema.py:486-505, 760-808; every
+# layer sliding-window and non-causal within the block, train/cli.py:211-214, models/dflash2/config.py:22-25),
+# the layout of z-lab's DFlash2 drafter config (5 sliding layers, W 2048). At tiny size on the embedded
+# target (hidden 128, vocabulary 1536, seq_len 256): the window scales with the sequence, 2048 of 8192 -> 64 of
+# 256 (still eight blocks, so held-out decoding runs past it); the selector's rank with the width, 256 at 5120
+# hidden -> 32 at 128 (kept above 16 so the codebooks are not rank-starved at V 1536). Convolution k 2 / group
+# 16 and top-K 16 are speculators' defaults unchanged.
+PRESETS["dflash2-tiny"] = {
+    "drafter_kind": "dflash2",
+    "block_size": 8,
+    "draft_layers": 5,
+    "loss": "kl",
+    "loss_decay_gamma": 4.0,
+    "draft_config": {
+        "layer_types": ["sliding_attention"] * 5, "sliding_window": 64, "sliding_window_non_causal": True,
+    },
+    "dflash2": {
+        "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 16,
+        "selector_loss_alpha": 1.0,
+    },
+}
+
+
 class BoundedSafeLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses documents whose aliases expand past MAX_YAML_NODES nodes.
 
@@ -676,7 +767,9 @@ def _first_sentence(exc: BaseException) -> str:
 
 # Nested sections of the config: --set SECTION.key=value sets one key, and a config file's section is merged
 # over the preset's key by key (a file that sets draft_config.sliding_window keeps the preset's layer types).
-NESTED_SECTIONS: dict[str, type[BaseModel]] = {"draft_config": DraftConfig, "dspark": DSparkConfig}
+NESTED_SECTIONS: dict[str, type[BaseModel]] = {
+    "draft_config": DraftConfig, "dflash2": DFlash2Config, "dspark": DSparkConfig,
+}
 
 
 def parse_override(item: str) -> tuple[str, Any]:

@@ -45,7 +45,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
 import trainer
 from trainer import safe_io
-from trainer.config import ConfigError, TrainConfig, resolve_for_target
+from trainer.config import ConfigError, DFlash2Config, TrainConfig, resolve_for_target
 from trainer.data.draft_vocab import VOCAB_FILE, load_vocab, vocab_maps
 from trainer.model.drafter import DFlashDrafter, draft_config_from_target
 from trainer.run.checkpoint import (
@@ -120,6 +120,7 @@ class DrafterSpec:
     # Why z-lab's own decoding loop cannot reach this target's embeddings / lm_head (None: it can); a note.
     zlab_note: str | None = None
     draft_vocab_size: int | None = None  # a reduced draft vocabulary (the run's `draft_vocab_size`)
+    dflash2: DFlash2Config | None = None  # a DFlash2 drafter's convolutions and selector (drafter_kind dflash2)
     dspark: dict[str, Any] | None = None  # the run's DSpark settings (drafter_kind dspark), else None
 
 
@@ -143,7 +144,7 @@ def zlab_config(spec: DrafterSpec, dtype: torch.dtype) -> dict[str, Any]:
     (falling back to top-level keys); block_size is written at the top level too because older z-lab
     checkpoints and speculators' converter read it there.
     """
-    return {
+    config = {
         "architectures": ["DFlashDraftModel"],
         **_draft_fields(spec.draft_config, dtype),
         "block_size": spec.block_size,
@@ -154,6 +155,24 @@ def zlab_config(spec: DrafterSpec, dtype: torch.dtype) -> dict[str, Any]:
             "mask_token_id": spec.mask_token_id,
         },
     }
+    if spec.dflash2 is not None:
+        # z-lab / vLLM #52816 / SGLang #35371 read DFlash2 from the nested dflash_config (an absent conv or
+        # selector field reads as 0, i.e. that module off) and dispatch on the architecture name; the
+        # bidirectional block of the sliding layers is the top-level is_causal false.
+        config["architectures"] = ["DFlash2DraftModel"]
+        # The selector's codebooks keep speculators' bare names (candidate_selector.*_codebook): z-lab's
+        # DFlash2DraftModel.from_pretrained maps exactly those onto its Embeddings' `.weight` (dflash 0.1.0
+        # model.py, key_mapping); a `.weight` name would be mapped twice.
+        config["dflash_config"].update({name: getattr(spec.dflash2, name) for name in DFLASH2_SHAPE_FIELDS})
+        if getattr(spec.draft_config, "sliding_window_non_causal", False):
+            # z-lab reads a missing is_causal as "sliding layers causal"; false makes every layer bidirectional
+            # in the block, the non-causal sliding layers this drafter trained with (full layers always are).
+            config["is_causal"] = False
+    return config
+
+
+# DFlash2's shape as every serving config names it (speculators' flat fields, z-lab's dflash_config keys).
+DFLASH2_SHAPE_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | None = None) -> dict[str, Any]:
@@ -185,12 +204,13 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
         for k, v in _draft_fields(spec.draft_config, dtype).items()
         if k not in ("rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "sliding_window_non_causal")
     }
-    algorithm = "dspark" if spec.dspark is not None else "dflash"
+    algorithm = "dspark" if spec.dspark is not None else "dflash2" if spec.dflash2 is not None else "dflash"
     # slot 0 is the anchor (the bonus token), so a block proposes B-1 tokens; a DSpark block that samples from
     # its anchor trains slot 0 too and proposes B (speculators #737: its converter wrote B-1 for DSpark)
     sample_from_anchor = bool(spec.dspark["sample_from_anchor"]) if spec.dspark is not None else False
     config = {
-        "architectures": ["DSparkDraftModel" if spec.dspark is not None else "DFlashDraftModel"],
+        "architectures": [{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
+                           "dspark": "DSparkDraftModel"}[algorithm]],
         "speculators_model_type": algorithm,
         "speculators_version": SPECULATORS_SCHEMA_VERSION,
         "speculators_config": {
@@ -229,6 +249,8 @@ def speculators_config(spec: DrafterSpec, dtype: torch.dtype, verifier: str | No
         "dtype": _dtype_name(dtype),
         "transformers_version": draft_transformers_version(),
     }
+    if spec.dflash2 is not None:  # speculators 0.9.0 DFlash2SpeculatorConfig's flat fields
+        config.update({name: getattr(spec.dflash2, name) for name in DFLASH2_SHAPE_FIELDS})
     if spec.dspark is not None:  # speculators' DSparkSpeculatorConfig fields (models/dspark/config.py)
         config.update({key: spec.dspark[key] for key in DSPARK_SERVED_FIELDS})
     return config
@@ -334,8 +356,16 @@ def drafter_spec_for_run(run: RunDir) -> tuple[DrafterSpec, TrainConfig]:
         target_path=str(target_dir.resolve()),
         target_architectures=list(getattr(target_config, "architectures", None) or []),
         draft_vocab_size=config.draft_vocab_size,
+        dflash2=config.dflash2 if config.drafter_kind == "dflash2" else None,
         dspark=config.dspark.model_dump() if config.drafter_kind == "dspark" and config.dspark is not None else None,
     )
+    if spec.dflash2 is not None:
+        from trainer.model.dflash2 import with_dflash2_settings
+
+        try:
+            with_dflash2_settings(draft_config, spec.dflash2, config.block_size)
+        except ConfigError as exc:
+            raise ExportError(f"run {run.name!r}: {exc}") from None
     spec.speculators_refusal, spec.speculators_tables, spec.zlab_note = target_compatibility(target_config, target_dir)
     return spec, config
 
@@ -458,6 +488,11 @@ def _target_tables(spec: DrafterSpec, dtype: torch.dtype, vocab_ids: torch.Tenso
 
 def _checked_weights(spec: DrafterSpec, weights_file: Path, run: RunDir) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, after checking they are exactly the drafter the spec describes."""
+    drafter_class: type[DFlashDrafter] = DFlashDrafter
+    if spec.dflash2 is not None:
+        from trainer.model.dflash2 import DFlash2Drafter
+
+        drafter_class = DFlash2Drafter
     with torch.device("meta"):  # shapes only: no memory, no init cost even for a large target's width
         if spec.dspark is not None:
             from trainer.model.dspark import DSparkDrafter
@@ -465,7 +500,7 @@ def _checked_weights(spec: DrafterSpec, weights_file: Path, run: RunDir) -> dict
             expected = DSparkDrafter(spec.draft_config, len(spec.target_layer_ids), spec.block_size,
                                      spec.mask_token_id, dspark=spec.dspark).state_dict()
         else:
-            expected = DFlashDrafter(
+            expected = drafter_class(
                 spec.draft_config, len(spec.target_layer_ids), spec.block_size, spec.mask_token_id
             ).state_dict()
     try:
@@ -696,5 +731,8 @@ def load_exported_drafter(path: Path, device: str | torch.device = "cpu") -> DFl
         raise ExportError(f"{path / CONFIG_FILE} is missing or unreadable: {exc}") from None
     if config.get("speculators_model_type"):
         raise ExportError(f"{path} is a speculators export; load it with speculators' DFlashDraftModel")
+    if "DFlash2DraftModel" in (config.get("architectures") or []):
+        # DFlashDrafterForExport has no convolutions or selector: it would load and draft as plain DFlash
+        raise ExportError(f"{path} is a DFlash2 export; this loader reads DFlash exports only")
     model = DFlashDrafterForExport.from_pretrained(path, device_map=None)
     return model.to(device).eval()

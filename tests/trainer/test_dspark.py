@@ -38,7 +38,7 @@ def test_a_dspark_run_saves_speculators_defaults_and_a_dflash_run_none():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["drafter_kind=dflash2"], "drafter_kind 'dflash2' is not implemented"),
+    (["drafter_kind=dflash2", "dspark.markov_rank=8"], "dspark settings are given but drafter_kind is 'dflash2'"),
     (["drafter_kind=dspark", "dspark.markov_rank=0"], "confidence_head_with_markov requires dspark.markov_rank > 0"),
     (["dspark.markov_rank=8"], "drafter_kind is 'dflash'"),
     (["drafter_kind=dspark", "dspark.markov_head_type=lstm"], "dspark.markov_head_type"),
@@ -55,12 +55,13 @@ def test_bad_dspark_settings_are_one_line_errors(overrides, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_the_cli_refuses_dflash2_in_one_line_with_exit_2(tmp_path):
+def test_the_cli_refuses_another_kinds_dspark_section_in_one_line_with_exit_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "trainer.cli", "run", "x", "--runs-dir", str(tmp_path),
-                             "--set", "drafter_kind=dflash2"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                             "--set", "drafter_kind=dflash2", "--set", "dspark.markov_rank=8"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2
-    assert "dflash2" in result.stderr and len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert "dspark settings" in result.stderr and len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
 def test_the_preset_mirrors_deepspec_at_tiny_size():

@@ -186,7 +186,9 @@ def _evaluate_run(
             seed=config.seed if seed is None else seed,
             progress=lambda done, total: progress.update(task, completed=done),
             # Scored at the block size the run trained with; another --block-size has no training counterpart.
-            teacher_forcing=training_semantics(config, loaded.target) if eval_block == config.block_size else None,
+            # DFlash2 proposes through its selector, which the replay (unary argmax) does not model.
+            teacher_forcing=training_semantics(config, loaded.target)
+            if eval_block == config.block_size and config.drafter_kind == "dflash" else None,
             served_as=served_as,
         )
     return report, run_dir.name, loaded.step

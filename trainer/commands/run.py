@@ -22,7 +22,7 @@ RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 def run_command(
     name: Annotated[Optional[str], typer.Argument(metavar="NAME", help="Run name (default: the preset's name).")] = None,
-    preset: Annotated[Optional[str], typer.Option(metavar="NAME", help="fixed | v3 | v5 | v6 | recipe-2026 (the seed's history) | zlab-qwen3.6 | zlab-qwen3.6-27b (the published Qwen3.6 drafter) | dspark-tiny (DeepSpec's DSpark recipe, tiny).")] = None,
+    preset: Annotated[Optional[str], typer.Option(metavar="NAME", help="fixed | v3 | v5 | v6 | recipe-2026 (the seed's history) | zlab-qwen3.6 | zlab-qwen3.6-27b (the published Qwen3.6 drafter) | dflash2-tiny (speculators' DFlash2 recipe, tiny) | dspark-tiny (DeepSpec's DSpark recipe, tiny).")] = None,
     config_file: Annotated[
         Optional[Path], typer.Option("--config", metavar="FILE", help="YAML or JSON config file.")
     ] = None,

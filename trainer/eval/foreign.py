@@ -96,11 +96,12 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
     dspark = None
     if config.get("speculators_model_type"):
         layout = "speculators"
-        if config.get("speculators_model_type") not in ("dflash", "dspark"):
+        if config.get("speculators_model_type") not in ("dflash", "dflash2", "dspark"):
             raise ForeignDrafterError(
-                f"{directory}: speculators_model_type {config['speculators_model_type']!r}; only dflash and dspark "
-                "are supported"
+                f"{directory}: speculators_model_type {config['speculators_model_type']!r}; only dflash, dflash2 "
+                "and dspark are supported"
             )
+        dflash2_fields = config if config["speculators_model_type"] == "dflash2" else None
         if config["speculators_model_type"] == "dspark":
             dspark = _dspark_settings(config, directory)
         elif config.get("sample_from_anchor"):
@@ -122,6 +123,7 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
         block = dflash.get("block_size", config.get("block_size"))
         mask = dflash.get("mask_token_id", config.get("mask_token_id"))
         verifier = None
+        dflash2_fields = dflash if "DFlash2DraftModel" in (config.get("architectures") or []) else None
     if not isinstance(block, int) or block < 2:
         raise ForeignDrafterError(f"{directory}: block_size {block!r} is not an integer >= 2")
     if any(i < 0 or i >= num_target_layers for i in zlab_ids):
@@ -135,6 +137,8 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
         raise ForeignDrafterError(f"{directory}: draft layer config does not build a Qwen3 config: {exc}") from None
     if layout == "speculators":  # speculators keeps the block causality of its sliding layers at the top level
         draft_config.sliding_window_non_causal = bool(config.get("sliding_window_non_causal", False))
+    elif config.get("is_causal") is False and "sliding_attention" in (draft_config.layer_types or []):
+        draft_config.sliding_window_non_causal = True  # z-lab: is_causal false, every layer bidirectional in the block
     if draft_config.hidden_size != hidden_size:
         raise ForeignDrafterError(
             f"{directory}: the drafter's hidden size {draft_config.hidden_size} differs from the target's {hidden_size}"
@@ -145,7 +149,10 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
         drafter = DSparkDrafter(draft_config, num_features=len(zlab_ids), block_size=block,
                                 mask_token_id=mask if isinstance(mask, int) else -1, dspark=dspark)
     else:
-        drafter = DFlashDrafter(draft_config, num_features=len(zlab_ids), block_size=block,
+        drafter_class: type[DFlashDrafter] = DFlashDrafter
+        if dflash2_fields is not None:
+            drafter_class = _with_dflash2_shape(draft_config, dflash2_fields, block, directory)
+        drafter = drafter_class(draft_config, num_features=len(zlab_ids), block_size=block,
                                 mask_token_id=mask if isinstance(mask, int) else -1)
     draft_token_ids, draft_head = _load_weights(drafter, directory / WEIGHTS_FILE)
     if dspark is not None and draft_token_ids is not None:
@@ -166,6 +173,25 @@ def load_foreign_drafter(path: Path, *, hidden_size: int, num_target_layers: int
 
 
 # --- private ---------------------------------------------------------------------------------------------
+
+
+def _with_dflash2_shape(draft_config: Any, fields: dict[str, Any], block: int, directory: Path) -> type:
+    """DFlash2's convolution and selector shape from the export's fields (speculators' flat ones, or z-lab's
+    dflash_config) onto `draft_config`; returns the drafter class that builds it."""
+    from pydantic import ValidationError
+
+    from trainer.config import ConfigError, DFlash2Config
+    from trainer.model.dflash2 import SETTINGS_ON_CONFIG, DFlash2Drafter, with_dflash2_settings
+
+    missing = [name for name in SETTINGS_ON_CONFIG if not isinstance(fields.get(name), int)]
+    if missing:
+        raise ForeignDrafterError(f"{directory}: a DFlash2 config without integer {', '.join(missing)}")
+    try:
+        with_dflash2_settings(draft_config, DFlash2Config(**{name: fields[name] for name in SETTINGS_ON_CONFIG}), block)
+    except (ValidationError, ConfigError) as exc:
+        first = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        raise ForeignDrafterError(f"{directory}: its DFlash2 shape does not build: {first}") from None
+    return DFlash2Drafter
 
 
 # speculators 0.9.0 DSparkSpeculatorConfig's defaults (models/dspark/config.py), for fields a config leaves out
@@ -482,16 +508,16 @@ def _drafter_for(directory: Path, target: Any, device: torch.device) -> tuple[An
     if foreign.draft_token_ids is not None:
         drafter = _draft_vocabulary_proposer(foreign, target)
     elif hasattr(foreign.drafter, "markov_head"):  # a DSpark drafter drafts through its Markov head
-        from trainer.eval.dspark import DSparkProposer
+        from trainer.eval.speculative import proposer_for
 
-        drafter = DSparkProposer(foreign.drafter, target)
+        drafter = proposer_for(foreign.drafter, target)
     return drafter, foreign.feature_layer_ids, foreign.block_size, mask, foreign.name, foreign.layout
 
 
 def _draft_vocabulary_proposer(foreign: ForeignDrafter, target: Any) -> Any:
     """The drafter proposing among its draft vocabulary's target ids through the target's lm_head rows,
     which must be the head the checkpoint holds (speculators freezes it to those rows)."""
-    from trainer.eval.speculative import DFlashProposer
+    from trainer.eval.speculative import proposer_for
 
     ids = foreign.draft_token_ids
     assert ids is not None
@@ -504,7 +530,7 @@ def _draft_vocabulary_proposer(foreign: ForeignDrafter, target: Any) -> Any:
         if head.shape != rows.shape or not torch.equal(head, rows.to(head.dtype)):
             raise ForeignDrafterError(f"{foreign.weights}: lm_head.weight is not the target's lm_head on the draft "
                                       "vocabulary (a trained or foreign head is not supported)")
-    return DFlashProposer(foreign.drafter, target, ids)
+    return proposer_for(foreign.drafter, target, ids)
 
 
 def _our_run_drafter(directory: Path, target: Any, device: torch.device) -> tuple[Any, list[int], int, int | None, str, str]:

@@ -107,6 +107,48 @@ class DFlashProposer:
         return hidden
 
 
+class DFlash2Proposer(DFlashProposer):
+    """A DFlash2Drafter: the candidate selector picks each slot's token among the unary top-K, walking from
+    the anchor (z-lab's greedy `propose`; B-1 proposals from slots 1..B-1).
+
+    Greedy only: the returned "logits" are the selector's scores at its K candidates and -inf elsewhere, so
+    their argmax is the walk's token at every slot. Sampling would need the walk to follow the sampled
+    tokens (z-lab's `select` at T > 0), which the loop's own sampling does not do."""
+
+    greedy_only = True
+
+    def propose(self, block_ids: Tensor, context_features: Tensor, position_ids: Tensor, cache: DynamicCache) -> Tensor:
+        if block_ids.shape[1] != self.drafter.block_size:  # its convolutions count slots within a block
+            raise EvalError(f"a DFlash2 drafter drafts blocks of {self.drafter.block_size} (it was trained so), "
+                            f"not {block_ids.shape[1]}")
+        # slots 1..B-1 propose (slot 0 is the anchor), as in DFlash: num_proposals is B-1
+        hidden = self.block_hidden(block_ids, context_features, position_ids, cache)[:, 1:].to(self.target.dtype)
+        unary = self.target.logits(hidden)[0]  # [B-1, V]
+        selector = self.drafter.candidate_selector
+        _tokens, candidates, scores = selector.greedy_walk(
+            unary, hidden[0].to(self.dtype), int(block_ids[0, 0]))  # [B-1, K] each
+        proposal = unary.new_full(unary.shape, float("-inf"))
+        proposal.scatter_(1, candidates, scores.to(unary.dtype))
+        return proposal[None]  # [1, B-1, V]
+
+
+def proposer_for(drafter: nn.Module, target: Any, vocab_ids: Tensor | None = None, served_as: Any = None,
+                 confidence_min: float | None = None) -> DFlashProposer:
+    """The proposer of a drafter module, by its kind: DFlash2's selector walk, DSpark's Markov chain (with its
+    confidence-scheduled drafting threshold, a decoding setting the module does not hold), or DFlash's slots."""
+    from trainer.model.dflash2 import DFlash2Drafter
+    from trainer.model.dspark import DSparkDrafter
+
+    if isinstance(drafter, DSparkDrafter):
+        from trainer.eval.dspark import DSparkProposer  # it subclasses DFlashProposer, defined here
+
+        return DSparkProposer(drafter, target, vocab_ids, served_as=served_as, confidence_min=confidence_min)
+    if confidence_min is not None:
+        raise EvalError("confidence-scheduled drafting (draft_confidence_min) needs a DSpark drafter")
+    kind = DFlash2Proposer if isinstance(drafter, DFlash2Drafter) else DFlashProposer
+    return kind(drafter, target, vocab_ids, served_as=served_as)
+
+
 @dataclass
 class GenerationResult:
     """One prompt's generation."""
@@ -364,7 +406,9 @@ def speculative_generate(
     `record_states=False`: a recurrent target rolls back by replay even where its cache records per-position
     states (trainer.eval.target_cache; for comparing the two).
     """
-    proposer = DFlashProposer(drafter, target) if isinstance(drafter, nn.Module) else drafter
+    proposer = proposer_for(drafter, target) if isinstance(drafter, nn.Module) else drafter
+    if temperature > 0 and getattr(proposer, "greedy_only", False):
+        raise EvalError(f"{type(proposer).__name__} proposes greedily only: evaluate at temperature 0")
     # Draft tokens per verify step: B-1 for DFlash (slots 1..B-1); B for a drafter whose slot 0 predicts too
     # (DSpark's sample_from_anchor). The verify block is the anchor then these drafts.
     proposals = num_proposals(proposer, block_size)
@@ -563,8 +607,8 @@ def evaluate(
     if served_as is None:
         pass  # the drafter's own attention: our training mask, speculators' / vLLM's
     elif isinstance(drafter, nn.Module):
-        drafter = DFlashProposer(drafter, target, served_as=engine)
-    elif isinstance(drafter, DFlashProposer):  # the same proposer (DSpark's too, settings kept), as the engine builds it
+        drafter = proposer_for(drafter, target, served_as=engine)
+    elif isinstance(drafter, DFlashProposer):  # the same proposer (its kind and settings kept), as the engine builds it
         drafter = copy.copy(drafter)
         drafter.served_as = engine
     else:

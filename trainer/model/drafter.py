@@ -326,11 +326,15 @@ class DFlashDrafter(nn.Module):
         # fc reads ALL k selected layers ([S] core.py, [Z] model.py: Linear(k*H, H, bias=False)).
         self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self._make_layer(config, i) for i in range(config.num_hidden_layers))
         self.attention = DraftAttention.from_config(config)  # per-layer type and window, as the layers use them
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.apply(self._init_weights)
+
+    def _make_layer(self, config: Qwen3Config, layer_idx: int) -> nn.Module:
+        # A family member that wraps the layer (trainer/model/dflash2.py) overrides only this.
+        return DFlashDecoderLayer(config, layer_idx)
 
     def _init_weights(self, module: nn.Module) -> None:
         # The Hugging Face Qwen3 initialisation that z-lab's post_init() applies: N(0, 0.02) linears.

@@ -99,7 +99,11 @@ def build_drafter(config: TrainConfig, target: FrozenTarget, plan: StepPlan) -> 
     torch.manual_seed(config.seed)  # the drafter's init depends on the seed alone
     kind_options: dict[str, Any] = {}
     drafter_class: type[DFlashDrafter] = DFlashDrafter
-    if config.drafter_kind == "dspark":
+    if config.drafter_kind == "dflash2":
+        from trainer.model.dflash2 import DFlash2Drafter
+
+        drafter_class, kind_options = DFlash2Drafter, {"dflash2": config.dflash2}
+    elif config.drafter_kind == "dspark":
         from trainer.model.dspark import DSparkDrafter
 
         drafter_class, kind_options = DSparkDrafter, {"dspark": plan.dspark}
@@ -343,7 +347,8 @@ def _train(
         optimizer_step(config, drafter, optimizer, loss)
         tokens_since += metrics.pop("tokens")
         counts = metrics.pop("counts")
-        kind_metrics = metrics.pop("kind_metrics", {})  # a drafter kind's own per-step scalars (DSpark's loss terms)
+        # a drafter kind's own per-step scalars (DFlash2's and DSpark's loss terms), averaged over ranks like loss
+        kind_metrics = metrics.pop("kind_metrics", {})
 
         eval_due = config.eval_every is not None and step % config.eval_every == 0
         if step % config.log_every == 0 or step == config.steps or eval_due:
@@ -635,12 +640,12 @@ class _Evaluator:
         return report.model_dump()
 
     def _evaluate(self, drafter: DFlashDrafter, **options: Any) -> Any:
-        from trainer.eval.speculative import evaluate
+        from trainer.eval.speculative import evaluate, proposer_for
 
         # Offline hidden states: generation needs the whole target, loaded when eval first runs.
         target = self.target.full_target() if hasattr(self.target, "full_target") else self.target
         return evaluate(
-            proposer_for(self.config, drafter, target, self.vocab_ids),
+            proposer_for(drafter, target, self.vocab_ids, confidence_min=draft_confidence_min(self.config)),
             target,
             self.prompts,
             feature_layer_ids=self.feature_layer_ids,
@@ -659,20 +664,15 @@ class _Evaluator:
         return {**self._run(drafter, measure_speedup=True), "prompts": self.rendering}
 
 
-def proposer_for(config: TrainConfig, drafter: DFlashDrafter, target: Any, vocab_ids: torch.Tensor | None) -> Any:
-    """What speculative decoding drafts with for this run's drafter kind."""
-    if config.drafter_kind == "dspark":
-        from trainer.eval.dspark import DSparkProposer
-
-        return DSparkProposer(drafter, target, vocab_ids, confidence_min=config.dspark.draft_confidence_min)
-    from trainer.eval.speculative import DFlashProposer
-
-    return DFlashProposer(drafter, target, vocab_ids)
+def draft_confidence_min(config: TrainConfig) -> float | None:
+    """The run's confidence-scheduled drafting threshold (DSpark's decoding setting; None for other kinds)."""
+    return config.dspark.draft_confidence_min if config.dspark is not None else None
 
 
 def training_semantics(config: TrainConfig, target: FrozenTarget) -> Any:
-    """What the run's training step scores a slot against, for teacher-forced acceptance at eval time
-    (None for a DSpark run: the teacher-forced replay models DFlash's slots and no Markov head)."""
+    """What the run's training step scores a slot against, for teacher-forced acceptance at eval time.
+    None for the other kinds: the replay scores the unary argmax of DFlash's slots, while DFlash2 proposes
+    through its candidate selector and DSpark adds its Markov head, so it would not describe what they serve."""
     from trainer.eval.teacher_forced import TrainingSemantics
 
     if config.drafter_kind != "dflash":
@@ -737,7 +737,10 @@ class LoadedRun:
 
     def proposer(self) -> Any:
         """What speculative decoding drafts with: the drafter on the target's embeddings and head."""
-        return proposer_for(self.config, self.drafter, self.target, self.draft_token_ids)
+        from trainer.eval.speculative import proposer_for
+
+        return proposer_for(self.drafter, self.target, self.draft_token_ids,
+                            confidence_min=draft_confidence_min(self.config))
 
 
 def load_run(run_dir: Path, device: str | torch.device = "auto") -> LoadedRun:

@@ -14,7 +14,14 @@ import torch
 from trainer.config import TrainConfig
 from trainer.model.anchors import sample_anchors
 from trainer.model.attention_mask import DraftAttention, build_attention_mask
-from trainer.model.loss import IDENTITY_HEAD, BlockTeacher, block_loss, slot_weights, teacher_positions
+from trainer.model.loss import (
+    IDENTITY_HEAD,
+    BlockTeacher,
+    block_loss,
+    metrics_from_counts,
+    slot_weights,
+    teacher_positions,
+)
 from trainer.target.frozen import FrozenTarget
 
 
@@ -37,6 +44,7 @@ class StepPlan:
     draft_attention: DraftAttention | None = None  # the drafter's per-layer attention (sliding windows)
     drafter_kind: str = "dflash"  # which step trains it (trainer/run/steps.py `training_step`)
     dspark: dict[str, Any] | None = None  # DSparkConfig as a dict (drafter_kind "dspark")
+    selector_loss_alpha: float = 1.0  # drafter_kind "dflash2": weight of the candidate selector's term
 
     @classmethod
     def from_config(cls, config: TrainConfig, target: FrozenTarget,
@@ -57,6 +65,7 @@ class StepPlan:
             draft_attention=draft_attention(config),
             drafter_kind=config.drafter_kind,
             dspark=config.dspark.model_dump() if config.dspark is not None else None,
+            selector_loss_alpha=config.dflash2.selector_loss_alpha,
         )
 
 
@@ -135,11 +144,15 @@ def dflash_step(
     plan: StepPlan,
     draft_logits_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Loss and metrics of one DFlash step. `draft_logits_hook` is the probe protocol's intervention point
-    (trainer/probe.py): it gets the drafter's logits [N, A*B, V] and what it returns goes through the same
-    chunked loss, with the run's chunk size, in their place."""
-    if plan.drafter_kind != "dflash":
-        raise ValueError(f"dflash_step trains DFlash drafters; this run's drafter_kind is {plan.drafter_kind!r}")
+    """Loss and metrics of one DFlash or DFlash2 step (DFlash2 adds its candidate selector's term).
+    `draft_logits_hook` is the probe protocol's intervention point (trainer/probe.py): it gets the drafter's
+    logits [N, A*B, V] and what it returns goes through the same chunked loss, with the run's chunk size, in
+    their place."""
+    if plan.drafter_kind not in ("dflash", "dflash2"):
+        raise ValueError(f"dflash_step trains DFlash and DFlash2 drafters; this run's drafter_kind is "
+                         f"{plan.drafter_kind!r}")
+    if plan.drafter_kind == "dflash2" and draft_logits_hook is not None:
+        raise ValueError("the probe protocol's logits hook does not cover DFlash2's candidate selector yet")
     doc_ids = batch["doc_ids"]  # (N, S) -1 on padding
     loss_mask = batch["loss_mask"]  # (N, S)
     B = plan.block_size
@@ -163,6 +176,27 @@ def dflash_step(
     weights = slot_weights(anchors, anchor_valid, loss_mask, doc_ids, B, gamma)  # (N, A, B)
     result = block_loss(draft, head, teacher, weights, plan.loss_kind, plan.loss_weighting, plan.dpace_alpha,
                         plan.loss_chunk_size)
-    metrics = result.metrics()
+    loss, metrics = result.loss, result.metrics()
+    if plan.drafter_kind == "dflash2":
+        loss, metrics = _with_selector_term(drafter, draft, head, result, batch["input_ids"], anchors, weights, plan)
     metrics["tokens"] = int((doc_ids >= 0).sum())
-    return result.loss, metrics
+    return loss, metrics
+
+
+def _with_selector_term(drafter: torch.nn.Module, draft: torch.Tensor, head: Any, unary: Any,
+                        input_ids: torch.Tensor, anchors: torch.Tensor, weights: torch.Tensor,
+                        plan: StepPlan) -> tuple[torch.Tensor, dict[str, Any]]:
+    """DFlash2: unary + alpha * selector CE (trainer/model/dflash2_loss.py). acc, position_acc, streak and
+    eal then count the selector's teacher-forced choice, what DFlash2 proposes at serving time."""
+    from trainer.model.dflash2_loss import predecessor_ids, selector_counts, selector_loss
+
+    selector = getattr(drafter, "module", drafter).candidate_selector  # under DDP, the wrapped drafter's
+    gold = unary.teacher_ids  # dflash2.selector_gold_token: the teacher's argmax
+    result = selector_loss(draft, head, selector, predecessor_ids(input_ids, anchors, plan.block_size), gold,
+                           weights, plan.loss_chunk_size)
+    counts = selector_counts(result, gold, weights)
+    # the two loss terms go to metrics.jsonl next to the total (loss = unary_loss + alpha * selector_loss)
+    kind_metrics = {"unary_loss": float(unary.loss.detach()), "selector_loss": float(result.loss.detach())}
+    metrics = {**metrics_from_counts(counts), "counts": counts, "kind_metrics": kind_metrics,
+               "unary_acc": unary.metrics()["acc"]}
+    return unary.loss + plan.selector_loss_alpha * result.loss, metrics

@@ -1,7 +1,8 @@
 """Which step trains a run's drafter: one function per drafter kind, chosen by StepPlan.drafter_kind.
 
-The loop and validation call `training_step`; each kind's step lives in its own module (DFlash: step.py, DSpark:
-dspark_step.py), so a kind's code path is read in one place and DFlash's is untouched by the others.
+The loop and validation call `training_step`; each kind's step lives in its own module (DFlash and DFlash2:
+step.py, where DFlash2 only adds its selector's term; DSpark: dspark_step.py), so a kind's code path is read in
+one place.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from trainer.run.dspark_step import dspark_step
 from trainer.run.step import StepPlan, dflash_step
 from trainer.target.frozen import FrozenTarget
 
-STEPS = {"dflash": dflash_step, "dspark": dspark_step}
+STEPS = {"dflash": dflash_step, "dflash2": dflash_step, "dspark": dspark_step}
 
 
 def training_step(
