@@ -11,6 +11,7 @@ from trainer.eval.speculative import (
     greedy_generate,
     speculative_generate,
 )
+from trainer.eval import dspark as _dspark  # noqa: F401 - registers DSpark's proposer with proposer_for
 from trainer.eval.stops import chat_turn_end_token_id, stop_token_ids
 from trainer.eval.teacher_forced import TeacherForcedReport, TrainingSemantics, teacher_forced_acceptance
 

@@ -70,3 +70,13 @@ class DSparkProposer(DFlashProposer):
         drafter = self.drafter
         inputs = torch.cat([hidden, prev_emb.to(hidden.dtype)], dim=-1) if drafter.confidence_with_markov else hidden
         return float(torch.sigmoid(drafter.confidence_head(inputs)[0].float()))
+
+
+def _register() -> None:
+    from trainer.eval.speculative import register_proposer
+    from trainer.model.dspark import DSparkDrafter
+
+    register_proposer(DSparkDrafter, DSparkProposer)
+
+
+_register()

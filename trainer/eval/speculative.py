@@ -132,17 +132,24 @@ class DFlash2Proposer(DFlashProposer):
         return proposal[None]  # [1, B-1, V]
 
 
+# Drafter classes whose proposer is defined in another module, which registers it when imported (trainer/eval/
+# __init__.py imports them): that module builds on DFlashProposer, so this one cannot import it back.
+_PROPOSERS: dict[type, Callable[..., DFlashProposer]] = {}
+
+
+def register_proposer(drafter_class: type, proposer: Callable[..., DFlashProposer]) -> None:
+    _PROPOSERS[drafter_class] = proposer
+
+
 def proposer_for(drafter: nn.Module, target: Any, vocab_ids: Tensor | None = None, served_as: Any = None,
                  confidence_min: float | None = None) -> DFlashProposer:
     """The proposer of a drafter module, by its kind: DFlash2's selector walk, DSpark's Markov chain (with its
     confidence-scheduled drafting threshold, a decoding setting the module does not hold), or DFlash's slots."""
     from trainer.model.dflash2 import DFlash2Drafter
-    from trainer.model.dspark import DSparkDrafter
 
-    if isinstance(drafter, DSparkDrafter):
-        from trainer.eval.dspark import DSparkProposer  # it subclasses DFlashProposer, defined here
-
-        return DSparkProposer(drafter, target, vocab_ids, served_as=served_as, confidence_min=confidence_min)
+    for drafter_class, proposer in _PROPOSERS.items():
+        if isinstance(drafter, drafter_class):
+            return proposer(drafter, target, vocab_ids, served_as=served_as, confidence_min=confidence_min)
     if confidence_min is not None:
         raise EvalError("confidence-scheduled drafting (draft_confidence_min) needs a DSpark drafter")
     kind = DFlash2Proposer if isinstance(drafter, DFlash2Drafter) else DFlashProposer
