@@ -461,16 +461,6 @@ def describe(observation: dict[str, Any]) -> list[str]:
         for row in observation.get("frozen") or []:
             lines.append(f"{row.get('role')}: {_text(row.get('param'))} requires_grad {row.get('requires_grad')}, "
                          f"optimised {row.get('in_optimizer')}, changed by the step {row.get('changed_by_step')}")
-        for sched in observation.get("schedulers") or []:
-            path = sched.get("trajectory")
-            shown = ", ".join(_num(v) for v in path[:12]) + (" ..." if len(path) > 12 else "") if path else None
-            ends = "; ".join(f"{label} lr {_num((sched.get(key) or {}).get('lr'))} at step "
-                             f"{_text((sched.get(key) or {}).get('step'))}"
-                             for key, label in (("peak", "peak"), ("floor", "lowest"), ("end", "copy's last"))
-                             if isinstance(sched.get(key), dict))
-            lines.append(f"scheduler {_text(sched.get('class'))} at {_text(sched.get('site'))}: "
-                         + (f"lr from the observed step on (a copy of the real scheduler stepped): {shown}; {ends}"
-                            if shown else f"trajectory not read ({_text(sched.get('error'))})"))
     except (TypeError, ValueError, AttributeError):
         lines.append("part of the observation is malformed and was not shown")
     return lines

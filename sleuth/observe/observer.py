@@ -19,7 +19,6 @@ that ends before writes what it saw (atexit), so sleuth can say which link was m
 from __future__ import annotations
 
 import atexit
-import copy
 import json
 import math
 import os
@@ -34,8 +33,6 @@ from sleuth.observe.optimization import OptimWatch
 ANSWER_ENV = "SLEUTH_OBSERVE_ANSWER"
 STEPS_ENV = "SLEUTH_OBSERVE_STEPS"
 WORKDIR_ENV = "SLEUTH_OBSERVE_WORKDIR"
-SCHEDULE_STEPS = 4096  # how far each scheduler's copy is stepped
-SCHEDULE_SHOWN = 32  # the first steps sent back one by one (the rest as peak, floor and end)
 MAX_WEIGHTS = 4096  # per-position weights sent back
 MAX_GATHERED = 8  # gatherings of target features kept (the latest)
 MAX_TEACHER = 65_536  # positions of a teacher candidate's top-1 sent back
@@ -156,7 +153,6 @@ class Observer:
         self.vocab: set[int] = set()
         self.gathered: list[dict[str, Any]] = []
         self.optimizers: list[dict[str, Any]] = []
-        self.schedulers: list[dict[str, Any]] = []
         self.step_counts: dict[int, int] = {}
         self.backward_calls = 0
         self.last_backward: Any = None
@@ -230,8 +226,7 @@ class Observer:
 
         def scheduler_init(sched, *args, **kwargs):  # noqa: ANN001, ANN202
             original_sched_init(sched, *args, **kwargs)
-            observer.schedulers.append({"ref": weakref.ref(sched), "site": _site(), "class": type(sched).__name__})
-            observer.optim.on_scheduler(sched, observer.schedulers[-1]["site"])
+            observer.optim.on_scheduler(sched, _site())  # its groups' schedule, stepped from a copy made now
 
         lr_scheduler.LRScheduler.__init__ = scheduler_init
         self.optim = OptimWatch(self)  # optimizer groups, the schedule from its first step, clipping, a resume
@@ -536,7 +531,6 @@ class Observer:
             "loss": self.losses[-1] if self.losses else None,
             "optimizers": [self.describe_optimizer(o, names) for o in self.optimizers if o["ref"]() is not None],
             "frozen": self.describe_frozen(names),
-            "schedulers": [self.describe_scheduler(s) for s in self.schedulers if s["ref"]() is not None],
             "optimization": self.optim.describe(names),
             "attention": self.attention.describe(names, self.gathered),
         }
@@ -729,40 +723,3 @@ class Observer:
                              "changed_by_step": None if step is None else step["changed"],
                              "had_grad": None if step is None else step["had_grad"]})
         return rows
-
-    def describe_scheduler(self, record: dict[str, Any]) -> dict[str, Any]:
-        sched = record["ref"]()
-        out: dict[str, Any] = {"class": record["class"], "site": record["site"]}
-        try:
-            opt = sched.optimizer
-
-            class _Stand:  # the optimizer as the copy sees it: the groups' values, no parameters
-                pass
-
-            stand = _Stand()
-            stand.param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []}
-                                  for g in opt.param_groups]
-            stand.defaults = dict(getattr(opt, "defaults", {}))
-            stand.state = {}
-
-            def step() -> None:
-                return None
-
-            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-            stand.step = step
-            stand._opt_called = True
-            clone = copy.deepcopy(sched, {id(opt): stand})
-            trajectory = [float(g["lr"]) for g in stand.param_groups[:1]]
-            for _ in range(SCHEDULE_STEPS):
-                clone.step()
-                trajectory.append(float(stand.param_groups[0]["lr"]))
-            peak = max(range(len(trajectory)), key=lambda i: trajectory[i])
-            floor = min(range(len(trajectory)), key=lambda i: trajectory[i])
-            out.update(last_epoch=int(getattr(sched, "last_epoch", -1)),
-                       trajectory=[_finite(v) for v in trajectory[:SCHEDULE_SHOWN + 1]],
-                       peak={"step": peak, "lr": _finite(trajectory[peak])},
-                       floor={"step": floor, "lr": _finite(trajectory[floor])},
-                       end={"step": len(trajectory) - 1, "lr": _finite(trajectory[-1])})
-        except Exception as exc:  # noqa: BLE001
-            out["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        return out
