@@ -15,7 +15,11 @@ speculators the lm_head at all A*B block positions. `--vocab` reruns each size a
 generator picks exactly what ours picks with the same seed (tests/parity checks this); on CUDA its
 sampler would use the CUDA generator, so ours replaces it there. Losses can therefore be compared
 step by step: the "loss rel diff" column is the largest relative difference over all timed steps while
-both models train side by side.
+both models train side by side. DFlash2 is the exception past a few dozen steps: its selector trains on the
+drafter's own top-K candidates, a discrete choice, so float-rounding differences flip a near-tied candidate
+and the trajectories part (at `small` about step 23, then ~1e-3 by step 43). Ours against a copy of itself
+with weights perturbed by 1e-7 parts the same way, and with selector_loss_alpha 0 both stay within 1e-6, so
+a large DFlash2 value over many steps is this noise; over the first steps it stays near 1e-7.
 
 Memory (CPU): peak resident memory of one step above the resident memory just before it, read from
 /proc/self/status VmHWM after resetting the high-water mark (/proc/self/clear_refs "5"). glibc would
