@@ -1,5 +1,7 @@
 """Training-step throughput and peak memory: our DFlash step against speculators' DFlashDraftModel
-(`--drafter dspark`: our DSpark step against speculators' DSparkDraftModel, heads and confidence loss included).
+(`--drafter dspark`: our DSpark step against speculators' DSparkDraftModel, heads and confidence loss included;
+`--drafter dflash2`: our DFlash2 step against speculators' DFlash2DraftModel, block convolutions and candidate
+selector included, at DFlash2's default settings and with speculators' model loaded from our drafter's weights).
 
 Both run in the SAME process on the same inputs and the same starting weights, alternating step by step
 (the order flips every repeat), so machine load hits both alike and the ratio is measured, not assembled
@@ -13,7 +15,11 @@ speculators the lm_head at all A*B block positions. `--vocab` reruns each size a
 generator picks exactly what ours picks with the same seed (tests/parity checks this); on CUDA its
 sampler would use the CUDA generator, so ours replaces it there. Losses can therefore be compared
 step by step: the "loss rel diff" column is the largest relative difference over all timed steps while
-both models train side by side.
+both models train side by side. DFlash2 is the exception past a few dozen steps: its selector trains on the
+drafter's own top-K candidates, a discrete choice, so float-rounding differences flip a near-tied candidate
+and the trajectories part (at `small` about step 23, then ~1e-3 by step 43). Ours against a copy of itself
+with weights perturbed by 1e-7 parts the same way, and with selector_loss_alpha 0 both stay within 1e-6, so
+a large DFlash2 value over many steps is this noise; over the first steps it stays near 1e-7.
 
 Memory (CPU): peak resident memory of one step above the resident memory just before it, read from
 /proc/self/status VmHWM after resetting the high-water mark (/proc/self/clear_refs "5"). glibc would
@@ -24,6 +30,7 @@ Memory (CUDA): torch.cuda.max_memory_allocated above the allocation before the s
 
     PYTHONPATH=. .venv-speculators/bin/python bench/train_step.py                  # CPU, all sizes
     PYTHONPATH=. .venv-speculators/bin/python bench/train_step.py --drafter dspark --loss kl   # DSpark
+    PYTHONPATH=. .venv-speculators/bin/python bench/train_step.py --drafter dflash2 --loss kl  # DFlash2
     PYTHONPATH=. python bench/train_step.py --device cuda --dtype bfloat16 --sizes large   # bench/gpu.sh
 Without speculators importable it times ours alone and says so.
 """
@@ -154,6 +161,7 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     dspark = args.drafter == "dspark"
+    dflash2_case = None
     if dspark:  # one document per row, supervised to its end (dspark_harness.py says why)
         import dspark_harness
 
@@ -166,7 +174,15 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
         case = ParityCase(size.name, size.block_size, size.max_anchors, (size.docs,), size.seq_len, 4.0, args.loss,
                           speculators_attn or "sdpa", seed=7, dims=size.dims)
         inputs = make_inputs(case)
-        drafter = build_our_drafter(case)
+        if args.drafter == "dflash2":  # the parity test's drafter: every weight random, convolutions off identity
+            import dflash2_harness
+
+            from trainer.config import DFlash2Config
+
+            dflash2_case = dflash2_harness.Case(case, DFlash2Config())
+            drafter = dflash2_harness.build_our_drafter(dflash2_case)
+        else:
+            drafter = build_our_drafter(case)
     model = None
     their_options: dict = {}
     if speculators_attn is not None:
@@ -178,6 +194,12 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
             model = dspark_harness.build_speculators_model(case, drafter, inputs)
             their_options = {"tv_loss_fn": resolve("tv", args.speculators_loss)["tv"][0],
                              "confidence_head_alpha": case.confidence_head_alpha}
+        elif dflash2_case is not None:
+            from speculators.losses import resolve_loss_config as resolve
+
+            model = dflash2_harness.build_speculators_model(dflash2_case, drafter, inputs)
+            their_options = {"tv_loss_fn": resolve("tv", args.speculators_loss)["tv"][0],
+                             "selector_loss_alpha": dflash2_case.settings.selector_loss_alpha}
         else:
             model = build_speculators_model(case, drafter, inputs)
         loss_config = speculators_loss_config(case.loss_kind)
@@ -200,7 +222,8 @@ def bench_size(size: Size, args, speculators_attn: str | None) -> dict:
                     block_size=size.block_size, max_anchors=size.max_anchors, gamma=4.0, loss_kind=args.loss,
                     context_includes_anchor=False, mask_token_id=case.mask_token_id,
                     loss_weighting="dpace" if recipe else "decay", drafter_kind=args.drafter,
-                    dspark=case.dspark() if dspark else None)
+                    dspark=case.dspark() if dspark else None,
+                    selector_loss_alpha=dflash2_case.settings.selector_loss_alpha if dflash2_case else 1.0)
     batch = {"input_ids": inputs.input_ids, "position_ids": inputs.position_ids, "doc_ids": inputs.doc_ids,
              "loss_mask": inputs.loss_mask}
     tokens = int((inputs.doc_ids >= 0).sum())
@@ -399,13 +422,14 @@ def main() -> None:
                         help="speculators' loss implementation: eager (CPU) or its fused Triton kernels (CUDA)")
     parser.add_argument("--recipe", default="decay", choices=["decay", "recipe-2026"],
                         help="decay: fixed gamma + AdamW; recipe-2026: D-PACE + Muon/AdamW on both sides")
-    parser.add_argument("--drafter", default="dflash", choices=["dflash", "dspark"],
-                        help="dspark: the DSpark step (Markov head of --markov-rank, confidence head) on both sides")
+    parser.add_argument("--drafter", default="dflash", choices=["dflash", "dflash2", "dspark"],
+                        help="dspark: the DSpark step (Markov head of --markov-rank, confidence head) on both sides; "
+                             "dflash2: the DFlash2 step (block convolutions, candidate selector) at its defaults")
     parser.add_argument("--markov-rank", type=int, default=16, help="DSpark's Markov rank (with --drafter dspark)")
     parser.add_argument("--json", type=Path, default=None, help="also write all results here")
     args = parser.parse_args()
-    if args.drafter == "dspark" and args.recipe != "decay":
-        parser.error("--drafter dspark trains with fixed decay only (--recipe decay)")
+    if args.drafter != "dflash" and args.recipe != "decay":
+        parser.error(f"--drafter {args.drafter} trains with fixed decay only (--recipe decay)")
     if args.threads:
         torch.set_num_threads(args.threads)
     attn = args.speculators_attn or ("simple_flex_attention" if args.device.startswith("cuda") else "sdpa")
