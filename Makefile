@@ -57,8 +57,11 @@ $(SPEC_VENV)/.installed: bench/setup_speculators_env.sh tools/install_torch.sh
 	SPECULATORS_VENV=$(SPEC_VENV) bash bench/setup_speculators_env.sh
 
 # Parity with speculators 0.9.0 in its own environment (it pins transformers <= 5.19); never skipped here.
+# Two workers (each at one torch thread, tests/conftest.py): serially it took ~10 min. Whole files per worker
+# (loadfile): a parity module's expensive module fixture then runs once; with worksteal a stolen or interleaved
+# test set up test_speculators_hidden_states' fixture three times.
 parity: $(SPEC_VENV)/.installed
-	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not catalog" tests/parity
+	SPECULATORS_PARITY_REQUIRED=1 PYTHONPATH=$(CURDIR) $(SPEC_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not catalog" tests/parity
 
 # The long probe benchmarks (pytest marker `catalog`): the probes catalog (bench/upstream_defects/
 # defects_probes.yaml) against its measured bar, ~8 min on 2 cores, and the probe mutation suites on

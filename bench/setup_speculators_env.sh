@@ -19,10 +19,12 @@ SPECFORGE_EXTRAS="accelerate==1.15.0 psutil==7.2.2 yunchang==0.6.4"
 # z-lab's own inference package (DFlashDraftModel, dflash_generate): the parity suite runs our exports through it.
 # --no-deps: it pins tqdm / datasets / requests / huggingface_hub versions its model code never imports.
 DFLASH_VERSION="${DFLASH_VERSION:-0.1.0}"
+# `make parity` runs on both cores (-n 2), like `make test`; the main lock's version.
+XDIST_VERSION="${XDIST_VERSION:-3.8.0}"
 PIP="$VENV/bin/python -m pip"
 # The marker holds what was installed: an environment built with other pins (or before SpecForge was
 # added) is brought up to date in place instead of being taken as ready.
-STAMP="torch $TORCH_VERSION speculators $SPECULATORS_VERSION specforge $SPECFORGE_VERSION $SPECFORGE_EXTRAS dflash $DFLASH_VERSION"
+STAMP="torch $TORCH_VERSION speculators $SPECULATORS_VERSION specforge $SPECFORGE_VERSION $SPECFORGE_EXTRAS dflash $DFLASH_VERSION pytest-xdist $XDIST_VERSION"
 
 if [ -f "$VENV/.installed" ] && [ "$(cat "$VENV/.installed")" = "$STAMP" ]; then
     echo "speculators environment ready: $VENV"
@@ -41,7 +43,7 @@ $PIP install -q "torch==$TORCH_VERSION" "speculators==$SPECULATORS_VERSION"
 $PIP uninstall -y -q torchvision torchaudio
 # What our trainer package and the parity tests import besides torch and transformers (speculators
 # brings transformers, safetensors, pydantic, pyyaml, rich, typer, tokenizers, httpx already).
-$PIP install -q pytest platformdirs tensorboard  # tensorboard: `speculators train --logger tensorboard` (tools/make_speculators_fixture.py)
+$PIP install -q pytest "pytest-xdist==$XDIST_VERSION" platformdirs tensorboard  # tensorboard: `speculators train --logger tensorboard` (tools/make_speculators_fixture.py)
 # SpecForge without its dependency pins (CUDA torch, sglang); its DFlash training code needs only these on CPU
 # (pinned to what the reference environment was measured with: BENCHMARKS.md, the probes catalog).
 $PIP install -q --no-deps "specforge==$SPECFORGE_VERSION" $SPECFORGE_EXTRAS

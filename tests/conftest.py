@@ -20,3 +20,15 @@ if "SLEUTH_TRUST_DIR" not in os.environ:
     _trust_dir = tempfile.mkdtemp(prefix="sleuth-trust-tests-")
     os.environ["SLEUTH_TRUST_DIR"] = _trust_dir
     atexit.register(shutil.rmtree, _trust_dir, True)
+
+
+import pytest  # noqa: E402 (after the environment above, which must be set before torch loads)
+
+
+@pytest.fixture(scope="session")
+def embedded_small_target(tmp_path_factory) -> Path:
+    """The embedded target's small twin (the real build: 120 training steps), built once per session (once per
+    xdist worker) and shared read-only: about 15 s of CPU that each module using it used to repeat."""
+    from trainer.target.embedded import build_embedded_target
+
+    return build_embedded_target(tmp_path_factory.mktemp("embedded-small") / "small", small=True, progress=False)

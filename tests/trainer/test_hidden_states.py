@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,28 @@ def model_rows(run: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["acc"], r["position_acc"], r["streak"], r["eal"]) for r in rows]
 
 
+def generate_cache(cache: Path, target: Path, preset: str) -> Path:
+    made = trainer_cli("hidden-states", "generate", "--out", str(cache), "--preset", preset, *tiny(target),
+                       "--rows-per-shard", "8")
+    assert made.returncode == 0, made.stderr
+    return cache
+
+
+@pytest.fixture(scope="module")
+def fixed_cache(small_target, tmp_path_factory) -> Path:
+    """The `fixed` preset's cache, generated once: the [fixed] case trains from it (reading only) and the
+    resume test damages a copy of it. `fixed` is the defaults (config.PRESETS), so its inputs are those of a
+    generation without --preset, which is what the resume test regenerates with."""
+    return generate_cache(tmp_path_factory.mktemp("hs-fixed") / "hs", small_target, "fixed")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["fixed", "v5"])  # v5: teacher logits from an intermediate layer
-def test_offline_training_equals_online_on_the_same_batches(small_target, tmp_path, preset):
-    cache = tmp_path / "hs"
-    made = trainer_cli("hidden-states", "generate", "--out", str(cache), "--preset", preset, *tiny(small_target),
-                   "--rows-per-shard", "8")
-    assert made.returncode == 0, made.stderr
+def test_offline_training_equals_online_on_the_same_batches(small_target, tmp_path, preset, request):
+    if preset == "fixed":
+        cache = request.getfixturevalue("fixed_cache")
+    else:
+        cache = generate_cache(tmp_path / "hs", small_target, preset)
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["complete"] and manifest["logits_check"]["max_abs_logit_diff"] <= 1e-5
     runs = tmp_path / "runs"
@@ -43,10 +59,9 @@ def test_offline_training_equals_online_on_the_same_batches(small_target, tmp_pa
 
 
 @pytest.mark.slow
-def test_generation_resumes_and_a_cache_for_other_inputs_is_refused(small_target, tmp_path):
+def test_generation_resumes_and_a_cache_for_other_inputs_is_refused(small_target, fixed_cache, tmp_path):
     cache = tmp_path / "hs"
-    first = trainer_cli("hidden-states", "generate", "--out", str(cache), *tiny(small_target), "--rows-per-shard", "8")
-    assert first.returncode == 0, first.stderr
+    shutil.copytree(fixed_cache, cache)  # a complete first generation, as `generate` without --preset writes it
     shards = sorted(cache.glob("shard-*.safetensors"))
     assert len(shards) >= 2
     kept = {p.name: p.stat().st_mtime_ns for p in shards[1:]}

@@ -142,11 +142,9 @@ def test_an_adamw_checkpoint_does_not_load_into_muon():
 
 
 @pytest.mark.slow
-def test_recipe_2026_trains_and_resumes_exactly(tmp_path):
+def test_recipe_2026_trains_and_resumes_exactly(tmp_path, embedded_small_target):
     """The preset trains on the embedded target's small twin, and Muon + D-PACE resume bit-exactly."""
-    from trainer.target.embedded import build_embedded_target
-
-    target = build_embedded_target(tmp_path / "target", small=True, progress=False)
+    target = embedded_small_target
     common = ["--preset", "recipe-2026", "--runs-dir", str(tmp_path / "runs"), "--quiet",
               "--set", f"target={target}", "--set", "seq_len=64", "--set", "batch_size=2", "--set", "max_anchors=4",
               "--set", "draft_layers=2", "--set", "eval_every=null", "--set", "eval_prompts=1",
@@ -200,10 +198,8 @@ def test_draft_vocabulary_is_speculators_rule():
 
 
 @pytest.mark.slow
-def test_a_draft_vocabulary_run_trains_evaluates_losslessly_and_refuses_export(tmp_path):
-    from trainer.target.embedded import build_embedded_target
-
-    target = build_embedded_target(tmp_path / "target", small=True, progress=False)
+def test_a_draft_vocabulary_run_trains_evaluates_losslessly_and_refuses_export(tmp_path, embedded_small_target):
+    target = embedded_small_target
     runs = tmp_path / "runs"
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     args = ["run", "dv", "--runs-dir", str(runs), "--quiet", "--steps", "4"]

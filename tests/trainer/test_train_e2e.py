@@ -37,10 +37,9 @@ TINY = {
 
 
 @pytest.fixture(scope="module")
-def small_target(tmp_path_factory) -> Path:
-    from trainer.target.embedded import build_embedded_target
-
-    return build_embedded_target(tmp_path_factory.mktemp("target") / "small", small=True, progress=False)
+def small_target(embedded_small_target) -> Path:
+    # The session's one build (tests/conftest.py): the modules importing this fixture each rebuilt it before.
+    return embedded_small_target
 
 
 def trainer_cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
