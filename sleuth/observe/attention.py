@@ -113,9 +113,22 @@ class AttentionWatch:
 
         module_mod.register_module_forward_pre_hook(self.on_pre_forward)
         module_mod.register_module_forward_hook(self.on_forward, with_kwargs=True, always_call=True)
+        watch = self
+        original_embedding = getattr(functional, "embedding", None)
+        if original_embedding is not None:
+            # The token ids as embedded, whether through nn.Embedding (whose forward calls this) or a borrowed
+            # weight applied functionally: the block's tokens, the mask token among them.
+            def embedding(input, weight, *args, **kwargs):  # noqa: A002, ANN001, ANN202
+                try:
+                    watch.on_embedding(input, weight)
+                except Exception:  # noqa: BLE001 - the observer never breaks the user's run
+                    pass
+                return original_embedding(input, weight, *args, **kwargs)
+
+            embedding.__wrapped__ = original_embedding
+            functional.embedding = embedding
         original_sdpa = getattr(functional, "scaled_dot_product_attention", None)
         if original_sdpa is not None:
-            watch = self
 
             def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,  # noqa: ANN001, ANN202
                      *args, **kwargs):  # noqa: ANN002, ANN003
@@ -202,6 +215,15 @@ class AttentionWatch:
         except Exception:  # noqa: BLE001
             pass
 
+    def on_embedding(self, ids: Any, weight: Any) -> None:
+        torch = self.torch
+        if not (isinstance(ids, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.dim() == 2):
+            return
+        self.vocab.add(int(weight.shape[0]))
+        if not ids.is_floating_point() and 1 <= ids.dim() <= 2 and ids.numel() <= MAX_IDS:
+            rows = ids.detach().reshape(-1, ids.shape[-1]).tolist()
+            self.embedded = [*self.embedded[-7:], {"ids": rows, "order": self.next()}]
+
     def after_forward(self, module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         torch = self.torch
         config = getattr(module, "config", None)
@@ -211,11 +233,7 @@ class AttentionWatch:
                 if isinstance(item, int) and item not in self.special.setdefault(name, []):
                     self.special[name].append(item)
         if isinstance(module, torch.nn.Embedding):
-            self.vocab.add(int(module.num_embeddings))
-            ids = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if ids is not None and not ids.is_floating_point() and 1 <= ids.dim() <= 2 and ids.numel() <= MAX_IDS:
-                rows = ids.detach().reshape(-1, ids.shape[-1]).tolist()
-                self.embedded = [*self.embedded[-7:], {"ids": rows, "order": self.next()}]
+            self.vocab.add(int(module.num_embeddings))  # its ids were recorded by on_embedding
             return
         if not (self.in_drafter() and isinstance(output, (tuple, list)) and len(output) == 2):
             return

@@ -197,6 +197,7 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
     leaks: list[str] = []
     crossings: list[str] = []
     narrowed: list[str] = []
+    unsure: list[str] = []  # blocks whose own keys the summary cannot count (they see other blocks too)
     context_ok = context_blocks = windowed = judged_blocks = 0
     unplaced: list[str] = []
     judged_layers: list[str] = []
@@ -229,12 +230,16 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
                                          f"(its block is {lo}..{hi - 1})")
                         break
                 if full_layer:
-                    own = [(blo, bhi, bcount) for (_a, _b, _c, blo, bhi, bcount) in slots]
-                    if any(count != size or blo != lo or bhi != hi for blo, bhi, count in own):
-                        seen = [max(0, min(bhi, hi) - max(blo, lo)) if count else 0 for blo, bhi, count in own]
+                    # How many of its own block's keys each slot sees: exact where its visible keys lie inside its
+                    # block; bounded where it also sees other blocks (those are blocks_isolated's, not this rule's).
+                    bounds = [_own_block_seen(blo, bhi, count, lo, hi) for (_a, _b, _c, blo, bhi, count) in slots]
+                    if any(most < size for _least, most in bounds):
+                        seen = [most for _least, most in bounds]
                         causal = all(s == j + 1 for j, s in enumerate(seen))
                         narrowed.append(f"{label}, row {r}, block {n}: slots 0..{size - 1} see {seen} of the block's "
                                         f"{size} tokens" + (" (causal within the block)" if causal else ""))
+                    elif any(least < size for least, _most in bounds):
+                        unsure.append(f"{label}, row {r}, block {n}")
                 if anchors is None or r >= len(anchors) or not anchors[r][n]:
                     continue
                 context_blocks += 1
@@ -304,6 +309,10 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
                                  expected=f"every slot sees all {size} tokens of its block",
                                  fix="make the block part of the mask true for every (slot, slot) pair of a block",
                                  coverage=coverage))
+    elif unsure:
+        verdicts.append(_unknown(BIDIRECTIONAL, f"{NOT_EXERCISED} as a whole: slots of {len(unsure)} block(s) also see "
+                                 f"other blocks' keys ({'; '.join(unsure[:SHOWN])}), so the mask's summary cannot say "
+                                 "whether each sees every key of its own block"))
     elif windowed and windowed >= judged_blocks // max(1, blocks):
         verdicts.append(_unknown(BIDIRECTIONAL, f"{NOT_EXERCISED}: every observed layer limits the context to a "
                                  "window (sliding-window layers may be causal within the block): no full layer seen"))
@@ -313,6 +322,17 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
                                  f"slot sees all {size} tokens of its block", expected="bidirectional within the block",
                                  coverage=coverage))
     return verdicts
+
+
+def _own_block_seen(first: int, end: int, count: int, lo: int, hi: int) -> tuple[int, int]:
+    """(at least, at most) keys of the block [lo, hi) a query sees, from its visible block keys' span [first, end)
+    and count."""
+    if not count:
+        return 0, 0
+    inside = max(0, min(end, hi) - max(first, lo))  # span positions inside the block
+    if first >= lo and end <= hi:
+        return count, count
+    return max(0, count - ((end - first) - inside)), min(count, inside)
 
 
 def _mask_token_alone(record: dict[str, Any], why: str) -> Verdict:

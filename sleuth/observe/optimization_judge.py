@@ -358,6 +358,8 @@ def _groups(watched: dict[str, Any], configured: dict[str, Any]) -> Verdict:
                     checked.append(f"{name} eps {_num(built['eps'])}")
                 else:
                     problems.append(f"{name} was built with eps {_num(built['eps'])}; the run configures {_said(eps)}")
+    if not decays:
+        problems += _inverted_decay(optimizers)
     coverage = {"groups": shown[:12], "configured": {k: configured[k] for k in ("lr", "weight_decay", "betas", "eps")
                                                       if k in configured}}
     measurement = "the parameter groups the run's optimizer was built with, by kind of tensor: " + "; ".join(shown[:8])
@@ -376,6 +378,32 @@ def _groups(watched: dict[str, Any], configured: dict[str, Any]) -> Verdict:
                        expected="the configured " + ", ".join(k for k in ("lr", "weight_decay", "betas", "eps")
                                                              if k in configured), coverage=coverage)
     return verdict
+
+
+def _inverted_decay(optimizers: list[dict[str, Any]]) -> list[str]:
+    """Weight decay on norms and biases while the 2-D weights of the same optimizer get none: no recipe decays
+    that way round (speculators decays everything, the common split decays the weights and spares the vectors),
+    so it is a mismatch whatever the run configures (the configured value itself may be a default in code)."""
+    found = []
+    for opt in optimizers:
+        groups = [g for g in opt.get("groups") or [] if isinstance(g, dict) and _trainable(g)]
+
+        def decay(group: dict[str, Any]) -> float | None:
+            built = group.get("built") if isinstance(group.get("built"), dict) and group.get("built") else (
+                group.get("now") if isinstance(group.get("now"), dict) else {})
+            return _float(built.get("weight_decay"))
+
+        def holds(group: dict[str, Any], kind: str) -> bool:
+            entry = (group.get("kinds") or {}).get(kind)
+            return isinstance(entry, dict) and bool(entry.get("tensors"))
+
+        spared = [i for i, g in enumerate(groups) if holds(g, "matrices") and decay(g) == 0]
+        decayed = [(i, decay(g)) for i, g in enumerate(groups) if not holds(g, "matrices") and (decay(g) or 0) > 0]
+        if spared and decayed:
+            found.append(f"{_text(opt.get('class'))} decays only norms and biases (group(s) "
+                         + ", ".join(f"{i} at {_num(d)}" for i, d in decayed) + ") while its 2-D weights (group(s) "
+                         + ", ".join(str(i) for i in spared) + ") get weight decay 0: the groups are swapped")
+    return found
 
 
 def _per_step(scheduler: dict[str, Any], backward_first: int | None) -> tuple[int | None, str]:

@@ -65,7 +65,7 @@ def test_a_stop_signal_marks_the_run_interrupted_and_it_resumes(tmp_path: Path, 
     `running`)."""
     import trainer.run.loop as loop
 
-    real_step, calls = loop.dflash_step, {"n": 0}
+    real_step, calls = loop.training_step, {"n": 0}
 
     def step_then_signal(*args, **kwargs):
         calls["n"] += 1
@@ -76,7 +76,7 @@ def test_a_stop_signal_marks_the_run_interrupted_and_it_resumes(tmp_path: Path, 
     def fallback(received: int, frame: object) -> None:
         raise _NotHandled(f"signal {received} reached the test's handler: the trainer does not handle it")
 
-    monkeypatch.setattr(loop, "dflash_step", step_then_signal)
+    monkeypatch.setattr(loop, "training_step", step_then_signal)
     config = tmp_path / "c.json"
     config.write_text(json.dumps(tiny_config()))
     runs = tmp_path / "runs"

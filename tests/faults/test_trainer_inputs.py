@@ -135,7 +135,7 @@ def test_a_seq_len_too_large_for_memory_is_one_line_and_writes_no_run(tmp_path):
 def test_out_of_memory_mid_run_is_one_line_and_the_run_is_marked_failed(tmp_path, monkeypatch):
     import trainer.run.loop as loop
 
-    real_step = loop.dflash_step
+    real_step = loop.training_step
 
     def step_that_runs_out_of_memory(*args, **kwargs):
         if step_that_runs_out_of_memory.calls == 1:
@@ -144,7 +144,7 @@ def test_out_of_memory_mid_run_is_one_line_and_the_run_is_marked_failed(tmp_path
         return real_step(*args, **kwargs)
 
     step_that_runs_out_of_memory.calls = 0
-    monkeypatch.setattr(loop, "dflash_step", step_that_runs_out_of_memory)
+    monkeypatch.setattr(loop, "training_step", step_that_runs_out_of_memory)
     config = tmp_path / "c.json"
     config.write_text(json.dumps(tiny_config()))
     result = invoke("run", "oom", "--config", str(config), "--runs-dir", str(tmp_path), "--quiet")
@@ -182,7 +182,7 @@ def test_resuming_a_failed_run_continues_it(tmp_path):
 def test_ctrl_c_mid_run_exits_130_marks_the_run_interrupted_and_it_resumes(tmp_path, monkeypatch):
     import trainer.run.loop as loop
 
-    real_step = loop.dflash_step
+    real_step = loop.training_step
     calls = {"n": 0}
 
     def step_interrupted_at_the_third(*args, **kwargs):
@@ -191,7 +191,7 @@ def test_ctrl_c_mid_run_exits_130_marks_the_run_interrupted_and_it_resumes(tmp_p
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "dflash_step", step_interrupted_at_the_third)
+    monkeypatch.setattr(loop, "training_step", step_interrupted_at_the_third)
     config = tmp_path / "c.json"
     config.write_text(json.dumps(tiny_config()))
     runs = tmp_path / "runs"

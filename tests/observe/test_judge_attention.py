@@ -91,3 +91,13 @@ def test_a_step_of_two_forwards_is_judged_on_the_last_with_its_own_blocks() -> N
     found = verdicts({"attention": merged})
     assert found["dflash.context_excludes_anchor"].status == "match", found["dflash.context_excludes_anchor"].observed
     assert found["dflash.context_excludes_anchor"].coverage["calls"] == 1
+
+
+def test_blocks_that_see_earlier_blocks_are_not_thereby_narrowed_within_their_own() -> None:
+    """Seeing another block's keys is blocks_isolated's defect; a slot that still sees all of its own block is not
+    a bidirectionality mismatch, and one that sees part of it is, however many other keys it sees."""
+    earlier = verdicts(record(lambda q, k, a, s: reference(q, k, a, s) or (k >= 12 and (k - 12) // s < q // s)))
+    assert earlier["dflash.blocks_isolated"].status == "mismatch"
+    assert earlier["dflash.block_bidirectional"].status == "match", earlier["dflash.block_bidirectional"].reason
+    causal_all = verdicts(record(lambda q, k, a, s: (k < 12 and k < a[q // s]) or (k >= 12 and k - 12 <= q)))
+    assert causal_all["dflash.block_bidirectional"].status == "mismatch"

@@ -146,7 +146,7 @@ def test_clean_class_trainer_its_frozen_embedding_is_no_false_alarm(tmp_path: Pa
     notes = " ".join(report["probes"]["notes"])
     assert "stack at drafttrain/trainer.py:" in notes
     # the real CosineAnnealingLR (T_max = the run's 3 steps), read by stepping a copy: its floor is the run's horizon
-    assert "scheduler CosineAnnealingLR at drafttrain/trainer.py:" in notes and "lowest lr 0 at step 2" in notes
+    assert "schedule CosineAnnealingLR at drafttrain/trainer.py:" in notes and "floor 0 first at step" in notes
     # small.json, named by the command, configures lr 1e-3 and 3 steps: the optimizer was built with that lr, and the
     # cosine ends at its floor on step 3 (no warmup is named, so that part is not claimed)
     found = {f["id"]: f for f in report["findings"]}

@@ -188,3 +188,16 @@ def test_a_resume_restores_both_the_optimizer_and_the_schedule() -> None:
     assert restarted.status == "mismatch" and "starts the first step at its own step 0" in restarted.observed
     fresh = resumed([schedule], 30)
     assert fresh.status == "mismatch" and "its moments start fresh" in fresh.observed
+
+
+def test_decay_on_the_vectors_and_none_on_the_matrices_is_swapped_whatever_is_configured() -> None:
+    """No recipe decays norms and biases while sparing the 2-D weights: a mismatch even where the decay itself is a
+    default in code; the usual split (decay on the weights, none on the vectors) is no alarm."""
+    def groups(matrices_decay: float, vectors_decay: float) -> list[dict]:
+        return [{"built": {"lr": 1e-3, "weight_decay": vectors_decay}, "kinds": {"vectors": {"tensors": 4}}},
+                {"built": {"lr": 1e-3, "weight_decay": matrices_decay}, "kinds": {"matrices": {"tensors": 6}}}]
+
+    swapped = by_id(observation([], {}, groups(0.0, 0.01)))["dflash.optimizer_groups"]
+    assert swapped.status == "mismatch" and "the groups are swapped" in swapped.observed
+    usual = by_id(observation([], {}, groups(0.01, 0.0)))["dflash.optimizer_groups"]
+    assert usual.status == "unknown"

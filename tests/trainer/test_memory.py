@@ -132,7 +132,7 @@ def test_a_step_too_large_for_memory_is_refused_in_one_line_naming_the_knob(
         raise AssertionError("the step ran: the config was not refused")
 
     monkeypatch.setattr(memory, "_device_memory_bytes", lambda device: 16 * 2**30)
-    monkeypatch.setattr(loop, "dflash_step", never)
+    monkeypatch.setattr(loop, "training_step", never)
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"target": str(wide_target), "seq_len": 4096, "batch_size": 8, "eval_every": None}))
     runs = tmp_path / "runs"
