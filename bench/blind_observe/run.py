@@ -57,8 +57,9 @@ def run_case(case: dict, trainers: dict, args: argparse.Namespace, scratch: Path
     apply_edits(work, case.get("edits", []))
     out = scratch / case["name"] / "diagnosis"
     command = trainers[trainer]["command"]
-    argv = sleuth_command(args) + ["diagnose", "--code", ".", "--probe", "--offline", "--out", str(out),
-                                   "--", *command]
+    argv = sleuth_command(args) + ["diagnose", "--code", ".", "--probe", "--offline", "--out", str(out)]
+    if args.mode == "observe":
+        argv += ["--", *command]
     started = time.monotonic()
     try:
         proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=args.timeout)
@@ -94,6 +95,8 @@ def score(case: dict, findings: dict) -> dict:
     result["false_alarms"] = [i for i in mismatches if i not in tolerated]
     status = findings.get(expected, {}).get("status", "absent")
     result["expected_status"] = status
+    # not a claim, so not silent; but the report says the broken code reads as the rule requires
+    result["static_vouched"] = bool(findings.get(expected, {}).get("static_agreement")) and status == "unknown"
     if any(findings.get(i, {}).get("status") == "mismatch" for i in naming):
         result["verdict"] = "found"
     elif status == "match":
@@ -113,6 +116,7 @@ def summarise(results: list[dict]) -> dict:
         "recall": round(found / len(defects), 3) if defects else None,
         "silent": sum(r["verdict"] == "silent" for r in defects),
         "missed_unknown": sum(r["verdict"] == "missed" for r in defects),
+        "missed_with_static_agreement": sum(r["verdict"] == "missed" and r.get("static_vouched") for r in defects),
         "errors": sum(r["verdict"] == "error" for r in results),
         "clean_cases": len(clean),
         "false_alarm_cases": sum(bool(r.get("false_alarms")) for r in results),
@@ -126,7 +130,10 @@ def reason_of(r: dict, invariant: str) -> str:
     f = r["findings"].get(invariant)
     if not f:
         return "absent from the report"
-    return f"{f['status']}: {(f.get('reason') or f.get('observed') or '').splitlines()[0][:160] if (f.get('reason') or f.get('observed')) else ''}"
+    star = " (static agreement)" if f.get("static_agreement") else ""
+    reason = (f.get("reason") or "").replace("\n", " ")[:220]
+    observed = (f.get("observed") or "").replace("\n", " ")[:160]
+    return f"{f['status']}{star}: {reason} [observed: {observed}]"
 
 
 def main() -> None:
@@ -135,6 +142,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="case names (default: all)")
     ap.add_argument("--sleuth", help="a sleuth executable (default: `sleuth.cli` importable from PYTHONPATH)")
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--mode", choices=["observe", "probes"], default="observe",
+                    help="observe: the docs' command, `-- CMD` (the acceptance measure); probes: the same without a "
+                         "command, the probes' experiments on located pieces (for comparison)")
     ap.add_argument("--label", default="branch", help="what sleuth was measured (written into results.json)")
     ap.add_argument("--results", default=str(HERE / "results.json"))
     ap.add_argument("--keep", help="keep the copies and reports in this directory")
@@ -157,11 +167,12 @@ def main() -> None:
         print(f"{r['name']:44} {exp:34} {shown:12} {r['seconds']:5.1f}  {others}", flush=True)
     totals = summarise(results)
     print(f"\nrecall {totals['found']}/{totals['defects']} = {totals['recall']:.0%}; silent matches "
-          f"{totals['silent']}; missed (unknown) {totals['missed_unknown']}; false alarms {totals['false_alarms']} "
+          f"{totals['silent']}; missed (unknown) {totals['missed_unknown']}, of them read as static agreement "
+          f"{totals['missed_with_static_agreement']}; false alarms {totals['false_alarms']} "
           f"in {totals['false_alarm_cases']} case(s); errors {totals['errors']}; in-catalog classes "
           f"{totals['in_catalog']['found']}/{totals['in_catalog']['defects']}")
     for r in results:
-        if r["verdict"] in ("missed", "silent") :
+        if r["verdict"] in ("missed", "silent", "error"):
             print(f"  {r['name']}: {r['expected']} {reason_of(r, r['expected'])}")
         for fa in r.get("false_alarms", []):
             print(f"  {r['name']}: false alarm {fa} {reason_of(r, fa)}")
@@ -170,7 +181,9 @@ def main() -> None:
     Path(args.results).write_text(json.dumps({
         "label": args.label, "sleuth_pythonpath": os.environ.get("PYTHONPATH"), "sleuth_commit": git_head,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "sleuth diagnose --code . --probe --offline --out DIR -- <trainer command>",
+        "mode": args.mode,
+        "command": "sleuth diagnose --code . --probe --offline --out DIR"
+                   + (" -- <trainer command>" if args.mode == "observe" else ""),
         "totals": totals, "cases": results}, indent=1) + "\n")
     print(f"wrote {args.results}")
 
