@@ -53,9 +53,11 @@ def sleuth_command(args: argparse.Namespace) -> list[str]:
 def run_case(case: dict, trainers: dict, args: argparse.Namespace, scratch: Path) -> dict:
     trainer = case["trainer"]
     work = scratch / case["name"] / trainer
+    out = scratch / case["name"] / "diagnosis"
+    if args.rescore:
+        return read_report(case, out, None, 0.0, ["no report kept"])
     shutil.copytree(HERE / "trainers" / trainer, work, ignore=shutil.ignore_patterns("__pycache__"))
     apply_edits(work, case.get("edits", []))
-    out = scratch / case["name"] / "diagnosis"
     command = trainers[trainer]["command"]
     argv = sleuth_command(args) + ["diagnose", "--code", ".", "--probe", "--offline", "--out", str(out)]
     if args.mode == "observe":
@@ -67,6 +69,11 @@ def run_case(case: dict, trainers: dict, args: argparse.Namespace, scratch: Path
     except subprocess.TimeoutExpired:
         rc, tail = None, [f"timed out after {args.timeout} s"]
     seconds = round(time.monotonic() - started, 1)
+    return read_report(case, out, rc, seconds, tail)
+
+
+def read_report(case: dict, out: Path, rc: int | None, seconds: float, tail: list[str]) -> dict:
+    trainer = case["trainer"]
     report_path = out / "report.json"
     if not report_path.is_file():
         return {"name": case["name"], "trainer": trainer, "expected": case["expected"], "exit": rc,
@@ -148,7 +155,11 @@ def main() -> None:
     ap.add_argument("--label", default="branch", help="what sleuth was measured (written into results.json)")
     ap.add_argument("--results", default=str(HERE / "results.json"))
     ap.add_argument("--keep", help="keep the copies and reports in this directory")
+    ap.add_argument("--rescore", action="store_true",
+                    help="score the reports kept in --keep again (after editing cases.yaml), running nothing")
     args = ap.parse_args()
+    if args.rescore and not args.keep:
+        ap.error("--rescore needs --keep DIR (where an earlier run kept its reports)")
 
     spec = yaml.safe_load(Path(args.cases).read_text())
     cases = [c for c in spec["cases"] if not args.only or c["name"] in args.only]
