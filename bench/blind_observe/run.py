@@ -104,8 +104,10 @@ def score(case: dict, findings: dict) -> dict:
     result["expected_status"] = status
     # not a claim, so not silent; but the report says the broken code reads as the rule requires
     result["static_vouched"] = bool(findings.get(expected, {}).get("static_agreement")) and status == "unknown"
-    if any(findings.get(i, {}).get("status") == "mismatch" for i in naming):
+    found_by = [i for i in naming if findings.get(i, {}).get("status") == "mismatch"]
+    if found_by:
         result["verdict"] = "found"
+        result["found_by"] = found_by
     elif status == "match":
         result["verdict"] = "silent"
     else:
@@ -171,7 +173,12 @@ def main() -> None:
         r = run_case(case, spec["trainers"], args, scratch)
         results.append(r)
         exp = r["expected"].removeprefix("dflash.")
-        shown = r["verdict"] if r["expected"] == "none" else f"{r['verdict']} ({r.get('expected_status', '-')})"
+        if r["expected"] == "none" or r["verdict"] == "error":
+            shown = r["verdict"]
+        elif r.get("found_by") and r["expected"] not in r["found_by"]:
+            shown = f"found (via {r['found_by'][0].removeprefix('dflash.')})"
+        else:
+            shown = f"{r['verdict']} ({r.get('expected_status', '-')})"
         others = ", ".join(i.removeprefix("dflash.") for i in r.get("false_alarms", [])) or ""
         if r["verdict"] == "error":
             others = r["error"][:120]
@@ -184,7 +191,10 @@ def main() -> None:
           f"{totals['in_catalog']['found']}/{totals['in_catalog']['defects']}")
     for r in results:
         if r["verdict"] in ("missed", "silent", "error"):
-            print(f"  {r['name']}: {r['expected']} {reason_of(r, r['expected'])}")
+            case = next(c for c in cases if c["name"] == r["name"])
+            for invariant in [r["expected"], *case.get("also_found", [])]:
+                if invariant in r["findings"] or invariant == r["expected"]:
+                    print(f"  {r['name']}: {invariant} {reason_of(r, invariant)}")
         for fa in r.get("false_alarms", []):
             print(f"  {r['name']}: false alarm {fa} {reason_of(r, fa)}")
     git_head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
