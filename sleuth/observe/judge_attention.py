@@ -128,13 +128,45 @@ def _judge(observation: dict[str, Any]) -> tuple[list[Verdict], list[str]]:
                     for n in range(blocks)] for r in range(len(data))]
     shared = {"layers": layers or where, "calls": len(calls), "block_size": size, "blocks_per_row": blocks,
               "rows": len(block_call["ids"]), "queries": lq, "keys": lk}
-    verdicts = _mask_verdicts(record, calls, size, blocks, split, anchors, shared)
+    verdicts = _mask_verdicts(record, calls, size, blocks, split, anchors, shared,
+                              _doc_starts(_context_positions(record, first_order, lq, lk)))
     leak = _dependence(record, block_call)
     if leak is not None and verdicts[0].status != "mismatch":  # the mask captured is not all the drafter computed
         verdicts[0] = leak
     verdicts.append(_mask_token(record, mask, data, size, shared))
     verdicts.append(_positions(record, first_order, lq, lk, size, blocks, anchors, shared))
     return verdicts, notes
+
+
+def _handed_positions(record: dict[str, Any], first_order: int) -> dict[str, Any] | None:
+    """The last positions handed to a rotary module inside the drafter before its attention ran."""
+    rotary = [r for r in record.get("rotary") or [] if isinstance(r, dict) and int(r.get("order") or 0) < first_order]
+    return next((r for r in reversed(rotary) if _ints(r.get("positions"))), None)
+
+
+def _context_positions(record: dict[str, Any], first_order: int, lq: int, lk: int) -> list[list[int]] | None:
+    """Per row, the positions handed to rotary for the context keys (None where only the block's were handed)."""
+    handed = _handed_positions(record, first_order)
+    if handed is None or len(handed["positions"][0]) != lk or lk <= lq:
+        return None
+    return [row[:lk - lq] for row in handed["positions"]]
+
+
+def _doc_starts(context: list[list[int]] | None) -> list[list[int]] | None:
+    """Per row and position, where its document starts: positions restart at 0 at every packed document. None
+    where the positions are not of that shape (0 or the previous + 1 at every place)."""
+    if context is None:
+        return None
+    out = []
+    for row in context:
+        if not row or row[0] != 0 or any(b not in (0, a + 1) for a, b in zip(row, row[1:])):
+            return None
+        starts, start = [], 0
+        for index, position in enumerate(row):
+            start = index if position == 0 else start
+            starts.append(start)
+        out.append(starts)
+    return out
 
 
 def _dependence(record: dict[str, Any], block_call: dict[str, Any] | None) -> Verdict | None:
@@ -191,7 +223,8 @@ def _rows(pattern: Any, rows: int) -> list[list[list[int]]] | None:
 
 
 def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: int, blocks: int, split: int,
-                   anchors: list[list[list[int]]] | None, shared: dict[str, Any]) -> list[Verdict]:
+                   anchors: list[list[list[int]]] | None, shared: dict[str, Any],
+                   doc_starts: list[list[int]] | None = None) -> list[Verdict]:
     patterns = record.get("patterns") or []
     rows = shared["rows"]
     leaks: list[str] = []
@@ -245,7 +278,15 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
                 context_blocks += 1
                 end = max(s[1] for s in slots)  # one past the last context position any slot sees
                 candidates = anchors[r][n]
-                if all(end <= a for a in candidates):
+                # Packed rows: the context must also start at the anchor's own document (where the positions handed
+                # to rotary last restarted at 0); keys of the document before are another text.
+                seen = [s[0] for s in slots if s[2] > 0]
+                if (doc_starts is not None and r < len(doc_starts) and len(candidates) == 1 and seen
+                        and candidates[0] < len(doc_starts[r]) and min(seen) < doc_starts[r][candidates[0]]):
+                    leaks.append(f"{label}, row {r}, block {n} (anchor {candidates[0]}, its document from "
+                                 f"{doc_starts[r][candidates[0]]}): its slots see context from position {min(seen)}, "
+                                 "in the document before")
+                elif all(end <= a for a in candidates):
                     context_ok += 1
                 elif all(end > a for a in candidates):
                     anchor = max(a for a in candidates if a < end)
@@ -395,8 +436,7 @@ def _mask_token(record: dict[str, Any], mask: int, data: list[list[int]] | None,
 
 def _positions(record: dict[str, Any], first_order: int, lq: int, lk: int, size: int, blocks: int,
                anchors: list[list[list[int]]] | None, shared: dict[str, Any]) -> Verdict:
-    rotary = [r for r in record.get("rotary") or [] if isinstance(r, dict) and int(r.get("order") or 0) < first_order]
-    handed = next((r for r in reversed(rotary) if _ints(r.get("positions"))), None)
+    handed = _handed_positions(record, first_order)
     if handed is None:
         return _unknown(POSITIONS, f"{NOT_EXERCISED}: no (cos, sin) pair was computed by a module inside the "
                         "drafter's forward from positions handed to it (rotary computed functionally, or none): link "
@@ -414,8 +454,11 @@ def _positions(record: dict[str, Any], first_order: int, lq: int, lk: int, size:
     placed = 0
     for r in range(len(anchors)):
         row = positions[r] if r < len(positions) else positions[0]
-        if split and row[:split] != list(range(split)):
-            wrong.append(f"row {r}: context positions {row[:min(split, 8)]}... are not 0..{split - 1}")
+        context = row[:split]
+        packed = split and _doc_starts([context]) is not None  # 0..T-1, or restarting at each packed document
+        if split and not packed:
+            wrong.append(f"row {r}: context positions {row[:min(split, 8)]}... are neither 0..{split - 1} nor "
+                         "restarting at 0 per document")
         for n in range(blocks):
             slots = row[split + n * size:split + (n + 1) * size]
             candidates = anchors[r][n]
@@ -423,8 +466,10 @@ def _positions(record: dict[str, Any], first_order: int, lq: int, lk: int, size:
                 continue
             placed += 1
             start = slots[0]
-            if start not in candidates or slots != list(range(start, start + size)):
-                expected = candidates[0] if len(candidates) == 1 else f"one of {candidates}"
+            # the anchor's own position: its place in the row, or (context handed too) the position rotary got for it
+            allowed = [context[a] for a in candidates if a < len(context)] if packed else candidates
+            if start not in allowed or slots != list(range(start, start + size)):
+                expected = allowed[0] if len(allowed) == 1 else f"one of {allowed}"
                 wrong.append(f"row {r}, block {n}: slots at positions {slots}, the anchor at {expected}")
     measurement = (f"the positions handed to the drafter's rotary ({_text(handed.get('module'))}, {length} places: "
                    f"{'context then block' if split else 'the block'}) against each block's anchor in the sequence")

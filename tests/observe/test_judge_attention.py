@@ -101,3 +101,22 @@ def test_blocks_that_see_earlier_blocks_are_not_thereby_narrowed_within_their_ow
     assert earlier["dflash.block_bidirectional"].status == "match", earlier["dflash.block_bidirectional"].reason
     causal_all = verdicts(record(lambda q, k, a, s: (k < 12 and k < a[q // s]) or (k >= 12 and k - 12 <= q)))
     assert causal_all["dflash.block_bidirectional"].status == "mismatch"
+
+
+def test_packed_rows_documents_come_from_the_positions_handed_to_rotary() -> None:
+    """Two documents of 6 in one row (positions restart at 0): a block's context must start at its own document,
+    and its slots sit at the anchor's own position + j."""
+    context = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
+    blocks = [3, 4, 5, 1, 2, 3]  # anchor 3 at position 3, anchor 7 at position 1
+
+    def same_document(q, k, a, s):
+        return reference(q, k, a, s) and (k >= 12 or k >= (6 if a[q // s] >= 6 else 0))
+
+    clean = verdicts(record(same_document, positions=context + blocks))
+    assert clean["dflash.context_excludes_anchor"].status == "match", clean["dflash.context_excludes_anchor"].reason
+    assert clean["dflash.block_position_ids"].status == "match", clean["dflash.block_position_ids"].reason
+    crossing = verdicts(record(reference, positions=context + blocks))
+    assert crossing["dflash.context_excludes_anchor"].status == "mismatch"
+    assert "in the document before" in crossing["dflash.context_excludes_anchor"].observed
+    absolute = verdicts(record(same_document, positions=context + [3, 4, 5, 7, 8, 9]))
+    assert absolute["dflash.block_position_ids"].status == "mismatch"
