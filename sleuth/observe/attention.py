@@ -100,6 +100,7 @@ class AttentionWatch:
         self.patterns: dict[tuple, int] = {}
         self.summaries: list[dict[str, Any]] = []
         self.embedded: list[dict[str, Any]] = []
+        self.layer_types: list[str] | None = None
         self.rotary: list[dict[str, Any]] = []
         self.trains: dict[int, bool] = {}
         self.special: dict[str, list[int]] = {}
@@ -232,6 +233,12 @@ class AttentionWatch:
             for item in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(item, int) and item not in self.special.setdefault(name, []):
                     self.special[name].append(item)
+        types = getattr(config, "layer_types", None) if config is not None else None
+        if (isinstance(types, (list, tuple)) and types and all(isinstance(t, str) for t in types)
+                and self.trains_module(module)):
+            # The drafter's declared layer kinds: a sliding layer may be causal within the block (speculators'
+            # default), and its window can be wider than the observed sequence, so its mask looks like a full one.
+            self.layer_types = [str(t)[:40] for t in types[:256]]
         if isinstance(module, torch.nn.Embedding):
             self.vocab.add(int(module.num_embeddings))  # its ids were recorded by on_embedding
             return
@@ -426,4 +433,5 @@ class AttentionWatch:
             record["module"] = names["modules"].get(id(module), type(module).__name__) if module is not None else "?"
             rotary.append(record)
         return {"calls": calls, "patterns": self.summaries, "embedded": self.embedded, "rotary": rotary,
+                "layer_types": self.layer_types,
                 "special_ids": self.special, "features_reached": self.reached(list(gathered))}

@@ -250,8 +250,13 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
             unplaced.append(label)
             continue
         judged_layers.append(label)
+        declared = record.get("layer_types") if isinstance(record.get("layer_types"), list) else []
+        sliding = any(isinstance(c.get("layer"), int) and c["layer"] < len(declared)
+                      and "sliding" in str(declared[c["layer"]]) for c in users)
         for r, row in enumerate(summary):
-            full_layer = all(q[0] <= 0 for q in row)  # every query's context starts at 0: no sliding window
+            # every query's context starts at 0 and the drafter does not declare the layer sliding (a window wider
+            # than the observed sequence looks full, and a sliding layer may be causal within the block)
+            full_layer = all(q[0] <= 0 for q in row) and not sliding
             windowed += not full_layer
             for n in range(min(blocks, len(row) // size)):
                 slots = row[n * size:(n + 1) * size]
@@ -356,7 +361,8 @@ def _mask_verdicts(record: dict[str, Any], calls: list[dict[str, Any]], size: in
                                  "whether each sees every key of its own block"))
     elif windowed and windowed >= judged_blocks // max(1, blocks):
         verdicts.append(_unknown(BIDIRECTIONAL, f"{NOT_EXERCISED}: every observed layer limits the context to a "
-                                 "window (sliding-window layers may be causal within the block): no full layer seen"))
+                                 "window or is declared sliding by the drafter's config (sliding-window layers may be "
+                                 "causal within the block): no full layer seen"))
     else:
         verdicts.append(_verdict(BIDIRECTIONAL, "match", hypothesis, measurement,
                                  observed=f"in all {judged_blocks} block(s) of full-attention layers ({covered}) every "

@@ -120,3 +120,14 @@ def test_packed_rows_documents_come_from_the_positions_handed_to_rotary() -> Non
     assert "in the document before" in crossing["dflash.context_excludes_anchor"].observed
     absolute = verdicts(record(same_document, positions=context + [3, 4, 5, 7, 8, 9]))
     assert absolute["dflash.block_position_ids"].status == "mismatch"
+
+
+def test_a_layer_the_drafter_declares_sliding_may_be_causal_within_the_block() -> None:
+    """speculators' default drafter: every layer sliding, causal within the block, its window wider than a tiny
+    sequence (so its mask looks full). Declared sliding by the drafter's own config: not a bidirectionality alarm."""
+    causal = record(lambda q, k, a, s: reference(q, k, a, s) and (k < 12 or k - 12 <= q))
+    causal["attention"]["layer_types"] = ["sliding_attention"]
+    found = verdicts(causal)["dflash.block_bidirectional"]
+    assert found.status == "unknown" and "declared sliding" in found.reason
+    causal["attention"]["layer_types"] = ["full_attention"]
+    assert verdicts(causal)["dflash.block_bidirectional"].status == "mismatch"
