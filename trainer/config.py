@@ -40,6 +40,18 @@ class ConfigError(ValueError):
 DraftLayerType = Literal["full_attention", "sliding_attention"]
 
 
+def refuse_booleans(model: type[BaseModel], values: Any, prefix: str) -> Any:
+    """A boolean where a field takes a number or a name is an error: pydantic would read `true` as 1, so
+    `--set target_logits_source=true` would train toward layer 1. One rule for every config section."""
+    if isinstance(values, dict):
+        for key, value in values.items():
+            field = model.model_fields.get(key)
+            items = value if isinstance(value, (list, tuple)) else [value]
+            if field is not None and field.annotation is not bool and any(isinstance(v, bool) for v in items):
+                raise ValueError(f"{prefix}{key} takes a number or a name, not a boolean (got {value!r})")
+    return values
+
+
 class DraftConfig(BaseModel):
     """The drafter's own shape where it differs from the target's: every field None is the target's value.
 
@@ -76,12 +88,7 @@ class DraftConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            for key, value in values.items():
-                field = cls.model_fields.get(key)
-                if field is not None and field.annotation is not bool and isinstance(value, bool):
-                    raise ValueError(f"draft_config.{key} takes a number, not a boolean (got {value!r})")
-        return values
+        return refuse_booleans(cls, values, "draft_config.")
 
     @field_validator("rope_parameters")
     @classmethod
@@ -158,11 +165,7 @@ class DFlash2Config(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            for key, value in values.items():
-                if key in cls.model_fields and isinstance(value, bool):
-                    raise ValueError(f"dflash2.{key} takes a number, not a boolean (got {value!r})")
-        return values
+        return refuse_booleans(cls, values, "dflash2.")
 
 
 class DSparkConfig(BaseModel):
@@ -198,12 +201,7 @@ class DSparkConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            for key, value in values.items():
-                field = cls.model_fields.get(key)
-                if field is not None and field.annotation is not bool and isinstance(value, bool):
-                    raise ValueError(f"dspark.{key} takes a number or a name, not a boolean (got {value!r})")
-        return values
+        return refuse_booleans(cls, values, "dspark.")
 
     @model_validator(mode="after")
     def _heads_consistent(self) -> DSparkConfig:
@@ -397,14 +395,7 @@ class TrainConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, values: Any) -> Any:
-        # pydantic would read `true` as 1: `--set target_logits_source=true` must not train toward layer 1.
-        if isinstance(values, dict):
-            for key, value in values.items():
-                field = cls.model_fields.get(key)
-                items = value if isinstance(value, (list, tuple)) else [value]
-                if field is not None and field.annotation is not bool and any(isinstance(v, bool) for v in items):
-                    raise ValueError(f"{key} takes a number or a name, not a boolean (got {value!r})")
-        return values
+        return refuse_booleans(cls, values, "")
 
     @field_validator("dflash2", mode="before")
     @classmethod
